@@ -1,0 +1,38 @@
+"""ortwrap: train PyTorch modules on ONNX Runtime's training engine.
+
+``model = ORTWrap(model)`` in an otherwise unchanged training loop.
+"""
+
+from __future__ import annotations
+
+from .api import FallbackWarning, ORTWrap
+from .errors import (
+    ExportError,
+    GradientBuildError,
+    ORTWrapError,
+    PassError,
+    RuntimeRunError,
+    SessionError,
+    UnsupportedInputError,
+    VerificationError,
+)
+from .options import ENV_VARS, Options
+from .program import BuildArtifacts
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ORTWrap",
+    "Options",
+    "ENV_VARS",
+    "BuildArtifacts",
+    "FallbackWarning",
+    "ORTWrapError",
+    "ExportError",
+    "PassError",
+    "GradientBuildError",
+    "SessionError",
+    "RuntimeRunError",
+    "UnsupportedInputError",
+    "VerificationError",
+]

@@ -1,0 +1,222 @@
+"""``ORTWrap``: an ``nn.Module`` that runs the module it wraps on ONNX Runtime's training engine.
+
+It keeps the wrapped module (``.module``) and, per input schema, a compiled :class:`Program`. The
+schema is the structure of the inputs, their non-tensor values, and for each tensor its rank,
+dtype, device and ``requires_grad``, plus the train/eval mode and whether a backward is needed.
+Shapes are not part of it: every dimension is dynamic.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _tree
+from ._logging import configure, logger
+from .errors import FALLBACK_PHASES, ORTWrapError, UnsupportedInputError
+from .options import Options
+from .program import BuildArtifacts, Program, compile_program
+from .runtime.function import RunTrainingGraph
+
+__all__ = ["ORTWrap", "FallbackWarning"]
+
+
+class FallbackWarning(UserWarning):
+    """ORTWrap could not build the module for ONNX Runtime and runs it in PyTorch instead."""
+
+
+def _unsupported_input(path: str, value: Any) -> tuple:
+    raise UnsupportedInputError(
+        f"forward() argument {path!r} has type {type(value).__module__}.{type(value).__qualname__}, which ORTWrap "
+        "cannot feed to ONNX Runtime. Pass tensors, nested in tuples, lists, dicts or dataclasses, or "
+        "int/float/bool/str/None constants; convert other values to tensors first."
+    )
+
+
+class ORTWrap(nn.Module):
+    """Train ``module`` on ONNX Runtime: ``model = ORTWrap(model)`` in an unchanged training loop.
+
+    Args:
+        module: the ``torch.nn.Module`` to run.
+        **options: keyword-only fields of :class:`ortwrap.Options` (``fallback``, ``log_level``,
+            ``debug_dir``, ``opset``, ``intra_op_threads``, ``allow_spinning``, ...). Options not
+            given are read from their environment variables.
+
+    Parameters, buffers and ``state_dict`` keys are the wrapped module's own. ``train()``,
+    ``eval()`` and ``torch.no_grad()`` behave as in eager PyTorch.
+    """
+
+    def __init__(self, module: nn.Module, /, **options: Any) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
+        if isinstance(module, ORTWrap):
+            raise TypeError("ORTWrap(module): module is already an ORTWrap")
+        super().__init__()
+        self.module = module
+        self._options = Options.resolve(**options)
+        configure(self._options.logging_level)
+        self._programs: dict[tuple, Program] = {}
+        self._export_count = 0
+        self._last_artifacts: BuildArtifacts | None = None
+        self._fallback_reason: ORTWrapError | None = None
+        self._arg_names = _positional_names(module)
+        self._register_load_state_dict_pre_hook(_add_module_prefix)
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def options(self) -> Options:
+        """The resolved :class:`Options`."""
+        return self._options
+
+    @property
+    def export_count(self) -> int:
+        """How many times the module has been exported (one per new input schema or mode)."""
+        return self._export_count
+
+    @property
+    def last_artifacts(self) -> BuildArtifacts | None:
+        """The artifacts of the most recent build (ONNX models, pass records, stage times)."""
+        return self._last_artifacts
+
+    @property
+    def fallback_reason(self) -> ORTWrapError | None:
+        """The error that made ORTWrap fall back to PyTorch, or ``None``."""
+        return self._fallback_reason
+
+    # ------------------------------------------------------------------ state dict without prefix
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fallback_reason is not None:
+            return self.module(*args, **kwargs)
+        leaves: list[torch.Tensor] = []
+        names = self._arg_names
+        arg_specs = tuple(
+            _tree.flatten(a, names[i] if i < len(names) else f"args[{i}]", leaves, _unsupported_input)
+            for i, a in enumerate(args)
+        )
+        kw_keys = tuple(kwargs)
+        kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
+        in_spec = ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
+        training = self.module.training
+        needs_grad = torch.is_grad_enabled() and (
+            any(t.requires_grad for t in leaves) or any(p.requires_grad for p in self.module.parameters())
+        )
+        key = (
+            training,
+            needs_grad,
+            in_spec,
+            tuple((t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves),
+            tuple(p.requires_grad for p in self.module.parameters()) if needs_grad else (),
+        )
+        try:
+            program = self._programs.get(key)
+        except TypeError as e:  # an unhashable constant somewhere in the inputs
+            raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
+        if program is None:
+            program = self._build(key, leaves, in_spec, args, kwargs, training, needs_grad)
+            if program is None:
+                return self.module(*args, **kwargs)
+        feeds = program.feeds(leaves)
+        if program.with_backward:
+            outputs = RunTrainingGraph.apply(program.runner, program.n_outputs, *feeds)
+        else:
+            outputs = program.runner.forward(feeds)
+        n = program.n_outputs
+        if program.buffer_outputs:
+            with torch.no_grad():
+                for buf, value in zip(program.buffer_outputs, outputs[n:]):
+                    buf.copy_(value)
+        return _tree.unflatten(program.out_spec, outputs[:n])
+
+    def _build(self, key, leaves, in_spec, args, kwargs, training, needs_grad) -> Program | None:
+        devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
+        if len(devices) > 1:
+            raise UnsupportedInputError(
+                f"inputs and parameters are on several devices {sorted(map(str, devices))}; move them to one device"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        paths = _leaf_paths(in_spec, self._arg_names)
+        try:
+            program, artifacts = compile_program(
+                self.module,
+                leaves,
+                in_spec,
+                paths,
+                training=training,
+                with_backward=needs_grad,
+                device=device,
+                options=self._options,
+            )
+        except FALLBACK_PHASES as e:
+            self._export_count += 1
+            if not self._options.fallback:
+                raise
+            self._fallback_reason = e
+            warnings.warn(
+                f"ORTWrap falls back to PyTorch for {type(self.module).__name__}: the {e.phase} phase failed: {e}. "
+                "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
+                FallbackWarning,
+                stacklevel=4,
+            )
+            logger.warning("falling back to PyTorch: %s", e)
+            return None
+        self._export_count += 1
+        self._programs[key] = program
+        self._last_artifacts = artifacts
+        if self._options.debug_dir:
+            paths_saved = artifacts.save(self._options.debug_dir, self._export_count)
+            logger.info("saved build artifacts: %s", ", ".join(paths_saved))
+        return program
+
+
+def _positional_names(module: nn.Module) -> list[str]:
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _leaf_paths(in_spec: tuple, arg_names: list[str]) -> list[str]:
+    """A readable, unique name for each tensor leaf, in flattening order."""
+    paths: list[str] = []
+
+    def walk(spec: tuple, path: str) -> None:
+        kind = spec[0]
+        if kind == "T":
+            paths.append(path)
+        elif kind == "S":
+            for i, c in enumerate(spec[2]):
+                walk(c, f"{path}[{i}]")
+        elif kind == "M":
+            for k, c in zip(spec[2], spec[3]):
+                walk(c, f"{path}[{k!r}]")
+        elif kind == "D":
+            for k, c in zip(spec[2], spec[3]):
+                walk(c, f"{path}.{k}")
+
+    arg_specs, (_, _, kw_keys, kw_specs) = spec_children = in_spec[2][0][2], in_spec[2][1]
+    del spec_children
+    for i, s in enumerate(arg_specs):
+        walk(s, arg_names[i] if i < len(arg_names) else f"args{i}")
+    for k, s in zip(kw_keys, kw_specs):
+        walk(s, str(k))
+    return paths
+
+
+def _add_module_prefix(module: ORTWrap, state_dict: dict, prefix: str, *args: Any) -> None:
+    """A parent's ``load_state_dict`` reaches the wrapped module through ``.module``: accept the
+    unprefixed keys that ``ORTWrap.state_dict`` produces."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)

@@ -1,0 +1,78 @@
+"""Exception classes, one per phase of the ortwrap pipeline.
+
+Every error names the phase it came from and, where it can, the argument, node or Function
+involved and what the user can do. Errors raised because a lower layer failed are chained to
+that cause with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ORTWrapError",
+    "ExportError",
+    "PassError",
+    "GradientBuildError",
+    "SessionError",
+    "RuntimeRunError",
+    "UnsupportedInputError",
+    "VerificationError",
+]
+
+
+class ORTWrapError(RuntimeError):
+    """Base class of every error ortwrap raises.
+
+    Attributes:
+        phase: the pipeline stage the error belongs to (``"export"``, ``"passes"``, ...).
+    """
+
+    phase = "ortwrap"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"[ortwrap:{self.phase}] {message}")
+
+
+class ExportError(ORTWrapError):
+    """The module could not be exported to ONNX."""
+
+    phase = "export"
+
+
+class PassError(ORTWrapError):
+    """A graph pass refused or failed to rewrite the exported ONNX model."""
+
+    phase = "passes"
+
+
+class GradientBuildError(ORTWrapError):
+    """ONNX Runtime's gradient graph builder rejected the model."""
+
+    phase = "gradient-build"
+
+
+class SessionError(ORTWrapError):
+    """ONNX Runtime could not create an execution session for the built graphs."""
+
+    phase = "session"
+
+
+class RuntimeRunError(ORTWrapError):
+    """ONNX Runtime failed while running a forward or backward graph."""
+
+    phase = "runtime"
+
+
+class UnsupportedInputError(ORTWrapError, TypeError):
+    """An input of ``forward`` has a type or layout ortwrap cannot feed to ONNX Runtime."""
+
+    phase = "inputs"
+
+
+class VerificationError(ORTWrapError):
+    """A verification run found ONNX Runtime's results differ from eager PyTorch."""
+
+    phase = "verify"
+
+
+#: Phases whose failure may fall back to PyTorch (when the options allow it).
+FALLBACK_PHASES: tuple[type[ORTWrapError], ...] = (ExportError, PassError, GradientBuildError, SessionError)

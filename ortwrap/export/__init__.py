@@ -1,0 +1,8 @@
+"""Stage 1: torch.nn.Module -> ONNX."""
+
+from __future__ import annotations
+
+from .model import ExportedModel
+from .torchscript import export_torchscript
+
+__all__ = ["ExportedModel", "export_torchscript"]

@@ -1,0 +1,33 @@
+"""The result of exporting: an ONNX model plus the names that tie it back to the module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+import torch
+
+
+@dataclass
+class ExportedModel:
+    """An exported ONNX model and how its graph inputs and outputs map to the module.
+
+    Attributes:
+        model: the ONNX model; passes rewrite it in place.
+        user_input_names: graph input name of each flat tensor input, in flattening order. An
+            input the graph does not use is ``None``.
+        state_inputs: graph input name -> the parameter or buffer tensor fed to it every step.
+        output_names: graph output name of each flat tensor output, in flattening order.
+        out_spec: the tree spec that rebuilds the module's output from those tensors.
+        buffer_outputs: graph output name -> the buffer that receives its value after each forward
+            (buffers the module updates, such as BatchNorm running statistics).
+        state_names: graph input name -> the module's own name for that parameter or buffer.
+    """
+
+    model: onnx.ModelProto
+    user_input_names: list[str | None]
+    state_inputs: dict[str, torch.Tensor]
+    output_names: list[str]
+    out_spec: tuple
+    buffer_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_names: dict[str, str] = field(default_factory=dict)

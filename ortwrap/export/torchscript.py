@@ -1,0 +1,173 @@
+"""Export with the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``).
+
+The module is exported through an adapter whose forward takes the flat tensor inputs, rebuilds the
+user's ``args``/``kwargs`` (non-tensor values are baked in as constants), calls the module, and
+returns the flat tensor outputs followed by every buffer. Parameters and buffers become graph inputs
+(``export_params=False, keep_initializers_as_inputs=True``), so the tensors the optimizer updates in
+place are what each step feeds. Buffers returned unchanged are pruned by a pass; the ones that
+change become outputs copied back after each forward.
+
+Every dimension of every input is dynamic, so a new batch size or sequence length reuses the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+import onnx_ir as ir
+
+from .. import _tree
+from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from ..errors import ExportError
+from .model import ExportedModel
+from .symbolics import ortwrap_symbolics
+
+_PREFIX = "module."
+
+
+class _Adapter(nn.Module):
+    """Calls ``module`` with inputs rebuilt from flat tensors; returns flat tensor outputs + buffers."""
+
+    def __init__(self, module: nn.Module, in_spec: tuple, buffer_names: list[str]) -> None:
+        super().__init__()
+        self.module = module
+        self._in_spec = in_spec
+        self._buffer_names = buffer_names
+        self.out_spec: tuple | None = None
+        self.n_outputs = 0
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = _tree.unflatten(self._in_spec, flat)
+        out = self.module(*args, **kwargs)
+        leaves: list[torch.Tensor] = []
+        self.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
+        self.n_outputs = len(leaves)
+        buffers = dict(self.module.named_buffers())
+        return (*leaves, *(buffers[n] for n in self._buffer_names))
+
+
+def _opaque_output(path: str, value: Any) -> tuple:
+    return ("O", value)
+
+
+@contextlib.contextmanager
+def _preserved_state(module: nn.Module) -> Iterator[None]:
+    """Tracing runs the forward once: undo its buffer updates and its use of the RNG."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+
+
+def export_torchscript(
+    module: nn.Module,
+    flat_inputs: list[torch.Tensor],
+    in_spec: tuple,
+    input_paths: list[str],
+    *,
+    training: bool,
+    opset: int,
+) -> ExportedModel:
+    """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
+
+    Args:
+        module: the user's module.
+        flat_inputs: the flat tensor inputs of this call.
+        in_spec: tree spec of ``(args, kwargs)``.
+        input_paths: a readable path for each flat input (``"x"``, ``"batch['ids']"``).
+        training: export in training mode (dropout on, batch statistics) or eval mode.
+        opset: ONNX opset to target.
+
+    Raises:
+        ExportError: chained to the exporter's error.
+    """
+    buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
+    adapter = _Adapter(module, in_spec, buffer_names)
+    input_names = [f"input:{p}" for p in input_paths]
+    dynamic_axes = {name: {d: f"{name}.dim{d}" for d in range(t.dim())} for name, t in zip(input_names, flat_inputs)}
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    f = io.BytesIO()
+    was_training = module.training
+    try:
+        with _preserved_state(module), ortwrap_symbolics(opset), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                adapter,
+                tuple(t.detach() for t in flat_inputs),
+                f,
+                dynamo=False,
+                export_params=False,
+                keep_initializers_as_inputs=True,
+                training=mode,
+                do_constant_folding=False,
+                opset_version=opset,
+                input_names=input_names,
+                dynamic_axes=dynamic_axes,
+                autograd_inlining=False,
+            )
+    except Exception as e:  # noqa: BLE001 - any exporter failure is an ExportError
+        raise ExportError(
+            f"torch.onnx.export (TorchScript) failed for {type(module).__name__}: {type(e).__name__}: {e}. "
+            "Check that the module's forward is traceable, or run it without ORTWrap."
+        ) from e
+    finally:
+        module.train(was_training)
+    n_out = adapter.n_outputs
+    output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
+    model = _name_outputs(onnx.load_model_from_string(f.getvalue()), output_names)
+    graph_inputs = [i.name for i in model.graph.input]
+    present = set(graph_inputs)
+    named_state = dict(adapter.named_parameters(remove_duplicate=False))
+    named_state.update(adapter.named_buffers(remove_duplicate=False))
+    state_inputs: dict[str, torch.Tensor] = {}
+    state_names: dict[str, str] = {}
+    for name in graph_inputs:
+        if name in input_names:
+            continue
+        if name not in named_state:
+            raise ExportError(f"exported graph input {name!r} is neither a forward input nor a parameter or buffer")
+        state_inputs[name] = named_state[name]
+        state_names[name] = name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
+    assert adapter.out_spec is not None
+    buffers = dict(module.named_buffers())
+    return ExportedModel(
+        model=model,
+        user_input_names=[n if n in present else None for n in input_names],
+        state_inputs=state_inputs,
+        output_names=output_names[:n_out],
+        out_spec=adapter.out_spec,
+        buffer_outputs={o: buffers[b] for o, b in zip(output_names[n_out:], buffer_names)},
+        state_names=state_names,
+    )
+
+
+def _name_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Rename the graph outputs to ``names``; an output that is a graph input or repeats an earlier
+    output first gets its own Identity node, so every output is a distinct value."""
+    ir_model = ir.serde.deserialize_model(model)
+    graph = ir_model.graph
+    if len(graph.outputs) != len(names):
+        raise ExportError(f"the exported graph has {len(graph.outputs)} outputs, expected {len(names)}")
+    inputs = {id(v) for v in graph.inputs}
+    seen: set[int] = set()
+    for i, value in enumerate(list(graph.outputs)):
+        if id(value) in inputs or id(value) in seen:
+            node = ir.node("Identity", [value], name=f"ortwrap/output_copy/{i}")
+            graph.append(node)
+            value = node.outputs[0]
+            graph.outputs[i] = value
+        seen.add(id(value))
+        value.name = names[i]
+    return ir.serde.serialize_model(ir_model)

@@ -1,0 +1,144 @@
+"""Drive ``OrtModuleGraphBuilder`` to turn the forward graph into a training graph.
+
+With ``build_gradient_graph=True`` the builder returns one graph holding the forward, a ``YieldOp``
+that hands the user outputs back to the caller and waits for their gradients, and the backward.
+Its inputs are the forward's inputs; its outputs are the gradients of the user inputs that require
+grad followed by those of the trainable parameters. With ``build_gradient_graph=False`` it returns
+the optimized forward graph alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import onnx
+
+from ..errors import GradientBuildError
+from .._ort import C
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """The builder's facts about the graph, copied into plain Python.
+
+    Attributes:
+        user_output_names: graph outputs the forward yields, in order.
+        non_differentiable_outputs: indices of outputs that get no gradient (integers, bools,
+            outputs that do not depend on anything trainable).
+        full_shape_grad_outputs: indices of outputs whose gradient must have the output's shape;
+            other missing gradients may be fed as a scalar zero.
+        saved_output_indices: outputs the backward reads; marked with ``save_for_backward``.
+        frontier_count: number of extra forward values the backward reads.
+        grad_feed_index: for each backward output, the index in the feeds of the input it is the
+            gradient of.
+    """
+
+    user_output_names: tuple[str, ...]
+    non_differentiable_outputs: frozenset[int]
+    full_shape_grad_outputs: frozenset[int]
+    saved_output_indices: tuple[int, ...]
+    frontier_count: int
+    grad_feed_index: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainingGraph:
+    """A built graph ready for a session.
+
+    Attributes:
+        model_bytes: the serialized graph the session loads.
+        feed_names: graph inputs, in the order they are fed.
+        grad_names: graph outputs of the backward, in the order ORT returns them.
+        info: the builder's :class:`GraphInfo`.
+        has_backward: whether ``model_bytes`` contains the backward (a ``YieldOp`` graph).
+    """
+
+    model_bytes: bytes
+    feed_names: tuple[str, ...]
+    grad_names: tuple[str, ...]
+    info: GraphInfo
+    has_backward: bool
+
+    def model(self) -> onnx.ModelProto:
+        """The built graph as an ``onnx.ModelProto`` (parsed on each call)."""
+        return onnx.load_model_from_string(self.model_bytes)
+
+
+def _ort_severity(level: int):
+    """ORT's Severity for a Python logging level."""
+    if level <= logging.DEBUG:
+        return C.Severity.VERBOSE
+    if level <= logging.INFO:
+        return C.Severity.INFO
+    return C.Severity.WARNING if level <= logging.WARNING else C.Severity.ERROR
+
+
+def build_graph(
+    model: onnx.ModelProto,
+    *,
+    state_names: list[str],
+    trainable_names: list[str],
+    input_names_require_grad: list[str],
+    build_gradient: bool,
+    log_level: int = logging.WARNING,
+) -> TrainingGraph:
+    """Build the training (or optimized inference) graph of ``model``.
+
+    Args:
+        model: forward graph; parameters and buffers are graph inputs.
+        state_names: graph inputs that are parameters or buffers.
+        trainable_names: the subset of ``state_names`` to differentiate.
+        input_names_require_grad: user inputs to differentiate.
+        build_gradient: build the backward (training) or only optimize the forward.
+        log_level: Python logging level for the builder's messages.
+
+    Raises:
+        GradientBuildError: chained to the builder's error.
+    """
+    cfg = C.OrtModuleGraphBuilderConfiguration()
+    cfg.initializer_names = list(state_names)
+    cfg.initializer_names_to_train = list(trainable_names)
+    cfg.input_names_require_grad = list(input_names_require_grad)
+    cfg.build_gradient_graph = build_gradient
+    cfg.enable_caching = False
+    cfg.use_memory_efficient_gradient = False
+    cfg.loglevel = _ort_severity(log_level)
+    builder = C.OrtModuleGraphBuilder()
+    try:
+        builder.initialize(model.SerializeToString(), cfg)
+        builder.build(C.TrainingGraphTransformerConfiguration())
+    except Exception as e:  # noqa: BLE001
+        ops = sorted({f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node})
+        raise GradientBuildError(
+            f"OrtModuleGraphBuilder rejected the model: {e}. Ops in the graph: {', '.join(ops)}. "
+            "If an op above lacks an ORT gradient, report it; ORTWrap(..., fallback=True) runs the module in PyTorch."
+        ) from e
+    gi = builder.get_graph_info()
+    built = builder.get_gradient_model()
+    proto = onnx.load_model_from_string(built)
+    feed_names = tuple(i.name for i in proto.graph.input)
+    grad_names = tuple(o.name for o in proto.graph.output) if build_gradient else ()
+    grad_of = {g: n for n, g in dict(gi.user_input_grad_names).items()}
+    grad_of.update(zip(gi.initializer_grad_names_to_train, gi.initializer_names_to_train))
+    try:
+        grad_feed_index = tuple(feed_names.index(grad_of[g]) for g in grad_names)
+    except (KeyError, ValueError) as e:
+        raise GradientBuildError(f"cannot map the backward output {e} to a graph input") from e
+    info = GraphInfo(
+        user_output_names=tuple(gi.user_output_names),
+        non_differentiable_outputs=frozenset(gi.output_grad_indices_non_differentiable),
+        full_shape_grad_outputs=frozenset(gi.output_grad_indices_require_full_shape),
+        saved_output_indices=tuple(
+            i for i in gi.module_output_indices_requires_save_for_backward if i < len(gi.user_output_names)
+        ),
+        frontier_count=len(gi.frontier_node_arg_map),
+        grad_feed_index=grad_feed_index,
+    )
+    return TrainingGraph(
+        model_bytes=built,
+        feed_names=feed_names,
+        grad_names=grad_names,
+        info=info,
+        has_backward=build_gradient,
+    )

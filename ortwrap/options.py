@@ -1,0 +1,120 @@
+"""Typed, frozen options of :class:`ortwrap.ORTWrap`.
+
+This is the one module that reads environment variables. Precedence, highest first: a keyword
+argument given to ``ORTWrap``, the environment variable, the default below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Options", "ENV_VARS"]
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_EXPORTERS = ("torchscript",)
+
+
+def _opt(default: Any, env: str | None, help: str) -> Any:  # noqa: A002 - dataclass metadata key
+    return field(default=default, metadata={"env": env, "help": help})
+
+
+@dataclass(frozen=True)
+class Options:
+    """How ORTWrap exports, builds and runs a module.
+
+    Each field names the environment variable that sets it when the keyword is not given.
+    """
+
+    fallback: bool = _opt(
+        True,
+        "ORTWRAP_FALLBACK",
+        "When export, a graph pass, gradient building or session creation fails, run the module in "
+        "PyTorch and warn once (True), or raise the ortwrap error (False).",
+    )
+    log_level: str = _opt(
+        "WARNING", "ORTWRAP_LOG_LEVEL", f"Level of the 'ortwrap' logger, one of {', '.join(_LOG_LEVELS)}."
+    )
+    debug_dir: str | None = _opt(
+        None,
+        "ORTWRAP_DEBUG_DIR",
+        "Directory where every build saves its exported, pre-gradient and forward+backward ONNX models.",
+    )
+    opset: int = _opt(17, "ORTWRAP_OPSET", "ONNX opset the TorchScript exporter targets (ORT 1.19.2 takes <= 21).")
+    exporter: str = _opt("torchscript", "ORTWRAP_EXPORTER", f"Exporter, one of {', '.join(_EXPORTERS)}.")
+    intra_op_threads: int = _opt(
+        0,
+        "ORTWRAP_INTRA_OP_THREADS",
+        "ONNX Runtime intra-op threads; 0 means torch.get_num_threads() at session creation.",
+    )
+    allow_spinning: bool = _opt(
+        False,
+        "ORTWRAP_ALLOW_SPINNING",
+        "Let ORT's idle threads spin. Off by default: spinning threads fight PyTorch's OpenMP threads "
+        "between ORT runs and make training steps several times slower on small machines.",
+    )
+
+    def __post_init__(self) -> None:
+        level = str(self.log_level).upper()
+        if level not in _LOG_LEVELS:
+            raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid; allowed: {', '.join(_LOG_LEVELS)}")
+        object.__setattr__(self, "log_level", level)
+        if self.exporter not in _EXPORTERS:
+            raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if not 7 <= int(self.opset) <= 20:
+            raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")
+        if int(self.intra_op_threads) < 0:
+            raise ValueError(f"ORTWrap option intra_op_threads={self.intra_op_threads!r} must be >= 0")
+
+    @classmethod
+    def resolve(cls, **overrides: Any) -> Options:
+        """Options from keyword overrides, then environment variables, then defaults.
+
+        Raises:
+            TypeError: for an unknown keyword, listing the known ones.
+            ValueError: for a bad value, from the keyword or the environment, naming its source.
+        """
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise TypeError(f"ORTWrap got unknown option(s) {unknown}; known options: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in overrides:
+                values[name] = overrides[name]
+                continue
+            env = f.metadata.get("env")
+            raw = os.environ.get(env) if env else None
+            if raw is None or raw == "":
+                continue
+            try:
+                values[name] = _parse(raw, f.default)
+            except ValueError as e:
+                raise ValueError(f"environment variable {env}={raw!r} is invalid: {e}") from e
+        return cls(**values)
+
+    @property
+    def logging_level(self) -> int:
+        return getattr(logging, self.log_level)
+
+
+def _parse(raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+    if isinstance(default, int):
+        return int(raw)
+    return raw
+
+
+#: Environment variable -> (option name, help). Documented in docs/user-guide.md.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    f.metadata["env"]: (f.name, f.metadata["help"]) for f in dataclasses.fields(Options) if f.metadata.get("env")
+}

@@ -1,0 +1,51 @@
+"""The pass pipeline: a named, ordered list of pass instances run by one function."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import onnx
+import onnx_ir as ir
+
+from ..errors import PassError
+from .batchnorm_running_stats import BatchNormRunningStatsPass
+from .optional_outputs import RestoreOptionalOutputsPass
+from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: its name, whether it modified the model, and how long it took."""
+
+    name: str
+    modified: bool
+    seconds: float
+
+
+def default_passes() -> list[ir.passes.PassBase]:
+    """The passes every TorchScript export goes through, in order."""
+    return [
+        BatchNormRunningStatsPass(),
+        PruneUnchangedBufferOutputsPass(),
+        RestoreOptionalOutputsPass(),
+    ]
+
+
+def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:
+    """Run ``passes`` over ``model`` in order; return the rewritten model and a record per pass.
+
+    Raises:
+        PassError: naming the pass that failed, chained to its error.
+    """
+    ir_model = ir.serde.deserialize_model(model)
+    records = []
+    for p in passes:
+        start = time.perf_counter()
+        try:
+            result = p(ir_model)
+        except Exception as e:  # noqa: BLE001
+            raise PassError(f"pass {type(p).__name__} failed: {type(e).__name__}: {e}") from e
+        ir_model = result.model
+        records.append(PassRecord(type(p).__name__, result.modified, time.perf_counter() - start))
+    return ir.serde.serialize_model(ir_model), records

@@ -1,0 +1,171 @@
+"""A compiled program: what one input schema of one module runs, and how it was built.
+
+``compile_program`` runs the stages in order: export -> passes -> gradient build -> session. Each
+stage raises its own ortwrap error; the caller (``ORTWrap``) decides whether to fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import onnx
+import torch
+from torch import nn
+
+from ._logging import logger
+from .export import ExportedModel, export_torchscript
+from .grad import TrainingGraph, build_graph
+from .options import Options
+from .passes import PassRecord, default_passes, run_passes
+from .runtime import InferenceRunner, TrainingRunner
+
+
+@dataclass
+class BuildArtifacts:
+    """Everything one build produced, for users and tests to inspect.
+
+    Attributes:
+        exported: the ONNX model as the exporter produced it (after output naming).
+        pre_grad: the model after ortwrap's passes, as given to the gradient builder.
+        graph: the built graph; ``graph.model()`` is the forward+backward (or inference) ONNX.
+        passes: what each pass did.
+        seconds: wall time of each stage.
+        training: exported in training mode.
+        with_backward: built with a backward graph.
+    """
+
+    exported: onnx.ModelProto
+    pre_grad: onnx.ModelProto
+    graph: TrainingGraph
+    passes: list[PassRecord]
+    seconds: dict[str, float] = field(default_factory=dict)
+    training: bool = True
+    with_backward: bool = True
+
+    def save(self, directory: str, index: int) -> list[str]:
+        """Write the three models to ``directory``; return their paths."""
+        os.makedirs(directory, exist_ok=True)
+        kind = "train" if self.with_backward else ("infer_trainmode" if self.training else "infer")
+        paths = []
+        for name, model in (("exported", self.exported), ("pre_grad", self.pre_grad)):
+            path = os.path.join(directory, f"build{index:02d}_{kind}_{name}.onnx")
+            onnx.save_model(model, path)
+            paths.append(path)
+        path = os.path.join(directory, f"build{index:02d}_{kind}_{'forward_backward' if self.with_backward else 'forward'}.onnx")
+        with open(path, "wb") as f:
+            f.write(self.graph.model_bytes)
+        paths.append(path)
+        return paths
+
+
+@dataclass
+class _StateRef:
+    """Where a parameter or buffer lives, so each step feeds the module's current tensor."""
+
+    owner: nn.Module
+    attr: str
+    is_param: bool
+
+    def get(self) -> torch.Tensor:
+        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+
+
+class Program:
+    """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
+
+    def __init__(self, exported: ExportedModel, graph: TrainingGraph, runner, module: nn.Module) -> None:
+        self.graph = graph
+        self.runner = runner
+        self.with_backward = graph.has_backward
+        self.out_spec = exported.out_spec
+        index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
+        refs = _state_refs(module)
+        # Each feed is ("input", flat index) or ("state", _StateRef).
+        self._plan: list[tuple[int, _StateRef | None]] = []
+        for name in graph.feed_names:
+            if name in index_of:
+                self._plan.append((index_of[name], None))
+            else:
+                self._plan.append((-1, refs[exported.state_names[name]]))
+        outputs = list(graph.info.user_output_names)
+        self.n_outputs = len(exported.output_names)
+        if outputs[: self.n_outputs] != exported.output_names:
+            raise AssertionError(f"graph outputs {outputs} do not start with {exported.output_names}")
+        self.buffer_outputs = [exported.buffer_outputs[name] for name in outputs[self.n_outputs :]]
+        self._buffer_names = outputs[self.n_outputs :]
+
+    def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [leaves[i] if ref is None else ref.get() for i, ref in self._plan]
+
+
+def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
+    refs: dict[str, _StateRef] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr in sub._parameters:
+            refs.setdefault(f"{prefix}.{attr}" if prefix else attr, _StateRef(sub, attr, True))
+        for attr in sub._buffers:
+            refs.setdefault(f"{prefix}.{attr}" if prefix else attr, _StateRef(sub, attr, False))
+    return refs
+
+
+def compile_program(
+    module: nn.Module,
+    leaves: list[torch.Tensor],
+    in_spec: tuple,
+    input_paths: list[str],
+    *,
+    training: bool,
+    with_backward: bool,
+    device: torch.device,
+    options: Options,
+) -> tuple[Program, BuildArtifacts]:
+    """Export, rewrite, build and load ``module`` for one input schema.
+
+    Raises:
+        ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
+    """
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    exported = export_torchscript(module, leaves, in_spec, input_paths, training=training, opset=options.opset)
+    exported_proto = onnx.ModelProto()
+    exported_proto.CopyFrom(exported.model)
+    t1 = time.perf_counter()
+    seconds["export"] = t1 - t0
+    exported.model, records = run_passes(exported.model, default_passes())
+    t2 = time.perf_counter()
+    seconds["passes"] = t2 - t1
+    remaining = {o.name for o in exported.model.graph.output}
+    exported.buffer_outputs = {k: v for k, v in exported.buffer_outputs.items() if k in remaining}
+    state = list(exported.state_inputs)
+    trainable = [n for n, t in exported.state_inputs.items() if isinstance(t, nn.Parameter) and t.requires_grad]
+    require_grad = [
+        name
+        for name, t in zip(exported.user_input_names, leaves)
+        if name is not None and t.requires_grad and (t.is_floating_point() or t.is_complex())
+    ]
+    graph = build_graph(
+        exported.model,
+        state_names=state,
+        trainable_names=trainable if with_backward else [],
+        input_names_require_grad=require_grad if with_backward else [],
+        build_gradient=with_backward,
+        log_level=options.logging_level,
+    )
+    t3 = time.perf_counter()
+    seconds["gradient_build"] = t3 - t2
+    runner = (TrainingRunner if with_backward else InferenceRunner)(graph, device, options)
+    seconds["session"] = time.perf_counter() - t3
+    program = Program(exported, graph, runner, module)
+    artifacts = BuildArtifacts(exported_proto, exported.model, graph, records, seconds, training, with_backward)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "built %s program for %s in %.2fs (%s)",
+            "training" if with_backward else "inference",
+            type(module).__name__,
+            sum(seconds.values()),
+            ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()),
+        )
+    return program, artifacts

@@ -1,0 +1,65 @@
+"""The autograd bridge: one ``torch.autograd.Function`` runs ORT's forward and backward.
+
+NOTE: invariants.
+- ``forward`` receives every graph feed (user tensors, then parameters and buffers, in the graph's
+  feed order) so that autograd links each parameter to the graph; it returns every graph output.
+- ORT, not autograd, keeps the activations: they live in the ``PartialGraphExecutionState`` held by
+  ``ctx.state``. ``backward`` consumes it and drops it at once. If no backward ever runs (a forward
+  under grad mode whose outputs are discarded), the state dies with the autograd graph.
+- Outputs ORT calls non-differentiable, and buffer outputs, are marked non-differentiable, so
+  autograd gives them no gradient. A missing gradient of a differentiable output is materialized
+  as zeros, full-shaped only where the backward needs the shape.
+- The backward is not differentiable (no double backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .session import TrainingRunner
+
+
+class RunTrainingGraph(torch.autograd.Function):
+    """``RunTrainingGraph.apply(runner, n_diff_outputs, *feeds) -> outputs``."""
+
+    @staticmethod
+    def forward(ctx, runner: TrainingRunner, n_diff_outputs: int, *feeds: torch.Tensor):  # type: ignore[override]
+        outputs, state = runner.forward(list(feeds))
+        info = runner.graph.info
+        ctx.runner = runner
+        ctx.state = state
+        ctx.n_feeds = len(feeds)
+        ctx.set_materialize_grads(False)
+        non_diff = info.non_differentiable_outputs
+        ctx.output_meta = [(t.shape, t.dtype, t.device) for t in outputs]
+        for i, t in enumerate(outputs):
+            if i in non_diff or i >= n_diff_outputs or not t.is_floating_point():
+                ctx.mark_non_differentiable(t)
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
+        runner: TrainingRunner = ctx.runner
+        info = runner.graph.info
+        state, ctx.state = ctx.state, None
+        if state is None:
+            raise RuntimeError(
+                "ortwrap: backward ran twice through the same ORT forward; retain_graph=True is not supported"
+            )
+        grads = []
+        non_diff = info.non_differentiable_outputs
+        for i, g in enumerate(grad_outputs[: len(info.user_output_names)]):
+            if i in non_diff:
+                continue
+            if g is None:
+                shape, dtype, device = ctx.output_meta[i]
+                g = torch.zeros(shape if i in info.full_shape_grad_outputs else (), dtype=dtype, device=device)
+            grads.append(g)
+        results = runner.backward(state, grads)
+        del state
+        out: list[torch.Tensor | None] = [None] * ctx.n_feeds
+        for index, g in zip(info.grad_feed_index, results):
+            out[index] = g
+        return (None, None, *out)

@@ -1,0 +1,116 @@
+"""ONNX Runtime sessions for a built graph: a training runner and an inference runner."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import RuntimeRunError, SessionError
+from ..grad import TrainingGraph
+from ..options import Options
+from .dlpack import to_ortvalues, to_tensors
+from .._ort import C, ort
+
+
+def session_options(options: Options) -> ort.SessionOptions:
+    """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``)."""
+    so = ort.SessionOptions()
+    threads = options.intra_op_threads or torch.get_num_threads()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    spin = "1" if options.allow_spinning else "0"
+    so.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    so.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.enable_mem_pattern = False
+    so.log_severity_level = 3
+    return so
+
+
+def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDevice]:
+    """Execution providers and the ORT device for tensors on ``device``."""
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"], [{}], C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise SessionError(
+                f"inputs are on {device} but this onnxruntime has no CUDAExecutionProvider; "
+                "install ortwrap[cuda] (onnxruntime-training==1.19.2) instead of ortwrap[cpu]"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return (
+            ["CUDAExecutionProvider", "CPUExecutionProvider"],
+            [{"device_id": str(index), "cudnn_conv_algo_search": "HEURISTIC"}, {}],
+            C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), index),
+        )
+    raise SessionError(f"device {device} is not supported; ortwrap runs on cpu and cuda")
+
+
+def _create_session(graph: TrainingGraph, device: torch.device, options: Options) -> tuple[ort.InferenceSession, C.OrtDevice]:
+    providers, provider_options, ort_device = providers_for(device)
+    try:
+        sess = ort.InferenceSession(graph.model_bytes, session_options(options), providers, provider_options)
+    except Exception as e:  # noqa: BLE001
+        raise SessionError(f"onnxruntime could not create a session: {e}") from e
+    return sess, ort_device
+
+
+class TrainingRunner:
+    """Runs the forward of a training graph, then, given output gradients, its backward.
+
+    NOTE: ``forward`` returns a ``PartialGraphExecutionState`` that holds every activation the
+    backward needs. The caller owns it: passing it to ``backward`` consumes it, and dropping it
+    frees those activations.
+    """
+
+    def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
+        self.graph = graph
+        sess, ort_device = _create_session(graph, device, options)
+        self._session = sess
+        n_fw = len(graph.info.user_output_names) + graph.info.frontier_count
+        try:
+            self._agent = C.TrainingAgent(
+                sess._sess, list(graph.feed_names), [ort_device] * n_fw, list(graph.grad_names),
+                [ort_device] * len(graph.grad_names), device.index or 0,
+            )
+        except Exception as e:  # noqa: BLE001
+            raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
+
+    def forward(self, feeds: list[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
+        state = C.PartialGraphExecutionState()
+        fetches = C.OrtValueVector()
+        try:
+            self._agent.run_forward(to_ortvalues(feeds), fetches, state, None)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeRunError(f"forward run failed: {e}") from e
+        return to_tensors(fetches), state
+
+    def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        fetches = C.OrtValueVector()
+        try:
+            self._agent.run_backward(to_ortvalues(grads), fetches, state)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeRunError(f"backward run failed: {e}") from e
+        return to_tensors(fetches)
+
+
+class InferenceRunner:
+    """Runs a forward-only graph (``torch.no_grad()``, or nothing requires grad)."""
+
+    def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
+        self.graph = graph
+        self._session, ort_device = _create_session(graph, device, options)
+        self._sess = self._session._sess
+        self._feed_names = list(graph.feed_names)
+        self._fetch_names = list(graph.info.user_output_names)
+        self._devices = [ort_device] * len(self._fetch_names)
+        self._run_options = ort.RunOptions()
+
+    def forward(self, feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        fetches = C.OrtValueVector()
+        try:
+            self._sess.run_with_ortvaluevector(
+                self._run_options, self._feed_names, to_ortvalues(feeds), self._fetch_names, fetches, self._devices
+            )
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeRunError(f"forward run failed: {e}") from e
+        return to_tensors(fetches)
