@@ -134,7 +134,7 @@ def compile_program(
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
     seconds["export"] = t1 - t0
-    exported.model, records = run_passes(exported.model, default_passes())
+    exported.model, records = run_passes(exported.model, default_passes(with_backward=with_backward))
     t2 = time.perf_counter()
     seconds["passes"] = t2 - t1
     remaining = {o.name for o in exported.model.graph.output}

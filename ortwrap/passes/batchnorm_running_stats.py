@@ -11,6 +11,9 @@ ONNX computes ``m1 = m * momentum + mean * (1 - momentum)`` and ``v1`` from the 
 variance, while PyTorch updates ``running_var`` with the *unbiased* one. The variance output is
 therefore rebuilt as ``v * momentum + var_b * n / (n - 1) * (1 - momentum)``, where ``var_b`` is
 recovered from ``v1`` and ``n`` is the number of elements per channel.
+
+Limitations: ``momentum=None`` (cumulative averaging) is not rewritten and fails parity; the
+exporter emits a fixed momentum.
 """
 
 from __future__ import annotations
@@ -43,27 +46,37 @@ class BatchNormRunningStatsPass(ir.passes.InPlacePass):
 
     @staticmethod
     def _unbiased_var(graph: ir.Graph, node: ir.Node, momentum: float) -> ir.Value:
-        """``v * m + (v1 - v * m) * n / (n - 1)`` with ``n`` = elements per channel of ``x``."""
+        """``v * m + (v1 - v * m) * n / (n - 1)`` with ``n`` = elements per channel of ``x``.
+
+        NOTE: ORT's training kernel (``BatchNormInternal``) may write the updated variance into the
+        buffer of its running-variance input. ``v * m`` must therefore be computed before the node
+        runs: the node is fed ``(v * m) / m`` instead of ``v``, which forces that order (a rounding
+        difference of at most one ulp) and keeps ORT from writing into the module's buffer.
+        """
         x, var_in, var_new = node.inputs[0], node.inputs[4], node.outputs[2]
         dtype = var_in.dtype or ir.DataType.FLOAT
-        new_nodes: list[ir.Node] = []
+        np_dtype = dtype.numpy()
+        before: list[ir.Node] = []
+        after: list[ir.Node] = []
 
-        def op(op_type: str, *inputs: ir.Value, **attrs) -> ir.Value:
-            n = ir.node(op_type, list(inputs), attributes=attrs, name=f"{node.name}/unbiased_var/{len(new_nodes)}")
-            new_nodes.append(n)
+        def op(nodes: list[ir.Node], op_type: str, *inputs: ir.Value, **attrs) -> ir.Value:
+            n = ir.node(op_type, list(inputs), attributes=attrs, name=f"{node.name}/unbiased_var/{len(before) + len(after)}")
+            nodes.append(n)
             return n.outputs[0]
 
-        def const(value: float | int, np_dtype) -> ir.Value:
-            return op("Constant", value=ir.tensor(np.array(value, dtype=np_dtype)))
+        def const(nodes: list[ir.Node], value: float | int, dt) -> ir.Value:
+            return op(nodes, "Constant", value=ir.tensor(np.array(value, dtype=dt)))
 
-        np_dtype = dtype.numpy()
-        m = const(momentum, np_dtype)
-        shape = op("Shape", x)
-        total = op("ReduceProd", shape, keepdims=0)
-        channels = op("Gather", shape, const(1, np.int64), axis=0)
-        count = op("Cast", op("Div", total, channels), to=int(dtype))
-        correction = op("Div", count, op("Sub", count, const(1, np_dtype)))
-        old_part = op("Mul", var_in, m)
-        result = op("Add", old_part, op("Mul", op("Sub", var_new, old_part), correction))
-        graph.insert_after(node, new_nodes)
+        m = const(before, momentum, np_dtype)
+        old_part = op(before, "Mul", var_in, m)
+        node.replace_input_with(4, op(before, "Div", old_part, m))
+        graph.insert_before(node, before)
+
+        shape = op(after, "Shape", x)
+        total = op(after, "ReduceProd", shape, keepdims=0)
+        channels = op(after, "Gather", shape, const(after, 1, np.int64), axis=0)
+        count = op(after, "Cast", op(after, "Div", total, channels), to=int(dtype))
+        correction = op(after, "Div", count, op(after, "Sub", count, const(after, 1, np_dtype)))
+        result = op(after, "Add", old_part, op(after, "Mul", op(after, "Sub", var_new, old_part), correction))
+        graph.insert_after(node, after)
         return result

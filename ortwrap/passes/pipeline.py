@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from ..errors import PassError
 from .batchnorm_running_stats import BatchNormRunningStatsPass
+from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 
@@ -23,13 +24,20 @@ class PassRecord:
     seconds: float
 
 
-def default_passes() -> list[ir.passes.PassBase]:
-    """The passes every TorchScript export goes through, in order."""
-    return [
+def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
+    """The passes every TorchScript export goes through, in order.
+
+    Args:
+        with_backward: the graph will get a backward; adds the rewrites only gradients need.
+    """
+    passes: list[ir.passes.PassBase] = [
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
     ]
+    if with_backward:
+        passes.append(DecomposeEvalBatchNormPass())
+    return passes
 
 
 def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:

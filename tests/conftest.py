@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+# Keep tests deterministic and fast on 2 cores.
+torch.set_num_threads(2)
+warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
+
+
+def _cuda_ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine"
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return "onnxruntime has no CUDAExecutionProvider (install ortwrap[cuda])"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _cuda_ready()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in list(os.environ):
+        if var.startswith("ORTWRAP_"):
+            monkeypatch.delenv(var)

@@ -1,0 +1,127 @@
+"""One parity helper: run a module eagerly and through ORTWrap, compare outputs, every gradient and
+every buffer over several optimizer steps with changing batch sizes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ortwrap import ORTWrap
+
+ATOL = 1e-5
+RTOL = 1e-4
+
+
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """Tensor leaves of nested outputs, in a stable order (dataclass/dict keys, sequence order)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensor_leaves(getattr(obj, f.name))]
+    if isinstance(obj, dict):
+        return [t for k in obj for t in tensor_leaves(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensor_leaves(v)]
+    return []
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != eager {expected.dtype}"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """A loss touching every floating output with fixed, position-dependent weights."""
+    total = 0.0
+    for i, t in enumerate(tensor_leaves(out)):
+        if t.is_floating_point() and t.requires_grad:
+            w = torch.linspace(-1.0, 1.0 + i, t.numel(), dtype=t.dtype).reshape(t.shape)
+            total = total + (t * w).sum()
+    return total
+
+
+def _clone_inputs(args: Any) -> Any:
+    if isinstance(args, torch.Tensor):
+        c = args.detach().clone()
+        c.requires_grad_(args.requires_grad)
+        return c
+    if isinstance(args, dict):
+        return type(args)((k, _clone_inputs(v)) for k, v in args.items())
+    if isinstance(args, tuple) and hasattr(args, "_fields"):
+        return type(args)(*(_clone_inputs(v) for v in args))
+    if isinstance(args, (list, tuple)):
+        return type(args)(_clone_inputs(v) for v in args)
+    return args
+
+
+def check_parity(
+    make_model: Callable[[], nn.Module],
+    make_inputs: Callable[[int, torch.Generator], tuple[tuple, dict]],
+    *,
+    batch_sizes: Sequence[int] = (4, 7, 3),
+    loss_fn: Callable[[Any], torch.Tensor] = default_loss,
+    train: bool = True,
+    lr: float = 0.05,
+    atol: float = ATOL,
+    rtol: float = RTOL,
+    wrap_options: dict | None = None,
+    seed: int = 0,
+) -> ORTWrap:
+    """Train a model eagerly and an identical copy through ORTWrap; assert they agree at every step.
+
+    ``make_inputs(batch_size, generator)`` returns ``(args, kwargs)``; tensors that require grad
+    are cloned for each side and their ``.grad`` compared too. Returns the ORTWrap for further
+    assertions (export counts, artifacts).
+    """
+    torch.manual_seed(seed)
+    eager = make_model()
+    ours = copy.deepcopy(eager)
+    wrapped = ORTWrap(ours, **{"fallback": False, **(wrap_options or {})})
+    eager.train(train)
+    wrapped.train(train)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=lr, momentum=0.9)
+    opt_o = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for step, bs in enumerate(batch_sizes):
+        args, kwargs = make_inputs(bs, gen)
+        args_e, kwargs_e = _clone_inputs(args), _clone_inputs(kwargs)
+        args_o, kwargs_o = _clone_inputs(args), _clone_inputs(kwargs)
+        out_e = eager(*args_e, **kwargs_e)
+        out_o = wrapped(*args_o, **kwargs_o)
+        assert type(out_o) is type(out_e), f"step {step}: output type {type(out_o)} != eager {type(out_e)}"
+        leaves_e, leaves_o = tensor_leaves(out_e), tensor_leaves(out_o)
+        assert len(leaves_e) == len(leaves_o), f"step {step}: {len(leaves_o)} output tensors, eager has {len(leaves_e)}"
+        for i, (a, b) in enumerate(zip(leaves_o, leaves_e)):
+            assert_close(a.detach(), b.detach(), f"step {step} output {i}", atol, rtol)
+            assert a.requires_grad == b.requires_grad, f"step {step} output {i}: requires_grad differs"
+        loss_e = loss_fn(out_e)
+        loss_o = loss_fn(out_o)
+        if isinstance(loss_e, torch.Tensor) and loss_e.requires_grad:
+            loss_e.backward()
+            loss_o.backward()
+        for (name, p_o), (_, p_e) in zip(ours.named_parameters(), eager.named_parameters()):
+            if p_e.grad is None:
+                assert p_o.grad is None, f"step {step}: {name}.grad is set but eager's is None"
+            else:
+                assert p_o.grad is not None, f"step {step}: {name}.grad is None but eager's is not"
+                assert_close(p_o.grad, p_e.grad, f"step {step} grad of {name}", atol, rtol)
+        for i, (a, b) in enumerate(zip(tensor_leaves((args_o, kwargs_o)), tensor_leaves((args_e, kwargs_e)))):
+            if b.requires_grad:
+                assert a.grad is not None, f"step {step}: input {i}.grad is None"
+                assert_close(a.grad, b.grad, f"step {step} grad of input {i}", atol, rtol)
+        for (name, b_o), (_, b_e) in zip(ours.named_buffers(), eager.named_buffers()):
+            assert_close(b_o, b_e, f"step {step} buffer {name}", atol, rtol)
+        opt_e.step()
+        opt_o.step()
+        opt_e.zero_grad()
+        opt_o.zero_grad()
+    for (name, p_o), (_, p_e) in zip(ours.named_parameters(), eager.named_parameters()):
+        assert_close(p_o.detach(), p_e.detach(), f"parameter {name} after training", atol * 10, rtol * 10)
+    return wrapped
