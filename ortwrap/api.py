@@ -31,7 +31,7 @@ class FallbackWarning(UserWarning):
 
 def _unsupported_input(path: str, value: Any) -> tuple:
     raise UnsupportedInputError(
-        f"forward() argument {path!r} has type {type(value).__module__}.{type(value).__qualname__}, which ORTWrap "
+        f"forward() argument `{path}` has type {type(value).__module__}.{type(value).__qualname__}, which ORTWrap "
         "cannot feed to ONNX Runtime. Pass tensors, nested in tuples, lists, dicts or dataclasses, or "
         "int/float/bool/str/None constants; convert other values to tensors first."
     )
@@ -64,7 +64,7 @@ class ORTWrap(nn.Module):
         self._last_artifacts: BuildArtifacts | None = None
         self._fallback_reason: ORTWrapError | None = None
         self._arg_names = _positional_names(module)
-        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
 
     # ------------------------------------------------------------------ public state
     @property

@@ -115,7 +115,7 @@ def build_graph(
             "If an op above lacks an ORT gradient, report it; ORTWrap(..., fallback=True) runs the module in PyTorch."
         ) from e
     gi = builder.get_graph_info()
-    built = builder.get_gradient_model()
+    built = builder.get_gradient_model() if build_gradient else builder.get_forward_model()
     proto = onnx.load_model_from_string(built)
     feed_names = tuple(i.name for i in proto.graph.input)
     grad_names = tuple(o.name for o in proto.graph.output) if build_gradient else ()

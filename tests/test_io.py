@@ -1,0 +1,141 @@
+"""Inputs and outputs: structures, keyword arguments, constants, inputs requiring grad."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+from typing import Optional
+
+import torch
+from parity import check_parity
+from torch import nn
+
+
+class DictTupleKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, batch, pair, *, scale: float = 1.0, bias=None, use_b: bool = True):
+        h = torch.tanh(self.a(batch["x"]) + pair[0] * pair[1][0]) * scale
+        if bias is not None:
+            h = h + bias
+        out = {"h": h, "aux": [h.sum(dim=-1), (h * 2,)]}
+        if use_b:
+            out["y"] = self.b(h)
+        return out
+
+
+def test_dict_tuple_and_kwargs_io():
+    def inputs(b, g):
+        batch = {"x": torch.randn(b, 6, generator=g), "unused": torch.randn(2, generator=g)}
+        pair = (torch.randn(b, 6, generator=g), [torch.randn(6, generator=g)])
+        return (batch, pair), {"scale": 0.5, "bias": torch.randn(6, generator=g), "use_b": True}
+
+    w = check_parity(DictTupleKwargs, inputs)
+    assert w.export_count == 1
+
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Output:
+    """Shaped like transformers' ModelOutput: optional fields, some left None."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    hidden: Optional[Pair] = None
+    attentions: Optional[torch.Tensor] = None
+
+
+class DataclassOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 8)
+        self.l2 = nn.Linear(8, 4)
+
+    def forward(self, x, labels=None):
+        h = torch.relu(self.l1(x))
+        logits = self.l2(h)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return Output(logits=logits, loss=loss, hidden=Pair(h, h * 3))
+
+
+def test_dataclass_and_namedtuple_output():
+    def inputs(b, g):
+        return (torch.randn(b, 5, generator=g),), {"labels": torch.randint(0, 4, (b,), generator=g)}
+
+    check_parity(DataclassOut, inputs, loss_fn=lambda out: out.loss + out.hidden.right.sum() * 0.01)
+
+
+def test_model_output_from_transformers_is_rebuilt():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.l(x)
+            return CausalLMOutput(loss=y.square().mean(), logits=y)
+
+    w = check_parity(M, lambda b, g: ((torch.randn(b, 4, generator=g),), {}), loss_fn=lambda out: out.loss)
+    out = w(torch.randn(2, 4))
+    assert isinstance(out, CausalLMOutput) and out.attentions is None and out["logits"].shape == (2, 4)
+
+
+class IntOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 3)
+
+    def forward(self, x):
+        y = self.l(x)
+        return y, y.argmax(dim=-1), y > 0
+
+
+def test_integer_and_bool_outputs_have_no_grad():
+    w = check_parity(IntOutputs, lambda b, g: ((torch.randn(b, 4, generator=g),), {}))
+    y, idx, pos = w(torch.randn(3, 4))
+    assert y.requires_grad
+    assert idx.dtype == torch.int64 and not idx.requires_grad
+    assert pos.dtype == torch.bool and not pos.requires_grad
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.l(x) * y + x.exp()
+
+
+def test_inputs_requiring_grad_get_grad():
+    def inputs(b, g):
+        return (torch.randn(b, 4, generator=g).requires_grad_(), torch.randn(b, 4, generator=g).requires_grad_()), {}
+
+    check_parity(TwoInputs, inputs)
+
+
+def test_only_some_inputs_require_grad():
+    def inputs(b, g):
+        return (torch.randn(b, 4, generator=g), torch.randn(b, 4, generator=g).requires_grad_()), {}
+
+    check_parity(TwoInputs, inputs)
+
+
+def test_same_tensor_returned_twice_and_input_returned():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x, passthrough):
+            y = self.l(x)
+            return y, y, passthrough
+
+    check_parity(M, lambda b, g: ((torch.randn(b, 3, generator=g), torch.arange(b)), {}))

@@ -1,0 +1,292 @@
+"""ORTWrap as an nn.Module: parameters, state_dict, modes, re-export rules, fallback, bad inputs,
+options and build artifacts."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import onnx
+import pytest
+import torch
+from parity import assert_close
+from torch import nn
+
+import ortwrap
+from ortwrap import ExportError, FallbackWarning, ORTWrap, Options, UnsupportedInputError
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Dropout(p=0.0), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_state_dict_keys_unprefixed_and_module_attribute():
+    m = mlp()
+    w = ORTWrap(m)
+    assert w.module is m
+    assert list(w.state_dict()) == list(m.state_dict())
+    assert [p is q for p, q in zip(w.parameters(), m.parameters())] == [True] * 4
+
+
+def test_optimizer_built_before_or_after_wrapping_trains_the_same_tensors():
+    m = mlp()
+    opt_before = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = ORTWrap(m, fallback=False)
+    x = torch.randn(5, 8)
+    before = [p.detach().clone() for p in m.parameters()]
+    w(x).sum().backward()
+    opt_before.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    opt_after = torch.optim.SGD(w.parameters(), lr=0.1)
+    assert {id(p) for g in opt_after.param_groups for p in g["params"]} == {id(p) for p in m.parameters()}
+
+
+def test_load_state_dict_is_seen_by_next_step():
+    w = ORTWrap(mlp(), fallback=False)
+    x = torch.randn(4, 8)
+    w(x)
+    other = mlp()
+    for p in other.parameters():
+        nn.init.normal_(p)
+    w.load_state_dict(other.state_dict())
+    assert_close(w(x).detach(), other(x).detach(), "output after load_state_dict")
+    # assign=True replaces the parameter objects: the next step must feed the new ones.
+    third = mlp()
+    for p in third.parameters():
+        nn.init.uniform_(p)
+    w.load_state_dict(third.state_dict(), assign=True)
+    assert_close(w(x).detach(), third(x).detach(), "output after load_state_dict(assign=True)")
+    assert w.export_count == 1
+
+
+def test_state_dict_round_trip_through_a_parent_module():
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = ORTWrap(mlp())
+            self.extra = nn.Linear(2, 2)
+
+    p = Parent()
+    sd = p.state_dict()
+    assert "body.0.weight" in sd and not any(k.startswith("body.module.") for k in sd)
+    q = Parent()
+    q.load_state_dict(copy.deepcopy(sd))
+    assert all(torch.equal(sd[k], v) for k, v in q.state_dict().items())
+
+
+def test_train_eval_and_no_grad_follow_eager():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    ref = copy.deepcopy(m)
+    w = ORTWrap(m, fallback=False)
+    x = torch.randn(8, 6)
+    # eval + no_grad: running stats are used and stay unchanged; dropout off.
+    w.eval()
+    ref.eval()
+    with torch.no_grad():
+        out = w(x)
+    assert not out.requires_grad
+    assert_close(out, ref(x).detach(), "eval output")
+    assert not m.training and not m[2].training
+    # train + no_grad: BatchNorm still updates its running statistics, as in eager.
+    w.train()
+    ref.train()
+    m[2].p = 0.0
+    ref[2].p = 0.0
+    with torch.no_grad():
+        w(x)
+        ref(x)
+    assert_close(m[1].running_mean, ref[1].running_mean, "running_mean after a no_grad train step")
+    assert_close(m[1].running_var, ref[1].running_var, "running_var after a no_grad train step")
+    assert w.export_count == 2  # the mode change re-exports (and p is a constant of the graph)
+
+
+def test_dropout_is_active_in_training():
+    w = ORTWrap(nn.Dropout(0.5), fallback=False)
+    x = torch.ones(1000, requires_grad=True)
+    y = w(x)
+    zeros = (y == 0).float().mean().item()
+    assert 0.4 < zeros < 0.6
+    kept = y != 0
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 2.0))
+    y.sum().backward()
+    assert torch.equal(x.grad != 0, kept)  # the gradient uses the same mask as the forward
+
+
+def test_reexport_rules():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x, k: int = 1, flag: bool = False, extra=None):
+            y = self.l(x) * k
+            if flag:
+                y = y + 1
+            if extra is not None:
+                y = y + extra
+            return y
+
+    w = ORTWrap(M(), fallback=False)
+    w(torch.randn(2, 4))
+    w(torch.randn(9, 4))  # batch size: no re-export
+    assert w.export_count == 1
+    w(torch.randn(2, 3, 4))  # rank
+    assert w.export_count == 2
+    w(torch.randn(2, 4), k=2)  # constant value
+    assert w.export_count == 3
+    out = w(torch.randn(2, 4), k=2)
+    assert w.export_count == 3
+    w(torch.randn(2, 4), k=2, flag=True)
+    assert w.export_count == 4
+    w(torch.randn(2, 4), extra=torch.randn(4))  # input structure
+    assert w.export_count == 5
+    w(torch.randn(2, 4).requires_grad_())  # requires_grad
+    assert w.export_count == 6
+    w(torch.randn(2, 4, dtype=torch.float64).float())  # same dtype after cast: reuse
+    assert w.export_count == 6
+    w.module.double()
+    w(torch.randn(2, 4, dtype=torch.float64))  # dtype
+    assert w.export_count == 7
+    assert out.shape == (2, 4)
+
+
+def test_non_tensor_constant_values_are_baked_in():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x, alpha: float):
+            return self.l(x) * alpha
+
+    m = Scale()
+    w = ORTWrap(m, fallback=False)
+    x = torch.randn(2, 3)
+    for alpha in (0.5, 2.0, 0.5):
+        assert_close(w(x, alpha).detach(), m(x, alpha).detach(), f"alpha={alpha}")
+    assert w.export_count == 2
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.linalg.matrix_exp(self.l(x).reshape(-1, 2, 2))
+
+
+def test_fallback_warns_once_names_phase_and_matches_eager():
+    m = Untraceable()
+    w = ORTWrap(m)
+    x = torch.randn(3, 4)
+    with pytest.warns(FallbackWarning, match=r"export phase failed.*linalg_matrix_exp"):
+        y = w(x)
+    assert isinstance(w.fallback_reason, ExportError)
+    assert isinstance(w.fallback_reason.__cause__, Exception)
+    assert_close(y, m(x), "fallback output")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w(x).sum().backward()  # no second warning
+    assert m.l.weight.grad is not None
+
+
+def test_fallback_false_raises_the_phase_error():
+    w = ORTWrap(Untraceable(), fallback=False)
+    with pytest.raises(ExportError, match="linalg_matrix_exp") as info:
+        w(torch.randn(3, 4))
+    assert info.value.__cause__ is not None
+
+
+def test_fallback_env_var_raises(monkeypatch):
+    monkeypatch.setenv("ORTWRAP_FALLBACK", "0")
+    w = ORTWrap(Untraceable())
+    assert w.options.fallback is False
+    with pytest.raises(ExportError):
+        w(torch.randn(3, 4))
+
+
+def test_wrong_feature_size_raises_like_eager_and_wrapper_keeps_working():
+    m = mlp()
+    w = ORTWrap(m, fallback=False)
+    x = torch.randn(4, 8)
+    w(x).sum().backward()
+    with pytest.raises(RuntimeError):
+        m(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="forward run failed"):
+        w(torch.randn(4, 7))
+    m.zero_grad()
+    y = w(x)
+    y.sum().backward()
+    ref = copy.deepcopy(m)
+    ref.zero_grad()
+    ref(x).sum().backward()
+    assert_close(y.detach(), ref(x).detach(), "output after a failed call")
+    assert_close(m[0].weight.grad, ref[0].weight.grad, "grad after a failed call")
+
+
+def test_unsupported_input_type_names_the_argument():
+    import numpy as np
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(2, 2)
+
+        def forward(self, x, batch):
+            return self.l(x)
+
+    w = ORTWrap(M())
+    with pytest.raises(UnsupportedInputError, match=r"`batch\['weights'\]`.*numpy.ndarray"):
+        w(torch.randn(1, 2), {"weights": np.ones(2)})
+
+
+def test_options_validation_and_environment(monkeypatch):
+    with pytest.raises(TypeError, match="unknown option.*fallbak"):
+        ORTWrap(mlp(), fallbak=True)
+    with pytest.raises(ValueError, match="log_level.*allowed: DEBUG, INFO, WARNING, ERROR"):
+        ORTWrap(mlp(), log_level="LOUD")
+    monkeypatch.setenv("ORTWRAP_INTRA_OP_THREADS", "1")
+    monkeypatch.setenv("ORTWRAP_LOG_LEVEL", "error")
+    opts = Options.resolve()
+    assert opts.intra_op_threads == 1 and opts.log_level == "ERROR"
+    assert Options.resolve(intra_op_threads=2).intra_op_threads == 2  # keyword wins
+    monkeypatch.setenv("ORTWRAP_ALLOW_SPINNING", "maybe")
+    with pytest.raises(ValueError, match="ORTWRAP_ALLOW_SPINNING"):
+        Options.resolve()
+    assert set(ortwrap.ENV_VARS) >= {"ORTWRAP_FALLBACK", "ORTWRAP_DEBUG_DIR", "ORTWRAP_LOG_LEVEL"}
+
+
+def test_debug_dir_and_last_artifacts(tmp_path):
+    w = ORTWrap(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3)), debug_dir=str(tmp_path), fallback=False)
+    w(torch.randn(2, 3)).sum().backward()
+    files = sorted(os.listdir(tmp_path))
+    assert files == [
+        "build01_train_exported.onnx",
+        "build01_train_forward_backward.onnx",
+        "build01_train_pre_grad.onnx",
+    ]
+    art = w.last_artifacts
+    ops = [n.op_type for n in art.graph.model().graph.node]
+    assert "YieldOp" in ops and "LayerNormalizationGrad" in ops
+    ln = [n for n in art.pre_grad.graph.node if n.op_type == "LayerNormalization"][0]
+    assert len(ln.output) == 3  # the optional outputs were restored for the gradient
+    assert [p.name for p in art.passes][:1] == ["BatchNormRunningStatsPass"]
+    assert set(art.seconds) == {"export", "passes", "gradient_build", "session"}
+    onnx.checker.check_model(onnx.load(str(tmp_path / "build01_train_exported.onnx")))
+
+
+def test_user_export_unaffected_by_wrapper(tmp_path):
+    # ortwrap exports with its own settings; a user's export of the same module is untouched.
+    m = mlp().eval()
+    w = ORTWrap(m, fallback=False)
+    w(torch.randn(2, 8))
+    path = str(tmp_path / "user.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(m, (torch.randn(2, 8),), path, dynamo=False)
+    model = onnx.load(path)
+    assert len(model.graph.initializer) == 4  # parameters stay initializers in the user's export
