@@ -54,6 +54,11 @@ class TinyGPT(nn.Module):
         self.pos = nn.Embedding(cfg.max_len, cfg.d)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.d)
+        for mod in self.modules():  # GPT-2 style initialization
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(mod.weight, std=0.02)
+            if isinstance(mod, nn.Linear):
+                nn.init.zeros_(mod.bias)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
         t = ids.shape[1]

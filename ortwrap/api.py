@@ -64,6 +64,9 @@ class ORTWrap(nn.Module):
         self._last_artifacts: BuildArtifacts | None = None
         self._fallback_reason: ORTWrapError | None = None
         self._arg_names = _positional_names(module)
+        # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
+        # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
+        self._params: list[nn.Parameter] = list(module.parameters())
         self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
 
     # ------------------------------------------------------------------ public state
@@ -92,45 +95,54 @@ class ORTWrap(nn.Module):
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._params = list(self.module.parameters())
+        return result
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTWrap:
+        out = super()._apply(fn, recurse)
+        self._params = list(self.module.parameters())
+        return out
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
-        leaves: list[torch.Tensor] = []
-        names = self._arg_names
-        arg_specs = tuple(
-            _tree.flatten(a, names[i] if i < len(names) else f"args[{i}]", leaves, _unsupported_input)
-            for i, a in enumerate(args)
-        )
-        kw_keys = tuple(kwargs)
-        kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
-        in_spec = ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
-        training = self.module.training
-        needs_grad = torch.is_grad_enabled() and (
-            any(t.requires_grad for t in leaves) or any(p.requires_grad for p in self.module.parameters())
-        )
+        params_rg = tuple(p.requires_grad for p in self._params)
+        grad_on = torch.is_grad_enabled()
+        in_spec: tuple | None = None
+        if not kwargs and all(type(a) is torch.Tensor for a in args):
+            # Fast path: only plain positional tensors. Its key is the argument count; the tree
+            # spec is built only if a build is needed.
+            leaves = list(args)
+            structure: Any = len(args)
+        else:
+            leaves = []
+            in_spec = self._flatten_inputs(args, kwargs, leaves)
+            structure = in_spec
+        needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
-            training,
+            self.module.training,
             needs_grad,
-            in_spec,
+            structure,
             tuple((t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves),
-            tuple(p.requires_grad for p in self.module.parameters()) if needs_grad else (),
+            params_rg if needs_grad else (),
         )
         try:
             program = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
         if program is None:
-            program = self._build(key, leaves, in_spec, args, kwargs, training, needs_grad)
+            if in_spec is None:
+                in_spec = self._flatten_inputs(args, kwargs, [])
+            program = self._build(key, leaves, in_spec, needs_grad)
             if program is None:
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
         if program.with_backward:
-            outputs = RunTrainingGraph.apply(program.runner, program.n_outputs, *feeds)
+            outputs = RunTrainingGraph.apply(program, program.n_outputs, *feeds)
         else:
-            outputs = program.runner.forward(feeds)
+            outputs = program.runner.forward(program.bind(feeds))
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():
@@ -138,13 +150,25 @@ class ORTWrap(nn.Module):
                     buf.copy_(value)
         return _tree.unflatten(program.out_spec, outputs[:n])
 
-    def _build(self, key, leaves, in_spec, args, kwargs, training, needs_grad) -> Program | None:
+    def _flatten_inputs(self, args: tuple, kwargs: dict, leaves: list[torch.Tensor]) -> tuple:
+        """Append the tensors of ``(args, kwargs)`` to ``leaves``; return their tree spec."""
+        names = self._arg_names
+        arg_specs = tuple(
+            _tree.flatten(a, names[i] if i < len(names) else f"args[{i}]", leaves, _unsupported_input)
+            for i, a in enumerate(args)
+        )
+        kw_keys = tuple(kwargs)
+        kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
+        return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
+
+    def _build(self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
             raise UnsupportedInputError(
                 f"inputs and parameters are on several devices {sorted(map(str, devices))}; move them to one device"
             )
         device = devices.pop() if devices else torch.device("cpu")
+        self._params = list(self.module.parameters())
         paths = _leaf_paths(in_spec, self._arg_names)
         try:
             program, artifacts = compile_program(
@@ -152,7 +176,7 @@ class ORTWrap(nn.Module):
                 leaves,
                 in_spec,
                 paths,
-                training=training,
+                training=self.module.training,
                 with_backward=needs_grad,
                 device=device,
                 options=self._options,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -20,7 +21,9 @@ from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
+from ._ort import C
 from .runtime import InferenceRunner, TrainingRunner
+from .runtime.dlpack import StateValueCache, to_dlpack
 
 
 @dataclass
@@ -96,9 +99,33 @@ class Program:
             raise AssertionError(f"graph outputs {outputs} do not start with {exported.output_names}")
         self.buffer_outputs = [exported.buffer_outputs[name] for name in outputs[self.n_outputs :]]
         self._buffer_names = outputs[self.n_outputs :]
+        self._state_cache = StateValueCache(len(self._plan))
+        self._is_input = [ref is None for _, ref in self._plan]
 
     def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of every graph feed, in feed order: user inputs, parameters and buffers."""
         return [leaves[i] if ref is None else ref.get() for i, ref in self._plan]
+
+    def bind(self, feeds: Sequence[torch.Tensor]) -> C.OrtValueVector:
+        """``feeds`` as an OrtValueVector; parameters and buffers reuse their cached OrtValues."""
+        vec = C.OrtValueVector()
+        vec.reserve(len(feeds))
+        push = vec.push_back
+        cache = self._state_cache
+        cached_tensors, pointers, values = cache.tensors, cache.pointers, cache.values
+        for j, t in enumerate(feeds):
+            if self._is_input[j]:
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                if t.dtype is torch.bool:
+                    push(to_dlpack(t.view(torch.uint8)), True)
+                else:
+                    push(to_dlpack(t), False)
+            elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
+                push(values[j])
+            else:
+                push(cache.refresh(j, t))
+        return vec
 
 
 def _state_refs(module: nn.Module) -> dict[str, _StateRef]:

@@ -8,13 +8,19 @@ for as long as the tensor lives. No bytes are copied either way. Bool tensors cr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from .._ort import C
 
+# The C entry points: torch.utils.dlpack's wrappers add Python checks that cost microseconds a
+# tensor on every step.
+to_dlpack = torch._C._to_dlpack
+from_dlpack = torch._C._from_dlpack
 
-def to_ortvalues(tensors: list[torch.Tensor]) -> C.OrtValueVector:
+
+def to_ortvalues(tensors: Sequence[torch.Tensor]) -> C.OrtValueVector:
     """Wrap ``tensors`` (made contiguous if they are not) as an OrtValueVector."""
     vec = C.OrtValueVector()
     vec.reserve(len(tensors))
@@ -27,6 +33,39 @@ def to_ortvalues(tensors: list[torch.Tensor]) -> C.OrtValueVector:
         else:
             push(to_dlpack(t), False)
     return vec
+
+
+def ortvalue(t: torch.Tensor) -> C.OrtValue:
+    """One OrtValue sharing ``t``'s memory (``t`` must be contiguous); it keeps ``t`` alive."""
+    if t.dtype is torch.bool:
+        return C.OrtValue.from_dlpack(to_dlpack(t.view(torch.uint8)), True)
+    return C.OrtValue.from_dlpack(to_dlpack(t), False)
+
+
+class StateValueCache:
+    """OrtValues for parameters and buffers, reused across steps while their memory is unchanged.
+
+    NOTE: an optimizer updates parameters in place, so the OrtValue wrapping a parameter's memory
+    stays valid from step to step; wrapping it again each step would cost about a microsecond per
+    tensor. A cached OrtValue is reused only while the tensor is the same object with the same data
+    pointer, shape and dtype; otherwise (``load_state_dict(assign=True)``, ``param.data = ...``) it
+    is rebuilt. The cache keeps the wrapped tensors alive until they are replaced.
+    """
+
+    __slots__ = ("tensors", "pointers", "values")
+
+    def __init__(self, n: int) -> None:
+        self.tensors: list[torch.Tensor | None] = [None] * n
+        self.pointers: list[int] = [0] * n
+        self.values: list[C.OrtValue | None] = [None] * n
+
+    def refresh(self, i: int, t: torch.Tensor) -> C.OrtValue:
+        """Wrap ``t`` (the feed at index ``i``) anew and remember it."""
+        if not t.is_contiguous():
+            t = t.contiguous()
+        ov = ortvalue(t)
+        self.tensors[i], self.pointers[i], self.values[i] = t, t.data_ptr(), ov
+        return ov
 
 
 def to_tensors(values: C.OrtValueVector) -> list[torch.Tensor]:

@@ -21,21 +21,26 @@ from .session import TrainingRunner
 
 
 class RunTrainingGraph(torch.autograd.Function):
-    """``RunTrainingGraph.apply(runner, n_diff_outputs, *feeds) -> outputs``."""
+    """``RunTrainingGraph.apply(program, n_diff_outputs, *feeds) -> outputs``.
+
+    ``program`` binds the feeds to OrtValues (``program.bind``) and holds the ``TrainingRunner``.
+    """
 
     @staticmethod
-    def forward(ctx, runner: TrainingRunner, n_diff_outputs: int, *feeds: torch.Tensor):  # type: ignore[override]
-        outputs, state = runner.forward(list(feeds))
-        info = runner.graph.info
+    def forward(ctx, program, n_diff_outputs: int, *feeds: torch.Tensor):  # type: ignore[override]
+        runner: TrainingRunner = program.runner
+        outputs, state = runner.forward(program.bind(feeds))
         ctx.runner = runner
         ctx.state = state
         ctx.n_feeds = len(feeds)
         ctx.set_materialize_grads(False)
-        non_diff = info.non_differentiable_outputs
-        ctx.output_meta = [(t.shape, t.dtype, t.device) for t in outputs]
+        non_diff = runner.graph.info.non_differentiable_outputs
+        meta = []
         for i, t in enumerate(outputs):
+            meta.append((t.shape, t.dtype, t.device))
             if i in non_diff or i >= n_diff_outputs or not t.is_floating_point():
                 ctx.mark_non_differentiable(t)
+        ctx.output_meta = meta
         return tuple(outputs)
 
     @staticmethod
@@ -50,9 +55,10 @@ class RunTrainingGraph(torch.autograd.Function):
             )
         grads = []
         non_diff = info.non_differentiable_outputs
-        for i, g in enumerate(grad_outputs[: len(info.user_output_names)]):
+        for i in range(len(info.user_output_names)):
             if i in non_diff:
                 continue
+            g = grad_outputs[i]
             if g is None:
                 shape, dtype, device = ctx.output_meta[i]
                 g = torch.zeros(shape if i in info.full_shape_grad_outputs else (), dtype=dtype, device=device)

@@ -75,11 +75,11 @@ class TrainingRunner:
         except Exception as e:  # noqa: BLE001
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
-    def forward(self, feeds: list[torch.Tensor]) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
+    def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         state = C.PartialGraphExecutionState()
         fetches = C.OrtValueVector()
         try:
-            self._agent.run_forward(to_ortvalues(feeds), fetches, state, None)
+            self._agent.run_forward(feeds, fetches, state, None)
         except Exception as e:  # noqa: BLE001
             raise RuntimeRunError(f"forward run failed: {e}") from e
         return to_tensors(fetches), state
@@ -105,11 +105,11 @@ class InferenceRunner:
         self._devices = [ort_device] * len(self._fetch_names)
         self._run_options = ort.RunOptions()
 
-    def forward(self, feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
         try:
             self._sess.run_with_ortvaluevector(
-                self._run_options, self._feed_names, to_ortvalues(feeds), self._fetch_names, fetches, self._devices
+                self._run_options, self._feed_names, feeds, self._fetch_names, fetches, self._devices
             )
         except Exception as e:  # noqa: BLE001
             raise RuntimeRunError(f"forward run failed: {e}") from e

@@ -1,0 +1,53 @@
+"""Shared benchmark harness: interleaved timing of eager and ortwrap training steps."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: int) -> dict[str, list[float]]:
+    """Run each named step ``warmup`` times, then ``iters`` rounds in which every step runs once,
+    rotating the order each round; return each step's wall times in seconds."""
+    names = list(steps)
+    for _ in range(warmup):
+        for n in names:
+            steps[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(iters):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            steps[n]()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ms(ts: list[float]) -> float:
+    return statistics.median(ts) * 1e3
+
+
+def report(title: str, times: dict[str, list[float]], baseline: str = "eager") -> None:
+    print(f"\n== {title}")
+    base = statistics.median(times[baseline])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        q1, q3 = statistics.quantiles(ts, n=4)[0], statistics.quantiles(ts, n=4)[2]
+        ratio = f"  ratio {name}/{baseline} = {med / base:.2f}x" if name != baseline else ""
+        print(f"  {name:<28} median {med * 1e3:9.3f} ms  (IQR {q1 * 1e3:.3f}-{q3 * 1e3:.3f}){ratio}")
+
+
+def train_step(model, opt, make_loss: Callable[[object], object]) -> Callable[[], None]:
+    def step() -> None:
+        loss = make_loss(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step

@@ -1,0 +1,16 @@
+"""Run every benchmark in sequence (make bench)."""
+
+from __future__ import annotations
+
+import bench_lm
+import bench_mlp
+import bench_overhead
+import bench_threads
+import torch
+
+if __name__ == "__main__":
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    bench_mlp.main()
+    bench_lm.main()
+    bench_overhead.main()
+    bench_threads.main()
