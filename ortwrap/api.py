@@ -17,7 +17,7 @@ from torch import nn
 
 from . import _tree
 from ._logging import configure, logger
-from .errors import FALLBACK_PHASES, ORTWrapError, UnsupportedInputError
+from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedInputError
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
 from .runtime.function import RunTrainingGraph
@@ -132,10 +132,15 @@ class ORTWrap(nn.Module):
             program = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
+        if type(program) is dict:  # graphs with static non-batch dimensions: one program per shape
+            shape_key = tuple(tuple(t.shape[1:]) for t in leaves)
+            table, program = program, program.get(shape_key)
+        else:
+            table = None
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
-            program = self._build(key, leaves, in_spec, needs_grad)
+            program = self._build(key, leaves, in_spec, needs_grad, table)
             if program is None:
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
@@ -161,7 +166,9 @@ class ORTWrap(nn.Module):
         kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
         return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
 
-    def _build(self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool) -> Program | None:
+    def _build(
+        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, table: dict | None
+    ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
             raise UnsupportedInputError(
@@ -182,7 +189,7 @@ class ORTWrap(nn.Module):
                 options=self._options,
             )
         except FALLBACK_PHASES as e:
-            self._export_count += 1
+            self._export_count += 1 if isinstance(e, ExportError) else 2
             if not self._options.fallback:
                 raise
             self._fallback_reason = e
@@ -194,8 +201,13 @@ class ORTWrap(nn.Module):
             )
             logger.warning("falling back to PyTorch: %s", e)
             return None
-        self._export_count += 1
-        self._programs[key] = program
+        self._export_count += artifacts.exports
+        if program.static_spatial:
+            if table is None:
+                table = self._programs[key] = {}
+            table[tuple(tuple(t.shape[1:]) for t in leaves)] = program
+        else:
+            self._programs[key] = program
         self._last_artifacts = artifacts
         if self._options.debug_dir:
             paths_saved = artifacts.save(self._options.debug_dir, self._export_count)

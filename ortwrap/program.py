@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from ._logging import logger
+from .errors import ExportError
 from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
+from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
 from ._ort import C
 from .runtime import InferenceRunner, TrainingRunner
 from .runtime.dlpack import StateValueCache, to_dlpack
@@ -38,6 +40,8 @@ class BuildArtifacts:
         seconds: wall time of each stage.
         training: exported in training mode.
         with_backward: built with a backward graph.
+        exports: how many exports the build took (2 when a graph needed static spatial shapes).
+        static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
     """
 
     exported: onnx.ModelProto
@@ -47,6 +51,8 @@ class BuildArtifacts:
     seconds: dict[str, float] = field(default_factory=dict)
     training: bool = True
     with_backward: bool = True
+    exports: int = 1
+    static_reasons: list[str] = field(default_factory=list)
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -83,6 +89,8 @@ class Program:
         self.graph = graph
         self.runner = runner
         self.with_backward = graph.has_backward
+        #: Non-batch dimensions are part of the graph: each new one needs its own program.
+        self.static_spatial = exported.static_spatial
         self.out_spec = exported.out_spec
         index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
         refs = _state_refs(module)
@@ -128,6 +136,16 @@ class Program:
         return vec
 
 
+def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
+    """Frozen duplicate inputs made by the stop-gradient pass are fed the tensor they duplicate."""
+    for value in exported.model.graph.input:
+        name = value.name
+        if name.endswith(STOP_GRADIENT_SUFFIX) and name not in exported.state_inputs:
+            base = name[: -len(STOP_GRADIENT_SUFFIX)]
+            exported.state_inputs[name] = exported.state_inputs[base]
+            exported.state_names[name] = exported.state_names[base]
+
+
 def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
     refs: dict[str, _StateRef] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -156,7 +174,23 @@ def compile_program(
     """
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    exported = export_torchscript(module, leaves, in_spec, input_paths, training=training, opset=options.opset)
+    try:
+        exported = export_torchscript(module, leaves, in_spec, input_paths, training=training, opset=options.opset)
+    except ExportError as e:
+        # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
+        if "input size not accessible" not in str(e):
+            raise
+        exported = None
+        reason = "the exporter needs static spatial sizes"
+    else:
+        reason = "; ".join(exported.static_reasons)
+    exports = 1
+    if exported is None or exported.static_reasons:
+        logger.info("exporting with static non-batch dimensions: %s", reason)
+        exported = export_torchscript(
+            module, leaves, in_spec, input_paths, training=training, opset=options.opset, static_spatial=True
+        )
+        exports = 2
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
@@ -166,8 +200,13 @@ def compile_program(
     seconds["passes"] = t2 - t1
     remaining = {o.name for o in exported.model.graph.output}
     exported.buffer_outputs = {k: v for k, v in exported.buffer_outputs.items() if k in remaining}
+    _add_stop_gradient_inputs(exported)
     state = list(exported.state_inputs)
-    trainable = [n for n, t in exported.state_inputs.items() if isinstance(t, nn.Parameter) and t.requires_grad]
+    trainable = [
+        n
+        for n, t in exported.state_inputs.items()
+        if isinstance(t, nn.Parameter) and t.requires_grad and not n.endswith(STOP_GRADIENT_SUFFIX)
+    ]
     require_grad = [
         name
         for name, t in zip(exported.user_input_names, leaves)
@@ -186,7 +225,9 @@ def compile_program(
     runner = (TrainingRunner if with_backward else InferenceRunner)(graph, device, options)
     seconds["session"] = time.perf_counter() - t3
     program = Program(exported, graph, runner, module)
-    artifacts = BuildArtifacts(exported_proto, exported.model, graph, records, seconds, training, with_backward)
+    artifacts = BuildArtifacts(
+        exported_proto, exported.model, graph, records, seconds, training, with_backward, exports, exported.static_reasons
+    )
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "built %s program for %s in %.2fs (%s)",

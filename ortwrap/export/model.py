@@ -22,6 +22,8 @@ class ExportedModel:
         buffer_outputs: graph output name -> the buffer that receives its value after each forward
             (buffers the module updates, such as BatchNorm running statistics).
         state_names: graph input name -> the module's own name for that parameter or buffer.
+        static_reasons: why this graph needs static non-batch dimensions (empty if it does not).
+        static_spatial: the export made only dimension 0 of each input dynamic.
     """
 
     model: onnx.ModelProto
@@ -31,3 +33,5 @@ class ExportedModel:
     out_spec: tuple
     buffer_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
     state_names: dict[str, str] = field(default_factory=dict)
+    static_reasons: list[str] = field(default_factory=list)
+    static_spatial: bool = False

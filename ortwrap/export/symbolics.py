@@ -1,28 +1,147 @@
 """Custom TorchScript symbolics, registered only while ortwrap exports.
 
-``ortwrap_symbolics`` registers them on entry and restores whatever was registered before on exit,
-so a user's own ``torch.onnx.export`` calls are unaffected.
+``ortwrap_symbolics`` installs them on entry and, on exit, restores whatever the registry held
+before (including a user's own custom symbolic for the same op), so a user's ``torch.onnx.export``
+calls are unaffected.
+
+=============================  =================================================================
+aten op                        why ortwrap overrides it
+=============================  =================================================================
+embedding                      ``padding_idx``: ONNX ``Gather`` would send gradient to the padding
+                               row. Padding positions read the row through a stop-gradient copy of
+                               the weight (``ortwrap::StopGradient``, resolved by a pass).
+cross_entropy_loss             ``label_smoothing`` is refused by torch's symbolic; emitted as
+                               ``SoftmaxCrossEntropyLoss`` (both outputs) plus the smoothing term.
+adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size into a fixed
+                               pooling kernel; ortwrap records that the graph needs static spatial
+                               shapes (see ``export.torchscript``).
+=============================  =================================================================
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+from collections.abc import Callable, Iterator
 
-_SYMBOLICS: dict[str, object] = {}
+import torch
+
+#: Domain of the marker ops ortwrap's symbolics emit; passes resolve them before the gradient build.
+ORTWRAP_DOMAIN = "ortwrap"
+
+#: Reasons, collected during one export, why the graph needs static non-batch dimensions.
+_static_reasons: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ortwrap_static", default=None)
+
+
+def _registry():
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    return registration.registry
+
+
+def _helper():
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+
+    return symbolic_helper
+
+
+def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    sh = _helper()
+    padding_idx = sh._maybe_get_const(padding_idx, "i")
+    if sh._maybe_get_const(scale_grad_by_freq, "b"):
+        raise RuntimeError("ortwrap: nn.Embedding(scale_grad_by_freq=True) has no ONNX Runtime equivalent")
+    gathered = g.op("Gather", weight, indices)
+    if padding_idx is None or padding_idx < 0:
+        return gathered
+    frozen = g.op(f"{ORTWRAP_DOMAIN}::StopGradient", weight)
+    frozen_rows = g.op("Gather", frozen, indices)
+    pad = g.op("Constant", value_t=torch.tensor(padding_idx, dtype=torch.int64))
+    is_pad = g.op("Equal", g.op("Cast", indices, to_i=7), pad)
+    is_pad = g.op("Unsqueeze", is_pad, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
+    return g.op("Where", is_pad, frozen_rows, gathered)
+
+
+def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, label_smoothing):
+    sh = _helper()
+    reduction = sh._maybe_get_const(reduction, "i")
+    ignore_index = sh._maybe_get_const(ignore_index, "i")
+    label_smoothing = float(sh._maybe_get_const(label_smoothing, "f") or 0.0)
+    mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
+    has_weight = not sh._is_none(weight)
+    inputs = [logits, target] + ([weight] if has_weight else [])
+    loss, _log_prob = g.op(
+        "SoftmaxCrossEntropyLoss", *inputs, reduction_s=mode, ignore_index_i=ignore_index, outputs=2
+    )
+    if label_smoothing == 0.0:
+        return loss
+    if has_weight:
+        raise RuntimeError("ortwrap: cross_entropy with both class weights and label_smoothing is not supported")
+    # torch: (1 - eps) * nll + eps / C * sum_c(-log p_c), zero at ignored targets, reduced like nll.
+    # (Cast, not CastLike: ORT 1.19.2 has no gradient for CastLike.)
+    from torch.onnx._internal.torchscript_exporter import _type_utils
+
+    scalar = _type_utils.JitScalarType.from_value(logits, _type_utils.JitScalarType.FLOAT)
+    onnx_type = scalar.onnx_type()
+    torch_dtype = scalar.dtype()
+
+    def const(v: float):
+        return g.op("Constant", value_t=torch.tensor(v, dtype=torch_dtype))
+
+    log_p = g.op("LogSoftmax", logits, axis_i=1)
+    smooth = g.op("Neg", g.op("ReduceSum", log_p, g.op("Constant", value_t=torch.tensor([1])), keepdims_i=0))
+    ignored = g.op("Equal", target, g.op("Constant", value_t=torch.tensor(ignore_index, dtype=torch.int64)))
+    zero = const(0.0)
+    smooth = g.op("Where", ignored, zero, smooth)
+    if mode == "mean":
+        kept = g.op("Cast", g.op("Not", ignored), to_i=onnx_type)
+        smooth = g.op("Div", g.op("ReduceSum", smooth, keepdims_i=0), g.op("ReduceSum", kept, keepdims_i=0))
+    elif mode == "sum":
+        smooth = g.op("ReduceSum", smooth, keepdims_i=0)
+    classes = g.op("Gather", g.op("Shape", logits), g.op("Constant", value_t=torch.tensor(1)), axis_i=0)
+    classes = g.op("Cast", classes, to_i=onnx_type)
+    return g.op("Add", g.op("Mul", const(1.0 - label_smoothing), loss), g.op("Mul", g.op("Div", const(label_smoothing), classes), smooth))
+
+
+def _adaptive_pool(name: str, default: Callable) -> Callable:
+    def symbolic(g, x, output_size, *rest):
+        sizes = _helper()._maybe_get_const(output_size, "is")
+        if not isinstance(sizes, (list, tuple)) or any(s != 1 for s in sizes):
+            reasons = _static_reasons.get()
+            if reasons is not None:
+                reasons.append(f"{name} with output size {sizes} bakes the traced input size into its kernel")
+        return default(g, x, output_size, *rest)
+
+    return symbolic
+
+
+_ADAPTIVE = [f"aten::adaptive_{kind}_pool{d}d" for kind in ("avg", "max") for d in (1, 2, 3)]
 
 
 @contextlib.contextmanager
-def ortwrap_symbolics(opset: int) -> Iterator[None]:
-    """Register ortwrap's symbolics for the duration of one export."""
-    from torch.onnx import register_custom_op_symbolic, unregister_custom_op_symbolic
-
-    registered = []
+def ortwrap_symbolics(opset: int) -> Iterator[list[str]]:
+    """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
+    registry = _registry()
+    symbolics: dict[str, Callable] = {
+        "aten::embedding": _embedding,
+        "aten::cross_entropy_loss": _cross_entropy_loss,
+    }
+    for name in _ADAPTIVE:
+        group = registry.get_function_group(name)
+        default = group.get(opset) if group is not None else None
+        if default is not None:
+            symbolics[name] = _adaptive_pool(name.split("::")[1], default)
+    saved: dict[str, Callable | None] = {}
+    for name, fn in symbolics.items():
+        group = registry.get_function_group(name)
+        saved[name] = group._functions[opset] if group is not None and group._functions.overridden(opset) else None
+        registry.register(name, opset, fn, custom=True)
+    reasons: list[str] = []
+    token = _static_reasons.set(reasons)
     try:
-        for name, fn in _SYMBOLICS.items():
-            register_custom_op_symbolic(name, fn, opset)
-            registered.append(name)
-        yield
+        yield reasons
     finally:
-        for name in registered:
-            unregister_custom_op_symbolic(name, opset)
+        _static_reasons.reset(token)
+        for name, prev in saved.items():
+            registry.unregister(name, opset)
+            if prev is not None:
+                registry.register(name, opset, prev, custom=True)

@@ -79,6 +79,7 @@ def export_torchscript(
     *,
     training: bool,
     opset: int,
+    static_spatial: bool = False,
 ) -> ExportedModel:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
@@ -89,6 +90,7 @@ def export_torchscript(
         input_paths: a readable path for each flat input (``"x"``, ``"batch['ids']"``).
         training: export in training mode (dropout on, batch statistics) or eval mode.
         opset: ONNX opset to target.
+        static_spatial: make only dimension 0 of each input dynamic (see :func:`static_shape_reasons`).
 
     Raises:
         ExportError: chained to the exporter's error.
@@ -96,12 +98,13 @@ def export_torchscript(
     buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
     adapter = _Adapter(module, in_spec, buffer_names)
     input_names = [f"input:{p}" for p in input_paths]
-    dynamic_axes = {name: {d: f"{name}.dim{d}" for d in range(t.dim())} for name, t in zip(input_names, flat_inputs)}
+    dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
+    dynamic_axes = {name: {d: f"{name}.dim{d}" for d in dims(t)} for name, t in zip(input_names, flat_inputs)}
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     f = io.BytesIO()
     was_training = module.training
     try:
-        with _preserved_state(module), ortwrap_symbolics(opset), warnings.catch_warnings():
+        with _preserved_state(module), ortwrap_symbolics(opset) as symbolic_reasons, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 adapter,
@@ -150,7 +153,20 @@ def export_torchscript(
         out_spec=adapter.out_spec,
         buffer_outputs={o: buffers[b] for o, b in zip(output_names[n_out:], buffer_names)},
         state_names=state_names,
+        static_reasons=list(symbolic_reasons) + _graph_static_reasons(model),
+        static_spatial=static_spatial,
     )
+
+
+#: Ops whose ORT 1.19.2 gradient (or its rewrite) needs static non-batch dimensions: pooling grads
+#: size their result from statically inferred shapes (MaxPoolGrad crashes with dynamic H/W), and
+#: the Resize rewrite tabulates fixed interpolation matrices.
+STATIC_SPATIAL_OPS = frozenset({"MaxPool", "AveragePool", "Resize", "Upsample", "LpPool", "MaxUnpool"})
+
+
+def _graph_static_reasons(model: onnx.ModelProto) -> list[str]:
+    found = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in STATIC_SPATIAL_OPS})
+    return [f"{op} needs static spatial shapes for its gradient" for op in found]
 
 
 def _name_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:

@@ -1,0 +1,33 @@
+"""A small helper for passes that replace one node with a few new ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+
+class NodeBuilder:
+    """Collects new nodes, named after the node they replace, and splices them into a graph."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type: str, *inputs: ir.Value | None, **attrs) -> ir.Value:
+        n = ir.node(op_type, list(inputs), attributes=attrs, name=f"{self.prefix}/ortwrap/{op_type}_{len(self.nodes)}")
+        self.nodes.append(n)
+        return n.outputs[0]
+
+    def const(self, value: np.ndarray) -> ir.Value:
+        return self.op("Constant", value=ir.tensor(value))
+
+    def replace(self, graph: ir.Graph, node: ir.Node, new_outputs: list[ir.Value]) -> None:
+        """Insert the new nodes before ``node``, move the uses and names of its outputs to
+        ``new_outputs`` (graph outputs included) and remove it."""
+        graph.insert_before(node, self.nodes)
+        for old, new in zip(node.outputs, new_outputs):
+            name = old.name
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            old.name = None
+            new.name = name
+        graph.remove(node, safe=True)
