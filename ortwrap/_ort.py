@@ -6,6 +6,52 @@ import on current PyTorch.
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import importlib.metadata
+import importlib.util
+import os
+
+from .options import env_flag
+
+#: CUDA 11.8 / cuDNN 8 libraries that onnxruntime-training 1.19.2 (CUDA build) links against, as
+#: installed by the ``ortwrap[cuda]`` extra (NVIDIA's PyPI wheels), in load order.
+_CUDA_LIBRARIES = (
+    "cuda_runtime/lib/libcudart.so.11*",
+    "cuda_nvrtc/lib/libnvrtc.so.11*",
+    "cublas/lib/libcublasLt.so.11",
+    "cublas/lib/libcublas.so.11",
+    "cufft/lib/libcufft.so.10",
+    "curand/lib/libcurand.so.10",
+    "cudnn/lib/libcudnn*.so.8",
+)
+
+
+def _preload_cuda_libraries() -> list[str]:
+    """Load the CUDA 11 libraries of the ``nvidia-*-cu11`` wheels globally, so that ORT's CUDA
+    provider finds them without LD_LIBRARY_PATH (torch's own CUDA 12 libraries have other sonames
+    and are unaffected). Does nothing for the CPU build. Returns the paths loaded."""
+    try:
+        importlib.metadata.distribution("onnxruntime-training")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    loaded = []
+    for root in spec.submodule_search_locations:
+        for pattern in _CUDA_LIBRARIES:
+            for path in sorted(glob.glob(os.path.join(root, pattern))):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    loaded.append(path)
+                except OSError:
+                    pass
+    return loaded
+
+
+PRELOADED_CUDA_LIBRARIES = _preload_cuda_libraries() if env_flag("ORTWRAP_PRELOAD_CUDA", True) else []
+
 try:
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state as C
@@ -22,4 +68,4 @@ if not hasattr(C, "OrtModuleGraphBuilder"):  # pragma: no cover
         "uninstall onnxruntime and install onnxruntime-training-cpu==1.19.2 or onnxruntime-training==1.19.2"
     )
 
-__all__ = ["C", "ort"]
+__all__ = ["C", "ort", "PRELOADED_CUDA_LIBRARIES"]

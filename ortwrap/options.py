@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Options", "ENV_VARS"]
+__all__ = ["Options", "ENV_VARS", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("torchscript",)
@@ -112,6 +112,21 @@ def _parse(raw: str, default: Any) -> Any:
     if isinstance(default, int):
         return int(raw)
     return raw
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean environment variable that is not an ORTWrap option (read at import time).
+
+    ``ORTWRAP_PRELOAD_CUDA`` (default 1): with the CUDA build, load the CUDA 11.8 / cuDNN 8
+    libraries of the ``nvidia-*-cu11`` wheels before importing onnxruntime.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return _parse(raw, default)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {e}") from e
 
 
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.

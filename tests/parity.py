@@ -42,22 +42,22 @@ def default_loss(out: Any) -> torch.Tensor:
     total = 0.0
     for i, t in enumerate(tensor_leaves(out)):
         if t.is_floating_point() and t.requires_grad:
-            w = torch.linspace(-1.0, 1.0 + i, t.numel(), dtype=t.dtype).reshape(t.shape)
+            w = torch.linspace(-1.0, 1.0 + i, t.numel(), dtype=t.dtype, device=t.device).reshape(t.shape)
             total = total + (t * w).sum()
     return total
 
 
-def _clone_inputs(args: Any) -> Any:
+def _clone_inputs(args: Any, device: str = "cpu") -> Any:
     if isinstance(args, torch.Tensor):
-        c = args.detach().clone()
+        c = args.detach().to(device).clone()
         c.requires_grad_(args.requires_grad)
         return c
     if isinstance(args, dict):
-        return type(args)((k, _clone_inputs(v)) for k, v in args.items())
+        return type(args)((k, _clone_inputs(v, device)) for k, v in args.items())
     if isinstance(args, tuple) and hasattr(args, "_fields"):
-        return type(args)(*(_clone_inputs(v) for v in args))
+        return type(args)(*(_clone_inputs(v, device) for v in args))
     if isinstance(args, (list, tuple)):
-        return type(args)(_clone_inputs(v) for v in args)
+        return type(args)(_clone_inputs(v, device) for v in args)
     return args
 
 
@@ -73,6 +73,7 @@ def check_parity(
     rtol: float = RTOL,
     wrap_options: dict | None = None,
     seed: int = 0,
+    device: str = "cpu",
 ) -> ORTWrap:
     """Train a model eagerly and an identical copy through ORTWrap; assert they agree at every step.
 
@@ -81,7 +82,7 @@ def check_parity(
     assertions (export counts, artifacts).
     """
     torch.manual_seed(seed)
-    eager = make_model()
+    eager = make_model().to(device)
     ours = copy.deepcopy(eager)
     wrapped = ORTWrap(ours, **{"fallback": False, **(wrap_options or {})})
     eager.train(train)
@@ -91,8 +92,8 @@ def check_parity(
     gen = torch.Generator().manual_seed(seed + 1)
     for step, bs in enumerate(batch_sizes):
         args, kwargs = make_inputs(bs, gen)
-        args_e, kwargs_e = _clone_inputs(args), _clone_inputs(kwargs)
-        args_o, kwargs_o = _clone_inputs(args), _clone_inputs(kwargs)
+        args_e, kwargs_e = _clone_inputs(args, device), _clone_inputs(kwargs, device)
+        args_o, kwargs_o = _clone_inputs(args, device), _clone_inputs(kwargs, device)
         out_e = eager(*args_e, **kwargs_e)
         out_o = wrapped(*args_o, **kwargs_o)
         assert type(out_o) is type(out_e), f"step {step}: output type {type(out_o)} != eager {type(out_e)}"

@@ -297,3 +297,33 @@ def test_user_export_unaffected_by_wrapper(tmp_path):
         torch.onnx.export(m, (torch.randn(2, 8),), path, dynamo=False)
     model = onnx.load(path)
     assert len(model.graph.initializer) == 4  # parameters stay initializers in the user's export
+
+
+def test_custom_autograd_function_is_never_silently_differentiated_by_ort():
+    # Until the PythonOp bridge lands, a Function cannot be exported: ortwrap must fall back (with
+    # a warning naming it) rather than differentiate the Function's forward ops.
+    class StraightThrough(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.round(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3.0  # not the derivative of round()
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return StraightThrough.apply(self.l(x))
+
+    m = M()
+    ref = copy.deepcopy(m)
+    w = ORTWrap(m)
+    x = torch.randn(4, 3)
+    with pytest.warns(FallbackWarning, match="StraightThrough"):
+        w(x).sum().backward()
+    ref(x).sum().backward()
+    assert_close(m.l.weight.grad, ref.l.weight.grad, "gradient through the custom backward")

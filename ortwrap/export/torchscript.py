@@ -121,8 +121,11 @@ def export_torchscript(
                 autograd_inlining=False,
             )
     except Exception as e:  # noqa: BLE001 - any exporter failure is an ExportError
+        text = str(e)
+        if len(text) > 500:  # the exporter appends whole graphs; the chained cause keeps them
+            text = text[:500] + " ... (full message in the chained exception)"
         raise ExportError(
-            f"torch.onnx.export (TorchScript) failed for {type(module).__name__}: {type(e).__name__}: {e}. "
+            f"torch.onnx.export (TorchScript) failed for {type(module).__name__}: {type(e).__name__}: {text}. "
             "Check that the module's forward is traceable, or run it without ORTWrap."
         ) from e
     finally:

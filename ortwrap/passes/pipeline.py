@@ -9,10 +9,16 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import PassError
+from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
+from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
+from .instance_norm import DecomposeInstanceNormPass
+from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
+from .resize_to_matmul import ResizeToMatMulPass
+from .stop_gradient import ResolveStopGradientPass
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,21 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
         with_backward: the graph will get a backward; adds the rewrites only gradients need.
     """
     passes: list[ir.passes.PassBase] = [
+        ResolveStopGradientPass(),
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
     ]
     if with_backward:
-        passes.append(DecomposeEvalBatchNormPass())
+        # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
+        passes += [
+            DecomposeEvalBatchNormPass(),
+            DecomposeNLLLossPass(),
+            DecomposeInstanceNormPass(),
+            EinsumToMatMulPass(),
+            AveragePoolToConvPass(),
+            ResizeToMatMulPass(),
+        ]
     return passes
 
 
@@ -46,6 +61,8 @@ def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tupl
     Raises:
         PassError: naming the pass that failed, chained to its error.
     """
+    # Shapes let passes read ranks and static dimensions; ops ONNX does not know are skipped.
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     ir_model = ir.serde.deserialize_model(model)
     records = []
     for p in passes:

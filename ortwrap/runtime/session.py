@@ -37,9 +37,18 @@ def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDev
                 "install ortwrap[cuda] (onnxruntime-training==1.19.2) instead of ortwrap[cpu]"
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
+        # NOTE: ORT computes on torch's current stream, so its kernels are ordered after the torch
+        # kernels that produced the inputs and before those that consume the outputs.
+        stream = torch.cuda.current_stream(index).cuda_stream
+        cuda_options = {
+            "device_id": str(index),
+            "cudnn_conv_algo_search": "HEURISTIC",
+            "has_user_compute_stream": "1",
+            "user_compute_stream": str(stream),
+        }
         return (
             ["CUDAExecutionProvider", "CPUExecutionProvider"],
-            [{"device_id": str(index), "cudnn_conv_algo_search": "HEURISTIC"}, {}],
+            [cuda_options, {}],
             C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), index),
         )
     raise SessionError(f"device {device} is not supported; ortwrap runs on cpu and cuda")
