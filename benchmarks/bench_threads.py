@@ -1,47 +1,67 @@
-"""Effect of ORT's thread settings on a training step, in one interleaved run.
+"""Effect of ORT's thread settings on a training step.
 
 ORT's default lets idle intra-op threads spin; between ORT runs they compete with PyTorch's OpenMP
 threads (optimizer step, loss, autograd) for the same cores. ortwrap turns spinning off and uses
-as many intra-op threads as torch. This prints eager and ortwrap step times for the MLP (a) and
-the LM (b) under: ortwrap's default, spinning on (ORT's default), and one intra-op thread.
+as many intra-op threads as torch. Each configuration runs in its own process (thread pools of
+several sessions in one process would disturb each other), with its own interleaved eager baseline:
+
+    python benchmarks/bench_threads.py            # all configurations, MLP (a) and LM (b)
+    python benchmarks/bench_threads.py --one mlp 2 0   # one: model, intra-op threads, spinning
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
+import subprocess
+import sys
 
-import torch
-from _harness import interleaved, report, train_step
-from tiny_gpt import GPTConfig, TinyGPT, batch
-from torch import nn
-
-from ortwrap import ORTWrap
-
-CONFIGS = {
-    "ortwrap (spinning off, N threads)": {},
-    "ortwrap spinning on (ORT default)": {"allow_spinning": True},
-    "ortwrap 1 intra-op thread": {"intra_op_threads": 1},
-}
+CONFIGS = [(0, 0, "ortwrap default: spinning off, threads = torch's"), (0, 1, "spinning on (ORT's default)"), (1, 0, "1 intra-op thread, spinning off")]
 
 
-def _compare(title: str, model: nn.Module, make_loss, iters: int, warmup: int) -> None:
-    steps = {"eager": train_step(model, torch.optim.SGD(model.parameters(), lr=0.01), make_loss)}
-    for name, opts in CONFIGS.items():
-        w = ORTWrap(copy.deepcopy(model), fallback=False, **opts)
-        steps[name] = train_step(w, torch.optim.SGD(w.parameters(), lr=0.01), make_loss)
-    report(title, interleaved(steps, warmup=warmup, iters=iters))
+def one(which: str, threads: int, spin: bool) -> None:
+    import torch
+    from _harness import interleaved, train_step
+    from tiny_gpt import GPTConfig, TinyGPT, batch
+    from torch import nn
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    if which == "mlp":
+        x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
+        lossf = nn.CrossEntropyLoss()
+        model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
+        make_loss, iters, warmup = (lambda m: lossf(m(x), y)), 200, 20
+    else:
+        cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
+        ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
+        model = TinyGPT(cfg)
+        make_loss, iters, warmup = (lambda m: m(ids, tgt)[0]), 12, 2
+    w = ORTWrap(copy.deepcopy(model), fallback=False, intra_op_threads=threads, allow_spinning=spin)
+    steps = {
+        "eager": train_step(model, torch.optim.SGD(model.parameters(), lr=0.01), make_loss),
+        "ortwrap": train_step(w, torch.optim.SGD(w.parameters(), lr=0.01), make_loss),
+    }
+    t = interleaved(steps, warmup=warmup, iters=iters)
+    e, o = statistics.median(t["eager"]), statistics.median(t["ortwrap"])
+    print(f"{e * 1e3:.3f} {o * 1e3:.3f}")
 
 
 def main() -> None:
-    torch.manual_seed(0)
-    x, y = torch.randn(64, 784), torch.randint(0, 10, (64,))
-    lossf = nn.CrossEntropyLoss()
-    mlp = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 10))
-    _compare("threads: (a) MLP", mlp, lambda m: lossf(m(x), y), iters=100, warmup=5)
-    cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
-    ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
-    _compare("threads: (b) GPT LM", TinyGPT(cfg), lambda m: m(ids, tgt)[0], iters=10, warmup=2)
+    for which, title in (("mlp", "(a) MLP"), ("lm", "(b) GPT LM")):
+        print(f"\n== threads: {title}")
+        for threads, spin, label in CONFIGS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", which, str(threads), str(spin)],
+                capture_output=True, text=True, check=True,
+            ).stdout.split()
+            e, o = float(out[-2]), float(out[-1])
+            print(f"  {label:<48} eager {e:8.3f} ms  ortwrap {o:8.3f} ms  ratio ortwrap/eager = {o / e:.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--one":
+        one(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
+    else:
+        main()
