@@ -145,7 +145,7 @@ class ORTWrap(nn.Module):
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
         if program.with_backward:
-            outputs = RunTrainingGraph.apply(program, program.n_outputs, *feeds)
+            outputs = RunTrainingGraph.apply(program, *feeds)
         else:
             outputs = program.runner.forward(program.bind(feeds))
         n = program.n_outputs

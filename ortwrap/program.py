@@ -106,6 +106,10 @@ class Program:
         if outputs[: self.n_outputs] != exported.output_names:
             raise AssertionError(f"graph outputs {outputs} do not start with {exported.output_names}")
         self.buffer_outputs = [exported.buffer_outputs[name] for name in outputs[self.n_outputs :]]
+        #: Outputs autograd must not differentiate: ORT's non-differentiable ones and buffers.
+        self.non_differentiable = tuple(
+            i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
+        )
         self._buffer_names = outputs[self.n_outputs :]
         self._state_cache = StateValueCache(len(self._plan))
         self._is_input = [ref is None for _, ref in self._plan]

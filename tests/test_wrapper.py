@@ -327,3 +327,16 @@ def test_custom_autograd_function_is_never_silently_differentiated_by_ort():
         w(x).sum().backward()
     ref(x).sum().backward()
     assert_close(m.l.weight.grad, ref.l.weight.grad, "gradient through the custom backward")
+
+
+def test_double_backward_and_second_backward_raise_clearly():
+    w = ORTWrap(mlp(), fallback=False)
+    x = torch.randn(3, 8, requires_grad=True)
+    y = w(x).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y, x, create_graph=True)
+    y = w(x).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
+        y.backward()
+    w(x).sum().backward()  # still works

@@ -9,43 +9,41 @@ NOTE: invariants.
 - Outputs ORT calls non-differentiable, and buffer outputs, are marked non-differentiable, so
   autograd gives them no gradient. A missing gradient of a differentiable output is materialized
   as zeros, full-shaped only where the backward needs the shape.
-- The backward is not differentiable (no double backward).
+- The backward is not differentiable: a double backward (``create_graph=True``) raises rather
+  than silently returning gradients without a graph.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
-
 from .session import TrainingRunner
 
 
 class RunTrainingGraph(torch.autograd.Function):
-    """``RunTrainingGraph.apply(program, n_diff_outputs, *feeds) -> outputs``.
+    """``RunTrainingGraph.apply(program, *feeds) -> outputs``.
 
-    ``program`` binds the feeds to OrtValues (``program.bind``) and holds the ``TrainingRunner``.
+    ``program`` binds the feeds to OrtValues (``program.bind``), holds the ``TrainingRunner`` and
+    knows which outputs are non-differentiable (``program.non_differentiable``).
     """
 
     @staticmethod
-    def forward(ctx, program, n_diff_outputs: int, *feeds: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, program, *feeds: torch.Tensor):  # type: ignore[override]
         runner: TrainingRunner = program.runner
         outputs, state = runner.forward(program.bind(feeds))
         ctx.runner = runner
         ctx.state = state
         ctx.n_feeds = len(feeds)
         ctx.set_materialize_grads(False)
-        non_diff = runner.graph.info.non_differentiable_outputs
-        meta = []
-        for i, t in enumerate(outputs):
-            meta.append((t.shape, t.dtype, t.device))
-            if i in non_diff or i >= n_diff_outputs or not t.is_floating_point():
-                ctx.mark_non_differentiable(t)
-        ctx.output_meta = meta
+        ctx.shapes = [t.shape for t in outputs]
+        ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))
         return tuple(outputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "ortwrap: double backward (create_graph=True) through an ORTWrap module is not supported"
+            )
         runner: TrainingRunner = ctx.runner
         info = runner.graph.info
         state, ctx.state = ctx.state, None
@@ -60,12 +58,11 @@ class RunTrainingGraph(torch.autograd.Function):
                 continue
             g = grad_outputs[i]
             if g is None:
-                shape, dtype, device = ctx.output_meta[i]
-                g = torch.zeros(shape if i in info.full_shape_grad_outputs else (), dtype=dtype, device=device)
+                g = runner.zero_grad(i, ctx.shapes[i] if i in info.full_shape_grad_outputs else ())
             grads.append(g)
         results = runner.backward(state, grads)
         del state
         out: list[torch.Tensor | None] = [None] * ctx.n_feeds
         for index, g in zip(info.grad_feed_index, results):
             out[index] = g
-        return (None, None, *out)
+        return (None, *out)

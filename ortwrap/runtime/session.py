@@ -84,6 +84,14 @@ class TrainingRunner:
         except Exception as e:  # noqa: BLE001
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
+        self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
+
+    def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
+        """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
+        assert self._output_types is not None
+        dtype, device = self._output_types[index]
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         state = C.PartialGraphExecutionState()
         fetches = C.OrtValueVector()
@@ -91,7 +99,10 @@ class TrainingRunner:
             self._agent.run_forward(feeds, fetches, state, None)
         except Exception as e:  # noqa: BLE001
             raise RuntimeRunError(f"forward run failed: {e}") from e
-        return to_tensors(fetches), state
+        outputs = to_tensors(fetches)
+        if self._output_types is None:
+            self._output_types = [(t.dtype, t.device) for t in outputs]
+        return outputs, state
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
