@@ -108,7 +108,7 @@ class ORTWrap(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
-        params_rg = tuple(p.requires_grad for p in self._params)
+        params_rg = tuple([p.requires_grad for p in self._params])
         grad_on = torch.is_grad_enabled()
         in_spec: tuple | None = None
         if not kwargs and all(type(a) is torch.Tensor for a in args):
@@ -125,7 +125,7 @@ class ORTWrap(nn.Module):
             self.module.training,
             needs_grad,
             structure,
-            tuple((t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves),
+            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
             params_rg if needs_grad else (),
         )
         try:

@@ -35,7 +35,8 @@ class RunTrainingGraph(torch.autograd.Function):
         ctx.n_feeds = len(feeds)
         ctx.set_materialize_grads(False)
         ctx.shapes = [t.shape for t in outputs]
-        ctx.mark_non_differentiable(*(outputs[i] for i in program.non_differentiable))
+        if program.non_differentiable:
+            ctx.mark_non_differentiable(*[outputs[i] for i in program.non_differentiable])
         return tuple(outputs)
 
     @staticmethod
