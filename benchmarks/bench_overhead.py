@@ -81,8 +81,11 @@ def main(iters: int = 2000) -> None:
     print(
         f"  ortwrap forward+backward {med(total) * 1e6:.1f} us = inside ORT runs {ort_us:.1f} us + outside ORT {med(own) * 1e6:.1f} us"
     )
-    print(f"  PyTorch's share of that (loss, autograd engine, a no-op autograd.Function, grad accumulation): {med(baseline) * 1e6:.1f} us")
+    print(
+        f"  PyTorch's share of that (loss, autograd engine, a no-op autograd.Function, grad accumulation): {med(baseline) * 1e6:.1f} us"
+    )
     print(f"  => ortwrap's own Python overhead per step: {(med(own) - med(baseline)) * 1e6:.1f} us")
+
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,11 @@ import statistics
 import subprocess
 import sys
 
-CONFIGS = [(0, 0, "ortwrap default: spinning off, threads = torch's"), (0, 1, "spinning on (ORT's default)"), (1, 0, "1 intra-op thread, spinning off")]
+CONFIGS = [
+    (0, 0, "ortwrap default: spinning off, threads = torch's"),
+    (0, 1, "spinning on (ORT's default)"),
+    (1, 0, "1 intra-op thread, spinning off"),
+]
 
 
 def one(which: str, threads: int, spin: bool) -> None:
@@ -54,7 +58,9 @@ def main() -> None:
         for threads, spin, label in CONFIGS:
             out = subprocess.run(
                 [sys.executable, __file__, "--one", which, str(threads), str(spin)],
-                capture_output=True, text=True, check=True,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout.split()
             e, o = float(out[-2]), float(out[-1])
             print(f"  {label:<48} eager {e:8.3f} ms  ortwrap {o:8.3f} ms  ratio ortwrap/eager = {o / e:.2f}x")

@@ -18,9 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_gpt import GPTConfig, TinyGPT, batch  # noqa: E402
+from tiny_gpt import GPTConfig, TinyGPT, batch
 
-from ortwrap import ORTWrap  # noqa: E402
+from ortwrap import ORTWrap
 
 
 def main() -> None:
@@ -41,7 +41,9 @@ def main() -> None:
     opt_o = torch.optim.SGD(ours.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(0)
     n_params = sum(p.numel() for p in eager.parameters())
-    print(f"TinyGPT: {cfg.layers} layers, d={cfg.d}, T={args.seq}, batch={args.batch}, {n_params / 1e6:.2f}M parameters")
+    print(
+        f"TinyGPT: {cfg.layers} layers, d={cfg.d}, T={args.seq}, batch={args.batch}, {n_params / 1e6:.2f}M parameters"
+    )
     print(f"torch threads: {torch.get_num_threads()}")
     print(f"{'step':>4}  {'eager loss':>10}  {'ortwrap loss':>12}  {'|diff|':>9}  {'eager ms':>8}  {'ortwrap ms':>10}")
 
@@ -70,7 +72,9 @@ def main() -> None:
             times_e.append(te)
             times_o.append(to)
         diffs.append(abs(le - lo))
-        print(f"{i:>4}  {le:>10.5f}  {lo:>12.5f}  {abs(le - lo):>9.2e}  {te * 1e3:>8.1f}  {to * 1e3:>10.1f}", flush=True)
+        print(
+            f"{i:>4}  {le:>10.5f}  {lo:>12.5f}  {abs(le - lo):>9.2e}  {te * 1e3:>8.1f}  {to * 1e3:>10.1f}", flush=True
+        )
 
     me, mo = statistics.median(times_e), statistics.median(times_o)
     print()

@@ -22,17 +22,17 @@ from .program import BuildArtifacts
 __version__ = "0.1.0"
 
 __all__ = [
-    "ORTWrap",
-    "Options",
     "ENV_VARS",
     "BuildArtifacts",
-    "FallbackWarning",
-    "ORTWrapError",
     "ExportError",
-    "PassError",
+    "FallbackWarning",
     "GradientBuildError",
-    "SessionError",
+    "ORTWrap",
+    "ORTWrapError",
+    "Options",
+    "PassError",
     "RuntimeRunError",
+    "SessionError",
     "UnsupportedInputError",
     "VerificationError",
 ]

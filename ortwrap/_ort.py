@@ -68,4 +68,4 @@ if not hasattr(C, "OrtModuleGraphBuilder"):  # pragma: no cover
         "uninstall onnxruntime and install onnxruntime-training-cpu==1.19.2 or onnxruntime-training==1.19.2"
     )
 
-__all__ = ["C", "ort", "PRELOADED_CUDA_LIBRARIES"]
+__all__ = ["PRELOADED_CUDA_LIBRARIES", "C", "ort"]

@@ -22,7 +22,7 @@ from .options import Options
 from .program import BuildArtifacts, Program, compile_program
 from .runtime.function import RunTrainingGraph
 
-__all__ = ["ORTWrap", "FallbackWarning"]
+__all__ = ["FallbackWarning", "ORTWrap"]
 
 
 class FallbackWarning(UserWarning):

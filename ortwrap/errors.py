@@ -8,12 +8,12 @@ that cause with ``raise ... from``.
 from __future__ import annotations
 
 __all__ = [
-    "ORTWrapError",
     "ExportError",
-    "PassError",
     "GradientBuildError",
-    "SessionError",
+    "ORTWrapError",
+    "PassError",
     "RuntimeRunError",
+    "SessionError",
     "UnsupportedInputError",
     "VerificationError",
 ]

@@ -12,13 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Options", "ENV_VARS", "env_flag"]
+__all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("torchscript",)
 
 
-def _opt(default: Any, env: str | None, help: str) -> Any:  # noqa: A002 - dataclass metadata key
+def _opt(default: Any, env: str | None, help: str) -> Any:
     return field(default=default, metadata={"env": env, "help": help})
 
 
@@ -60,7 +60,9 @@ class Options:
     def __post_init__(self) -> None:
         level = str(self.log_level).upper()
         if level not in _LOG_LEVELS:
-            raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid; allowed: {', '.join(_LOG_LEVELS)}")
+            raise ValueError(
+                f"ORTWrap option log_level={self.log_level!r} is invalid; allowed: {', '.join(_LOG_LEVELS)}"
+            )
         object.__setattr__(self, "log_level", level)
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")

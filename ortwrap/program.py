@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from ._logging import logger
+from ._ort import C
 from .errors import ExportError
 from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
-from ._ort import C
 from .runtime import InferenceRunner, TrainingRunner
 from .runtime.dlpack import StateValueCache, to_dlpack
 
@@ -63,7 +63,9 @@ class BuildArtifacts:
             path = os.path.join(directory, f"build{index:02d}_{kind}_{name}.onnx")
             onnx.save_model(model, path)
             paths.append(path)
-        path = os.path.join(directory, f"build{index:02d}_{kind}_{'forward_backward' if self.with_backward else 'forward'}.onnx")
+        path = os.path.join(
+            directory, f"build{index:02d}_{kind}_{'forward_backward' if self.with_backward else 'forward'}.onnx"
+        )
         with open(path, "wb") as f:
             f.write(self.graph.model_bytes)
         paths.append(path)
@@ -230,7 +232,15 @@ def compile_program(
     seconds["session"] = time.perf_counter() - t3
     program = Program(exported, graph, runner, module)
     artifacts = BuildArtifacts(
-        exported_proto, exported.model, graph, records, seconds, training, with_backward, exports, exported.static_reasons
+        exported_proto,
+        exported.model,
+        graph,
+        records,
+        seconds,
+        training,
+        with_backward,
+        exports,
+        exported.static_reasons,
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(

@@ -31,7 +31,9 @@ def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL
+) -> None:
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != eager {tuple(expected.shape)}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != eager {expected.dtype}"
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")

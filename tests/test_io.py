@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import namedtuple
-from typing import Optional
 
 import torch
 from parity import check_parity
@@ -45,9 +44,9 @@ class Output:
     """Shaped like transformers' ModelOutput: optional fields, some left None."""
 
     logits: torch.Tensor
-    loss: Optional[torch.Tensor] = None
-    hidden: Optional[Pair] = None
-    attentions: Optional[torch.Tensor] = None
+    loss: torch.Tensor | None = None
+    hidden: Pair | None = None
+    attentions: torch.Tensor | None = None
 
 
 class DataclassOut(nn.Module):

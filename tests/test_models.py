@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from parity import check_parity
-from torch import nn
 from tiny_gpt import GPTConfig, TinyGPT
+from torch import nn
 
 
 def mlp() -> nn.Module:

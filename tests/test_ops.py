@@ -55,7 +55,9 @@ def test_gelu(approximate):
     check_parity(lambda: Pre(Fn(lambda x: F.gelu(x, approximate=approximate))), seq_inputs(8))
 
 
-@pytest.mark.parametrize("fn", [lambda x: F.softmax(x, -1), lambda x: F.log_softmax(x, -1)], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize(
+    "fn", [lambda x: F.softmax(x, -1), lambda x: F.log_softmax(x, -1)], ids=["softmax", "log_softmax"]
+)
 def test_softmax(fn):
     check_parity(lambda: Pre(Fn(fn)), seq_inputs(8))
 
@@ -77,7 +79,9 @@ class Attention(nn.Module):
         return self.out(a.transpose(1, 2).reshape(b, t, 16))
 
 
-@pytest.mark.parametrize("causal,with_mask", [(False, False), (True, False), (False, True)], ids=["plain", "causal", "mask"])
+@pytest.mark.parametrize(
+    "causal,with_mask", [(False, False), (True, False), (False, True)], ids=["plain", "causal", "mask"]
+)
 def test_scaled_dot_product_attention(causal, with_mask):
     check_parity(lambda: Attention(causal, with_mask), seq_inputs(16, seq=6))
 
@@ -121,7 +125,13 @@ def ce_inputs(b, g):
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"ignore_index": -100}, {"label_smoothing": 0.1}, {"ignore_index": -100, "label_smoothing": 0.1}, {"reduction": "sum"}],
+    [
+        {},
+        {"ignore_index": -100},
+        {"label_smoothing": 0.1},
+        {"ignore_index": -100, "label_smoothing": 0.1},
+        {"reduction": "sum"},
+    ],
     ids=["mean", "ignore_index", "label_smoothing", "both", "sum"],
 )
 def test_cross_entropy(kw):
@@ -184,7 +194,16 @@ class Conv(nn.Module):
         lambda: nn.Upsample(scale_factor=2, mode="nearest"),
         lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
     ],
-    ids=["conv", "maxpool", "avgpool", "adaptive_avgpool", "batchnorm", "groupnorm", "upsample_nearest", "upsample_bilinear"],
+    ids=[
+        "conv",
+        "maxpool",
+        "avgpool",
+        "adaptive_avgpool",
+        "batchnorm",
+        "groupnorm",
+        "upsample_nearest",
+        "upsample_bilinear",
+    ],
 )
 def test_cnn_ops(tail):
     def make():

@@ -14,7 +14,7 @@ from parity import assert_close
 from torch import nn
 
 import ortwrap
-from ortwrap import ExportError, FallbackWarning, ORTWrap, Options, UnsupportedInputError
+from ortwrap import ExportError, FallbackWarning, Options, ORTWrap, UnsupportedInputError
 
 
 def mlp() -> nn.Module:
@@ -245,9 +245,9 @@ def test_unsupported_input_type_names_the_argument():
 
 
 def test_options_validation_and_environment(monkeypatch):
-    with pytest.raises(TypeError, match="unknown option.*fallbak"):
+    with pytest.raises(TypeError, match=r"unknown option.*fallbak"):
         ORTWrap(mlp(), fallbak=True)
-    with pytest.raises(ValueError, match="log_level.*allowed: DEBUG, INFO, WARNING, ERROR"):
+    with pytest.raises(ValueError, match=r"log_level.*allowed: DEBUG, INFO, WARNING, ERROR"):
         ORTWrap(mlp(), log_level="LOUD")
     monkeypatch.setenv("ORTWRAP_INTRA_OP_THREADS", "1")
     monkeypatch.setenv("ORTWRAP_LOG_LEVEL", "error")
@@ -272,7 +272,7 @@ def test_debug_dir_and_last_artifacts(tmp_path):
     art = w.last_artifacts
     ops = [n.op_type for n in art.graph.model().graph.node]
     assert "YieldOp" in ops and "LayerNormalizationGrad" in ops
-    ln = [n for n in art.pre_grad.graph.node if n.op_type == "LayerNormalization"][0]
+    ln = next(n for n in art.pre_grad.graph.node if n.op_type == "LayerNormalization")
     assert len(ln.output) == 3  # the optional outputs were restored for the gradient
     assert "RestoreOptionalOutputsPass" in [p.name for p in art.passes if p.modified]
     assert set(art.seconds) == {"export", "passes", "gradient_build", "session"}

@@ -69,9 +69,7 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
     mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
     has_weight = not sh._is_none(weight)
     inputs = [logits, target] + ([weight] if has_weight else [])
-    loss, _log_prob = g.op(
-        "SoftmaxCrossEntropyLoss", *inputs, reduction_s=mode, ignore_index_i=ignore_index, outputs=2
-    )
+    loss, _log_prob = g.op("SoftmaxCrossEntropyLoss", *inputs, reduction_s=mode, ignore_index_i=ignore_index, outputs=2)
     if label_smoothing == 0.0:
         return loss
     if has_weight:
@@ -99,7 +97,11 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
         smooth = g.op("ReduceSum", smooth, keepdims_i=0)
     classes = g.op("Gather", g.op("Shape", logits), g.op("Constant", value_t=torch.tensor(1)), axis_i=0)
     classes = g.op("Cast", classes, to_i=onnx_type)
-    return g.op("Add", g.op("Mul", const(1.0 - label_smoothing), loss), g.op("Mul", g.op("Div", const(label_smoothing), classes), smooth))
+    return g.op(
+        "Add",
+        g.op("Mul", const(1.0 - label_smoothing), loss),
+        g.op("Mul", g.op("Div", const(label_smoothing), classes), smooth),
+    )
 
 
 def _adaptive_pool(name: str, default: Callable) -> Callable:

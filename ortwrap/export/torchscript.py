@@ -19,14 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import onnx
+import onnx_ir as ir
 import torch
 from torch import nn
 
-import onnx_ir as ir
-
 from .. import _tree
-from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from ..errors import ExportError
+from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
 from .symbolics import ortwrap_symbolics
 
@@ -120,7 +119,7 @@ def export_torchscript(
                 dynamic_axes=dynamic_axes,
                 autograd_inlining=False,
             )
-    except Exception as e:  # noqa: BLE001 - any exporter failure is an ExportError
+    except Exception as e:
         text = str(e)
         if len(text) > 500:  # the exporter appends whole graphs; the chained cause keeps them
             text = text[:500] + " ... (full message in the chained exception)"
@@ -168,7 +167,9 @@ STATIC_SPATIAL_OPS = frozenset({"MaxPool", "AveragePool", "Resize", "Upsample", 
 
 
 def _graph_static_reasons(model: onnx.ModelProto) -> list[str]:
-    found = sorted({n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in STATIC_SPATIAL_OPS})
+    found = sorted(
+        {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in STATIC_SPATIAL_OPS}
+    )
     return [f"{op} needs static spatial shapes for its gradient" for op in found]
 
 

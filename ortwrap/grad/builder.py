@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from ..errors import GradientBuildError
 from .._ort import C
+from ..errors import GradientBuildError
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def build_graph(
     try:
         builder.initialize(model.SerializeToString(), cfg)
         builder.build(C.TrainingGraphTransformerConfiguration())
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         ops = sorted({f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node})
         raise GradientBuildError(
             f"OrtModuleGraphBuilder rejected the model: {e}. Ops in the graph: {', '.join(ops)}. "

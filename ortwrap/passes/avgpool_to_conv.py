@@ -59,7 +59,9 @@ class AveragePoolToConvPass(ir.passes.InPlacePass):
                 y = b.op("Conv", x, w, group=channels, **conv)
             else:
                 total = b.op("Conv", x, b.const(np.ones([channels, 1, *k], dtype=dtype)), group=channels, **conv)
-                spatial = b.op("Slice", b.op("Shape", x), b.const(np.array([2], np.int64)), b.const(np.array([2 + nd], np.int64)))
+                spatial = b.op(
+                    "Slice", b.op("Shape", x), b.const(np.array([2], np.int64)), b.const(np.array([2 + nd], np.int64))
+                )
                 shape = b.op("Concat", b.const(np.array([1, 1], np.int64)), spatial, axis=0)
                 ones = b.op("ConstantOfShape", shape, value=ir.tensor(np.array([1], dtype=dtype)))
                 count = b.op("Conv", ones, b.const(np.ones([1, 1, *k], dtype=dtype)), **conv)

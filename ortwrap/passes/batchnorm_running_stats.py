@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ._build import NodeBuilder
+
 
 class BatchNormRunningStatsPass(ir.passes.InPlacePass):
     """Make buffer outputs of BatchNorm running statistics carry their updated values."""
@@ -56,27 +58,18 @@ class BatchNormRunningStatsPass(ir.passes.InPlacePass):
         x, var_in, var_new = node.inputs[0], node.inputs[4], node.outputs[2]
         dtype = var_in.dtype or ir.DataType.FLOAT
         np_dtype = dtype.numpy()
-        before: list[ir.Node] = []
-        after: list[ir.Node] = []
+        before = NodeBuilder(f"{node.name}/unbiased_var_pre")
+        m = before.const(np.array(momentum, dtype=np_dtype))
+        old_part = before.op("Mul", var_in, m)
+        node.replace_input_with(4, before.op("Div", old_part, m))
+        graph.insert_before(node, before.nodes)
 
-        def op(nodes: list[ir.Node], op_type: str, *inputs: ir.Value, **attrs) -> ir.Value:
-            n = ir.node(op_type, list(inputs), attributes=attrs, name=f"{node.name}/unbiased_var/{len(before) + len(after)}")
-            nodes.append(n)
-            return n.outputs[0]
-
-        def const(nodes: list[ir.Node], value: float | int, dt) -> ir.Value:
-            return op(nodes, "Constant", value=ir.tensor(np.array(value, dtype=dt)))
-
-        m = const(before, momentum, np_dtype)
-        old_part = op(before, "Mul", var_in, m)
-        node.replace_input_with(4, op(before, "Div", old_part, m))
-        graph.insert_before(node, before)
-
-        shape = op(after, "Shape", x)
-        total = op(after, "ReduceProd", shape, keepdims=0)
-        channels = op(after, "Gather", shape, const(after, 1, np.int64), axis=0)
-        count = op(after, "Cast", op(after, "Div", total, channels), to=int(dtype))
-        correction = op(after, "Div", count, op(after, "Sub", count, const(after, 1, np_dtype)))
-        result = op(after, "Add", old_part, op(after, "Mul", op(after, "Sub", var_new, old_part), correction))
-        graph.insert_after(node, after)
+        after = NodeBuilder(f"{node.name}/unbiased_var")
+        shape = after.op("Shape", x)
+        total = after.op("ReduceProd", shape, keepdims=0)
+        channels = after.op("Gather", shape, after.const(np.array(1, dtype=np.int64)), axis=0)
+        count = after.op("Cast", after.op("Div", total, channels), to=int(dtype))
+        correction = after.op("Div", count, after.op("Sub", count, after.const(np.array(1, dtype=np_dtype))))
+        result = after.op("Add", old_part, after.op("Mul", after.op("Sub", var_new, old_part), correction))
+        graph.insert_after(node, after.nodes)
         return result

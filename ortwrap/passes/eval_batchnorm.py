@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ._build import NodeBuilder
+
 
 class DecomposeEvalBatchNormPass(ir.passes.InPlacePass):
     """Replace ``BatchNormalization(training_mode=0)`` with ``Mul``/``Add`` on per-channel factors."""
@@ -31,32 +33,21 @@ class DecomposeEvalBatchNormPass(ir.passes.InPlacePass):
             x, scale, bias, mean, var = node.inputs[:5]
             eps = node.attributes["epsilon"].as_float() if "epsilon" in node.attributes else 1e-5
             np_dtype = (var.dtype or ir.DataType.FLOAT).numpy()
-            new: list[ir.Node] = []
-
-            def op(op_type: str, *inputs: ir.Value, **attrs) -> ir.Value:
-                n = ir.node(op_type, list(inputs), attributes=attrs, name=f"{node.name}/eval_bn/{len(new)}")
-                new.append(n)
-                return n.outputs[0]
-
-            def const(value) -> ir.Value:
-                return op("Constant", value=ir.tensor(value))
-
+            b = NodeBuilder(node.name or "batchnorm")
             if x.shape is not None:
-                bshape = const(np.array([-1] + [1] * (len(x.shape) - 2), dtype=np.int64))
+                bshape = b.const(np.array([-1] + [1] * (len(x.shape) - 2), dtype=np.int64))
             else:  # rank known only at run time: [-1] + [1] * (rank - 2)
-                rank = op("Size", op("Shape", x))
-                n_ones = op("Reshape", op("Sub", rank, const(np.array(2, dtype=np.int64))), const(np.array([1], dtype=np.int64)))
-                ones = op("ConstantOfShape", n_ones, value=ir.tensor(np.array([1], dtype=np.int64)))
-                bshape = op("Concat", const(np.array([-1], dtype=np.int64)), ones, axis=0)
-            k = op("Div", scale, op("Sqrt", op("Add", var, const(np.array(eps, dtype=np_dtype)))))
-            shift = op("Sub", bias, op("Mul", mean, k))
-            y = op("Add", op("Mul", x, op("Reshape", k, bshape)), op("Reshape", shift, bshape))
-            graph.insert_before(node, new)
-            out = node.outputs[0]
-            y.name, out.name = out.name, None
-            ir.convenience.replace_all_uses_with(out, y)
-            if out.is_graph_output():
-                graph.outputs[graph.outputs.index(out)] = y
-            graph.remove(node, safe=True)
+                rank = b.op("Size", b.op("Shape", x))
+                n_ones = b.op(
+                    "Reshape",
+                    b.op("Sub", rank, b.const(np.array(2, dtype=np.int64))),
+                    b.const(np.array([1], dtype=np.int64)),
+                )
+                ones = b.op("ConstantOfShape", n_ones, value=ir.tensor(np.array([1], dtype=np.int64)))
+                bshape = b.op("Concat", b.const(np.array([-1], dtype=np.int64)), ones, axis=0)
+            k = b.op("Div", scale, b.op("Sqrt", b.op("Add", var, b.const(np.array(eps, dtype=np_dtype)))))
+            shift = b.op("Sub", bias, b.op("Mul", mean, k))
+            y = b.op("Add", b.op("Mul", x, b.op("Reshape", k, bshape)), b.op("Reshape", shift, bshape))
+            b.replace(graph, node, [y])
             modified = True
         return ir.passes.PassResult(model, modified=modified)

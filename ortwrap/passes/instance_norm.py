@@ -37,7 +37,11 @@ class DecomposeInstanceNormPass(ir.passes.InPlacePass):
             var = b.op("ReduceMean", b.op("Mul", d, d), axes=axes, keepdims=1)
             eps_v = b.const(np.array(eps, dtype=(x.dtype or ir.DataType.FLOAT).numpy()))
             normed = b.op("Div", d, b.op("Sqrt", b.op("Add", var, eps_v)))
-            y = b.op("Add", b.op("Mul", normed, b.op("Unsqueeze", scale, channel_axes)), b.op("Unsqueeze", bias, channel_axes))
+            y = b.op(
+                "Add",
+                b.op("Mul", normed, b.op("Unsqueeze", scale, channel_axes)),
+                b.op("Unsqueeze", bias, channel_axes),
+            )
             b.replace(graph, node, [y])
             modified = True
         return ir.passes.PassResult(model, modified=modified)

@@ -50,7 +50,11 @@ class DecomposeNLLLossPass(ir.passes.InPlacePass):
                 result = b.op("ReduceSum", v, keepdims=0)
             else:
                 kept = b.op("Not", ignored) if ignored is not None else b.op("Equal", t, t)
-                result = b.op("Div", b.op("ReduceSum", v, keepdims=0), b.op("ReduceSum", b.op("Cast", kept, to=int(ir.DataType.from_numpy(np.dtype(dtype)))), keepdims=0))
+                result = b.op(
+                    "Div",
+                    b.op("ReduceSum", v, keepdims=0),
+                    b.op("ReduceSum", b.op("Cast", kept, to=int(ir.DataType.from_numpy(np.dtype(dtype)))), keepdims=0),
+                )
             b.replace(graph, node, [result])
             modified = True
         return ir.passes.PassResult(model, modified=modified)

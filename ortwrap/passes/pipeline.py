@@ -69,7 +69,7 @@ def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tupl
         start = time.perf_counter()
         try:
             result = p(ir_model)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise PassError(f"pass {type(p).__name__} failed: {type(e).__name__}: {e}") from e
         ir_model = result.model
         records.append(PassRecord(type(p).__name__, result.modified, time.perf_counter() - start))

@@ -95,7 +95,9 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
             elif sizes is not None and sizes.size == 4:
                 h_kw, w_kw = {"size_out": int(sizes[2])}, {"size_out": int(sizes[3])}
             else:
-                raise PassError(f"node {node.name!r}: Resize needs constant scales over H and W only, or constant sizes")
+                raise PassError(
+                    f"node {node.name!r}: Resize needs constant scales over H and W only, or constant sizes"
+                )
             dtype = (x.dtype or ir.DataType.FLOAT).numpy()
             a_h = _tabulate(attrs, sx[2], **h_kw).astype(dtype)
             a_w_t = np.ascontiguousarray(_tabulate(attrs, sx[3], **w_kw).T).astype(dtype)

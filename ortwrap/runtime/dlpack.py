@@ -52,7 +52,7 @@ class StateValueCache:
     is rebuilt. The cache keeps the wrapped tensors alive until they are replaced.
     """
 
-    __slots__ = ("tensors", "pointers", "values")
+    __slots__ = ("pointers", "tensors", "values")
 
     def __init__(self, n: int) -> None:
         self.tensors: list[torch.Tensor | None] = [None] * n

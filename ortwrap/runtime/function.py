@@ -16,6 +16,7 @@ NOTE: invariants.
 from __future__ import annotations
 
 import torch
+
 from .session import TrainingRunner
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .._ort import C, ort
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..options import Options
 from .dlpack import to_ortvalues, to_tensors
-from .._ort import C, ort
 
 
 def session_options(options: Options) -> ort.SessionOptions:
@@ -54,11 +54,13 @@ def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDev
     raise SessionError(f"device {device} is not supported; ortwrap runs on cpu and cuda")
 
 
-def _create_session(graph: TrainingGraph, device: torch.device, options: Options) -> tuple[ort.InferenceSession, C.OrtDevice]:
+def _create_session(
+    graph: TrainingGraph, device: torch.device, options: Options
+) -> tuple[ort.InferenceSession, C.OrtDevice]:
     providers, provider_options, ort_device = providers_for(device)
     try:
         sess = ort.InferenceSession(graph.model_bytes, session_options(options), providers, provider_options)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
     return sess, ort_device
 
@@ -78,10 +80,14 @@ class TrainingRunner:
         n_fw = len(graph.info.user_output_names) + graph.info.frontier_count
         try:
             self._agent = C.TrainingAgent(
-                sess._sess, list(graph.feed_names), [ort_device] * n_fw, list(graph.grad_names),
-                [ort_device] * len(graph.grad_names), device.index or 0,
+                sess._sess,
+                list(graph.feed_names),
+                [ort_device] * n_fw,
+                list(graph.grad_names),
+                [ort_device] * len(graph.grad_names),
+                device.index or 0,
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
@@ -97,7 +103,7 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         try:
             self._agent.run_forward(feeds, fetches, state, None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise RuntimeRunError(f"forward run failed: {e}") from e
         outputs = to_tensors(fetches)
         if self._output_types is None:
@@ -108,7 +114,7 @@ class TrainingRunner:
         fetches = C.OrtValueVector()
         try:
             self._agent.run_backward(to_ortvalues(grads), fetches, state)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise RuntimeRunError(f"backward run failed: {e}") from e
         return to_tensors(fetches)
 
@@ -131,6 +137,6 @@ class InferenceRunner:
             self._sess.run_with_ortvaluevector(
                 self._run_options, self._feed_names, feeds, self._fetch_names, fetches, self._devices
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise RuntimeRunError(f"forward run failed: {e}") from e
         return to_tensors(fetches)
