@@ -340,3 +340,21 @@ def test_double_backward_and_second_backward_raise_clearly():
     with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
         y.backward()
     w(x).sum().backward()  # still works
+
+
+def test_outputs_keep_their_values_after_backward():
+    # ORT's memory planner must not hand the buffers of yielded outputs to backward values.
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * x, torch.tanh(x)
+
+    w = ORTWrap(M(), fallback=False)
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    y, t = w(x)
+    saved = y.detach().clone(), t.detach().clone()
+    (y * torch.randn_like(y)).sum().backward(retain_graph=False)
+    assert torch.equal(y.detach(), saved[0]) and torch.equal(t.detach(), saved[1])

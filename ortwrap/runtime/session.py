@@ -22,6 +22,9 @@ def session_options(options: Options) -> ort.SessionOptions:
     so.add_session_config_entry("session.inter_op.allow_spinning", spin)
     so.add_session_config_entry("session.disable_prepacking", "1")
     so.enable_mem_pattern = False
+    # NOTE: the forward's outputs are handed to torch without a copy. With memory reuse on, ORT's
+    # planner may give their buffers to backward values, overwriting tensors the user still holds.
+    so.enable_mem_reuse = False
     so.log_severity_level = 3
     return so
 
