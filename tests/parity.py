@@ -109,6 +109,8 @@ def check_parity(
         if isinstance(loss_e, torch.Tensor) and loss_e.requires_grad:
             loss_e.backward()
             loss_o.backward()
+        for i, (a, b) in enumerate(zip(leaves_o, leaves_e)):  # outputs must survive the backward
+            assert_close(a.detach(), b.detach(), f"step {step} output {i} after backward", atol, rtol)
         for (name, p_o), (_, p_e) in zip(ours.named_parameters(), eager.named_parameters()):
             if p_e.grad is None:
                 assert p_o.grad is None, f"step {step}: {name}.grad is set but eager's is None"
