@@ -20,6 +20,7 @@ from ._logging import configure, logger
 from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedInputError
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
+from .bridge import state as bridge_state
 from .runtime.function import RunTrainingGraph
 
 __all__ = ["FallbackWarning", "ORTWrap"]
@@ -144,10 +145,14 @@ class ORTWrap(nn.Module):
             if program is None:
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
+        if program.n_pythonops:
+            bridge_state.maybe_purge()
         if program.with_backward:
             outputs = RunTrainingGraph.apply(program, *feeds)
         else:
             outputs = program.runner.forward(program.bind(feeds))
+            if program.n_pythonops:
+                bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():

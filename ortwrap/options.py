@@ -50,6 +50,13 @@ class Options:
         "ORTWRAP_INTRA_OP_THREADS",
         "ONNX Runtime intra-op threads; 0 means torch.get_num_threads() at session creation.",
     )
+    inline_functions: tuple[str, ...] = _opt(
+        (),
+        "ORTWRAP_INLINE_FUNCTIONS",
+        "Qualified names (module.QualName) of torch.autograd.Functions to inline: their forward's ops are "
+        "exported and differentiated by ONNX Runtime instead of running the Function as a PythonOp. "
+        "Environment: comma-separated.",
+    )
     allow_spinning: bool = _opt(
         False,
         "ORTWRAP_ALLOW_SPINNING",
@@ -68,6 +75,9 @@ class Options:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")
+        if isinstance(self.inline_functions, str):
+            object.__setattr__(self, "inline_functions", (self.inline_functions,))
+        object.__setattr__(self, "inline_functions", tuple(self.inline_functions))
         if int(self.intra_op_threads) < 0:
             raise ValueError(f"ORTWrap option intra_op_threads={self.intra_op_threads!r} must be >= 0")
 
@@ -113,6 +123,8 @@ def _parse(raw: str, default: Any) -> Any:
         raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
     if isinstance(default, int):
         return int(raw)
+    if isinstance(default, tuple):
+        return tuple(x.strip() for x in raw.split(",") if x.strip())
     return raw
 
 
@@ -129,6 +141,11 @@ def env_flag(name: str, default: bool) -> bool:
         return _parse(raw, default)
     except ValueError as e:
         raise ValueError(f"environment variable {name}={raw!r} is invalid: {e}") from e
+
+
+def cache_dir() -> str:
+    """Where ortwrap caches its compiled native helpers: ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``."""
+    return os.environ.get("ORTWRAP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ortwrap")
 
 
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.

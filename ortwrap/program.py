@@ -114,6 +114,10 @@ class Program:
         )
         self._buffer_names = outputs[self.n_outputs :]
         self._state_cache = StateValueCache(len(self._plan))
+        # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
+        # as this program (and its session) can run.
+        self.keepalive = exported.keepalive
+        self.n_pythonops = len(exported.functions)
         self._is_input = [ref is None for _, ref in self._plan]
 
     def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -179,9 +183,12 @@ def compile_program(
         ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
     """
     seconds: dict[str, float] = {}
+    export_kw = dict(
+        training=training, opset=options.opset, with_backward=with_backward, inline_functions=options.inline_functions
+    )
     t0 = time.perf_counter()
     try:
-        exported = export_torchscript(module, leaves, in_spec, input_paths, training=training, opset=options.opset)
+        exported = export_torchscript(module, leaves, in_spec, input_paths, **export_kw)
     except ExportError as e:
         # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
         if "input size not accessible" not in str(e):
@@ -193,9 +200,7 @@ def compile_program(
     exports = 1
     if exported is None or exported.static_reasons:
         logger.info("exporting with static non-batch dimensions: %s", reason)
-        exported = export_torchscript(
-            module, leaves, in_spec, input_paths, training=training, opset=options.opset, static_spatial=True
-        )
+        exported = export_torchscript(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
         exports = 2
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)

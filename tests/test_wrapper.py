@@ -300,8 +300,7 @@ def test_user_export_unaffected_by_wrapper(tmp_path):
 
 
 def test_custom_autograd_function_is_never_silently_differentiated_by_ort():
-    # Until the PythonOp bridge lands, a Function cannot be exported: ortwrap must fall back (with
-    # a warning naming it) rather than differentiate the Function's forward ops.
+    # The Function runs as a PythonOp: ORT calls its own backward (3x), not the derivative of round().
     class StraightThrough(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -321,12 +320,13 @@ def test_custom_autograd_function_is_never_silently_differentiated_by_ort():
 
     m = M()
     ref = copy.deepcopy(m)
-    w = ORTWrap(m)
+    w = ORTWrap(m, fallback=False)
     x = torch.randn(4, 3)
-    with pytest.warns(FallbackWarning, match="StraightThrough"):
-        w(x).sum().backward()
+    w(x).sum().backward()
     ref(x).sum().backward()
     assert_close(m.l.weight.grad, ref.l.weight.grad, "gradient through the custom backward")
+    ops = {n.op_type for n in w.last_artifacts.graph.model().graph.node}
+    assert {"PythonOp", "PythonOpGrad"} <= ops
 
 
 def test_double_backward_and_second_backward_raise_clearly():

@@ -1,1 +1,1 @@
-"""Placeholder package; see docs/architecture.md."""
+"""Stage: torch.autograd.Function <-> com.microsoft::PythonOp / PythonOpGrad, and ATen ops inside ORT graphs."""

@@ -24,6 +24,8 @@ class ExportedModel:
         state_names: graph input name -> the module's own name for that parameter or buffer.
         static_reasons: why this graph needs static non-batch dimensions (empty if it does not).
         static_spatial: the export made only dimension 0 of each input dynamic.
+        keepalive: objects the graph's PythonOps point to; whoever runs the graph holds them.
+        functions: unique names of the autograd.Functions bridged as PythonOps (one per call).
     """
 
     model: onnx.ModelProto
@@ -35,3 +37,5 @@ class ExportedModel:
     state_names: dict[str, str] = field(default_factory=dict)
     static_reasons: list[str] = field(default_factory=list)
     static_spatial: bool = False
+    keepalive: list[object] = field(default_factory=list)
+    functions: list[str] = field(default_factory=list)

@@ -123,9 +123,12 @@ _ADAPTIVE = [f"aten::adaptive_{kind}_pool{d}d" for kind in ("avg", "max") for d 
 def ortwrap_symbolics(opset: int) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
     registry = _registry()
+    from ..bridge.symbolic import pythonop_symbolic
+
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
         "aten::cross_entropy_loss": _cross_entropy_loss,
+        "prim::PythonOp": pythonop_symbolic,
     }
     for name in _ADAPTIVE:
         group = registry.get_function_group(name)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import _tree
 from ..errors import ExportError
+from ..bridge.symbolic import export_scope
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
 from .symbolics import ortwrap_symbolics
@@ -79,6 +80,8 @@ def export_torchscript(
     training: bool,
     opset: int,
     static_spatial: bool = False,
+    with_backward: bool = True,
+    inline_functions: tuple[str, ...] = (),
 ) -> ExportedModel:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
@@ -89,7 +92,9 @@ def export_torchscript(
         input_paths: a readable path for each flat input (``"x"``, ``"batch['ids']"``).
         training: export in training mode (dropout on, batch statistics) or eval mode.
         opset: ONNX opset to target.
-        static_spatial: make only dimension 0 of each input dynamic (see :func:`static_shape_reasons`).
+        static_spatial: make only dimension 0 of each input dynamic (see :data:`STATIC_SPATIAL_OPS`).
+        with_backward: the graph will get a backward (PythonOps keep their contexts).
+        inline_functions: qualified names of autograd.Functions to export as ops, not PythonOps.
 
     Raises:
         ExportError: chained to the exporter's error.
@@ -103,7 +108,12 @@ def export_torchscript(
     f = io.BytesIO()
     was_training = module.training
     try:
-        with _preserved_state(module), ortwrap_symbolics(opset) as symbolic_reasons, warnings.catch_warnings():
+        with (
+            _preserved_state(module),
+            export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
+            ortwrap_symbolics(opset) as symbolic_reasons,
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 adapter,
@@ -157,6 +167,8 @@ def export_torchscript(
         state_names=state_names,
         static_reasons=list(symbolic_reasons) + _graph_static_reasons(model),
         static_spatial=static_spatial,
+        keepalive=bridge.keepalive,
+        functions=bridge.functions,
     )
 
 

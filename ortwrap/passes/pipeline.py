@@ -17,6 +17,7 @@ from .instance_norm import DecomposeInstanceNormPass
 from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
+from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .stop_gradient import ResolveStopGradientPass
 
@@ -37,6 +38,7 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
         with_backward: the graph will get a backward; adds the rewrites only gradients need.
     """
     passes: list[ir.passes.PassBase] = [
+        AddPythonOpContextPass(),
         ResolveStopGradientPass(),
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bridge.runner import RunRecord
 from .session import TrainingRunner
 
 
@@ -30,7 +31,15 @@ class RunTrainingGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, *feeds: torch.Tensor):  # type: ignore[override]
         runner: TrainingRunner = program.runner
-        outputs, state = runner.forward(program.bind(feeds))
+        if program.n_pythonops:
+            # NOTE: the record collects the PythonOp contexts of this run; it lives in ctx, so if
+            # no backward ever runs they are released when autograd drops ctx.
+            with RunRecord() as record:
+                outputs, state = runner.forward(program.bind(feeds))
+            ctx.record = record
+        else:
+            outputs, state = runner.forward(program.bind(feeds))
+            ctx.record = None
         ctx.runner = runner
         ctx.state = state
         ctx.n_feeds = len(feeds)
@@ -62,7 +71,11 @@ class RunTrainingGraph(torch.autograd.Function):
             if g is None:
                 g = runner.zero_grad(i, ctx.shapes[i] if i in info.full_shape_grad_outputs else ())
             grads.append(g)
-        results = runner.backward(state, grads)
+        try:
+            results = runner.backward(state, grads)
+        finally:
+            if ctx.record is not None:
+                ctx.record.finish()  # ORT erased this run's contexts (or the run failed)
         del state
         out: list[torch.Tensor | None] = [None] * ctx.n_feeds
         for index, g in zip(info.grad_feed_index, results):

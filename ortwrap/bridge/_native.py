@@ -1,0 +1,82 @@
+"""Build and load ortwrap's small native libraries (Python.h only) with the system C compiler.
+
+ONNX Runtime 1.19.2 calls its PythonOp runners and its ATen executor through raw function
+pointers, so they must be native code. They are a few hundred lines of C that use only the Python
+C API and are compiled on first use (about 0.2 s) into a cache keyed by the source, the Python
+version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its builds take
+about a minute and were a common source of ORTModule install failures.
+
+The cache directory is ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``; the compiler is ``$CC`` or
+the first of ``cc``/``gcc``/``clang`` found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from functools import cache
+
+from ..errors import ORTWrapError
+from ..options import cache_dir
+
+
+class NativeBuildError(ORTWrapError):
+    """A native helper library of ortwrap could not be compiled."""
+
+    phase = "native-build"
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _compiler() -> str:
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    for c in candidates:
+        path = shutil.which(c)
+        if path:
+            return path
+    raise NativeBuildError(
+        "no C compiler found (tried "
+        + ", ".join(candidates)
+        + "). ortwrap compiles two small Python C-API helpers on first use to run "
+        "torch.autograd.Functions and ATen ops inside ONNX Runtime. Install one (e.g. `apt-get install gcc`) "
+        "or set CC."
+    )
+
+
+@cache
+def load(name: str) -> ctypes.PyDLL:
+    """Compile ``<name>.c`` from this package (once, cached on disk) and load it.
+
+    Raises:
+        NativeBuildError: no compiler, or the compilation failed (the compiler's output is included).
+    """
+    src = os.path.join(_HERE, f"{name}.c")
+    with open(src, "rb") as f:
+        source = f.read()
+    include = sysconfig.get_paths()["include"]
+    key = hashlib.sha256(source + sys.version.encode() + platform.platform().encode() + include.encode())
+    directory = cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    lib = os.path.join(directory, f"{name}-{key.hexdigest()[:16]}.so")
+    if not os.path.exists(lib):
+        cc = _compiler()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", f"-I{include}", src, "-o", tmp, "-ldl"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise NativeBuildError(f"compiling {name}.c failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
+            os.replace(tmp, lib)  # atomic: concurrent builders (ranks) agree on the result
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return ctypes.PyDLL(lib)  # PyDLL: calls from Python keep the GIL; py_object arguments allowed

@@ -1,0 +1,355 @@
+"""The Python half of ortwrap's PythonOp / PythonOpGrad runners.
+
+``_runner.c`` is registered with ONNX Runtime as the forward and backward runner. For every
+PythonOp (PythonOpGrad) kernel call it calls :func:`_forward` (:func:`_backward`) with ORT's
+arguments as Python objects::
+
+    (func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args)
+
+and expects a list back: forward ``[handle, capsule | None, ...]``, backward ``[capsule | None, ...]``
+(one entry per argument of ``Function.apply``). The handlers never raise: an exception is parked
+(``state.park``) and the C side returns an empty vector, which fails the node; the caller of the
+ORT run then re-raises the original exception.
+
+NOTE: ownership and lifetime.
+- ORT stores the forward's :class:`Handle` in its context map (it is the only owner: unsafe run
+  mode) and drops it right after PythonOpGrad ran. The Handle holds the torch context of the call,
+  which holds what ``save_for_backward`` saved. ``Handle.release`` drops that early when no
+  backward will run (see ``RunRecord``).
+- Tensors arrive in ORT's buffers. ORT may reuse an input buffer once the PythonOp ran, so inputs
+  that the Function keeps (saved for backward, or modified in place) are cloned; the first call of
+  each node learns which those are. An output or gradient that shares an ORT input buffer is cloned.
+- Bool tensors cannot cross PythonOp (ORT 1.19.2 refuses DLPack's bool): the exporter casts bool
+  inputs to uint8 and names their positions in the function name (``name|bool=0,2``); bool outputs
+  leave as uint8 and the graph casts them back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+
+import torch
+
+from .._ort import C
+from . import state
+from ._native import load
+
+_from_dlpack = torch._C._from_dlpack
+_to_dlpack = torch._C._to_dlpack
+_Tensor = torch.Tensor
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_zeros = torch.zeros
+
+BOOL_MARK = "|bool="
+
+_installed = False
+_install_lock = threading.Lock()
+
+
+def install() -> None:
+    """Build (first time only), load and register the native runners with ORT. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    with _install_lock:
+        if _installed:
+            return
+        lib = load("_runner")
+        lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 3
+        lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
+        lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park)
+        C.register_forward_runner(ctypes.cast(lib.ortwrap_forward_runner, ctypes.c_void_p).value)
+        C.register_backward_runner(ctypes.cast(lib.ortwrap_backward_runner, ctypes.c_void_p).value)
+        _installed = True
+
+
+# ------------------------------------------------------------------------------------- run records
+_current = threading.local()
+
+
+class RunRecord:
+    """The PythonOp contexts created by one training forward of a graph.
+
+    Created by the autograd bridge around ``run_forward``; the runner appends each Handle. When the
+    graph's backward ran, every Handle was consumed; if the record dies first (outputs dropped
+    without backward), its Handles are released and their map entries counted as stale.
+    """
+
+    __slots__ = ("done", "handles")
+
+    def __init__(self) -> None:
+        # Weak: ORT must be the only owner of a Handle (unsafe run mode checks the refcount).
+        self.handles: list[weakref.ref[Handle]] = []
+        self.done = False
+        state.forward_started()
+
+    def __enter__(self) -> RunRecord:
+        _current.record = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.record = None
+
+    def _release(self) -> int:
+        left = 0
+        for ref in self.handles:
+            h = ref()
+            if h is not None and h.alive:
+                h.release()
+                left += 1
+        self.handles = []
+        return left
+
+    def finish(self) -> None:
+        """The backward ran (or failed): what ORT did not erase is counted as stale."""
+        if not self.done:
+            self.done = True
+            state.forward_finished(self._release())
+
+    def __del__(self) -> None:
+        if not self.done:
+            self.done = True
+            state.forward_finished(self._release())
+
+
+class Handle:
+    """What ORT stores as a PythonOp's context (its output 0 is an int64 key to it)."""
+
+    __slots__ = ("__weakref__", "alive", "ctx", "in_meta", "kernel", "out_meta")
+
+    def release(self) -> None:
+        self.alive = False
+        self.ctx = self.out_meta = self.in_meta = None
+
+
+class _Kernel:
+    """One PythonOp node (ORT's kernel invoke id): constants of the node and what its first run
+    learned. requires_grad flags, tensor flags and training mode are node attributes."""
+
+    __slots__ = ("apply", "bool_inputs", "bw_cls", "clone", "cls", "first", "n_args", "rg_pos", "tensor_pos", "want_grad")
+
+    def __init__(self, func_name: str, requires_grad, tensor_flags, training: bool) -> None:
+        base, _, bools = func_name.partition(BOOL_MARK)
+        cls = state.function_class(base)
+        if cls is None:
+            raise RuntimeError(f"PythonOp {func_name!r}: no torch.autograd.Function is registered under this name")
+        self.cls = cls
+        self.apply = cls.apply
+        self.bw_cls = cls._backward_cls
+        self.n_args = len(tensor_flags)
+        self.tensor_pos = tuple(i for i, f in enumerate(tensor_flags) if f)
+        self.rg_pos = frozenset(i for i in self.tensor_pos if requires_grad[i]) if training else frozenset()
+        self.want_grad = bool(self.rg_pos)
+        self.bool_inputs = frozenset(int(i) for i in bools.split(",")) if bools else frozenset()
+        self.clone: frozenset[int] = frozenset()  # inputs saved in ctx or made dirty
+        self.first = True
+
+
+_kernels: dict[str, _Kernel] = {}
+
+
+def _export(t: _Tensor, foreign: list[int]) -> object:
+    """DLPack capsule for an output: detached, contiguous, not in an ORT input buffer, bool as uint8."""
+    t = t.detach()
+    if foreign and t.numel() and t.untyped_storage().data_ptr() in foreign:
+        t = t.clone(memory_format=torch.contiguous_format)
+    elif not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype is torch.bool:
+        t = t.view(torch.uint8)
+    return _to_dlpack(t)
+
+
+def _learn(k: _Kernel, ctx, outs: tuple, passed: dict[int, _Tensor]) -> None:
+    """First run of a node: which inputs does the Function keep (saved, or modified in place)?"""
+    keep = set()
+    by_storage = {t.untyped_storage().data_ptr(): i for i, t in passed.items() if t.numel()}
+    if ctx is not None:
+        for s in ctx.saved_tensors:
+            if s is not None and s.numel():
+                pos = by_storage.get(s.untyped_storage().data_ptr())
+                if pos is not None:
+                    keep.add(pos)
+    for o in outs:  # mark_dirty returns the input object itself
+        for i, t in passed.items():
+            if o is t:
+                keep.add(i)
+    k.clone = frozenset(keep)
+    k.first = False
+
+
+def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
+    try:
+        k = _kernels.get(invoke_id)
+        if k is None:
+            k = _kernels[invoke_id] = _Kernel(func_name, requires_grad, tensor_flags, training)
+        first, clone, rg_pos = k.first, k.clone, k.rg_pos
+        call = list(args)
+        foreign: list[int] = []  # ORT-owned input buffers
+        passed: dict[int, _Tensor] = {}
+        for i in k.tensor_pos:
+            a = call[i]
+            if a is None:
+                continue
+            t = _from_dlpack(a)
+            foreign.append(t.untyped_storage().data_ptr())
+            if i in k.bool_inputs:
+                t = t.view(torch.bool)
+            rg = i in rg_pos
+            if first or i in clone:
+                # Kept by the Function: must not live in a buffer ORT may reuse.
+                if rg:
+                    prev = _is_grad_enabled()
+                    _set_grad_enabled(True)
+                    try:
+                        t = t.requires_grad_(True).clone()  # a non-leaf, like an eager intermediate
+                    finally:
+                        _set_grad_enabled(prev)
+                else:
+                    t = t.clone()
+            elif rg:
+                t.requires_grad_(True)
+            call[i] = t
+            passed[i] = t
+
+        prev = _is_grad_enabled()
+        _set_grad_enabled(k.want_grad)
+        try:
+            outs = k.apply(*call)
+        finally:
+            _set_grad_enabled(prev)
+        if type(outs) is not tuple:
+            outs = (outs,)
+        for o in outs:
+            if o is not None and not isinstance(o, _Tensor):
+                raise TypeError(
+                    f"torch.autograd.Function {state.qualified_name(k.cls)} returned a non-tensor output "
+                    f"({type(o).__name__}); ortwrap can only bridge Functions whose outputs are tensors"
+                )
+
+        ctx = None
+        if k.want_grad:
+            for o in outs:
+                if isinstance(o, _Tensor):
+                    g = o.grad_fn
+                    if g is not None and type(g) is k.bw_cls:
+                        ctx = g
+                        break
+        if first:
+            _learn(k, ctx, outs, passed)
+
+        if not k.want_grad:
+            result: list = [None]  # ORT requires None when training_mode == 0
+        else:
+            h = Handle()
+            h.alive = True
+            h.ctx = ctx
+            h.kernel = k
+            h.out_meta = [(o.shape, o.dtype, o.requires_grad) if isinstance(o, _Tensor) else None for o in outs]
+            h.in_meta = {i: (passed[i].shape, passed[i].dtype) for i in rg_pos if i in passed}
+            record = getattr(_current, "record", None)
+            if record is not None:
+                record.handles.append(weakref.ref(h))
+            result = [h]
+        for o in outs:
+            result.append(_export(o, foreign) if isinstance(o, _Tensor) else None)
+        return result
+    except BaseException as e:  # noqa: BLE001 - re-raised by the caller of the ORT run
+        state.park(e)
+        return None
+
+
+def _backward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
+    h = args[0]
+    try:
+        if type(h) is not Handle:
+            raise RuntimeError(f"PythonOpGrad {func_name!r}: the forward produced no context")
+        if not h.alive:
+            raise RuntimeError(f"PythonOpGrad {func_name!r}: its context was released before backward ran")
+        k: _Kernel = h.kernel
+        in_meta, ctx = h.in_meta, h.ctx
+        if ctx is None:  # no output was differentiable: eager autograd would not call backward
+            return [_to_dlpack(_zeros(in_meta[i][0], dtype=in_meta[i][1])) if i in in_meta else None for i in range(k.n_args)]
+        materialize = ctx.__dict__.get("_ortwrap_materialize", True)
+        foreign: list[int] = []
+        grads = []
+        for meta, a in zip(h.out_meta, args[1:]):
+            if meta is None:
+                grads.append(None)
+                continue
+            g = None
+            if a is not None and meta[2]:  # meta[2]: the output is differentiable
+                g = _from_dlpack(a)
+                foreign.append(g.untyped_storage().data_ptr())
+            elif materialize:
+                g = _zeros(meta[0], dtype=meta[1])
+            grads.append(g)
+        prev = _is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            r = ctx.apply(*grads)
+        finally:
+            _set_grad_enabled(prev)
+        if type(r) is not tuple:
+            r = (r,)
+        n_in = k.n_args
+        if len(r) != n_in:
+            if len(r) > n_in and all(x is None for x in r[n_in:]):  # autograd accepts extra Nones
+                r = r[:n_in]
+            else:
+                raise RuntimeError(
+                    f"function {type(ctx).__name__} returned an incorrect number of gradients (expected {n_in}, got {len(r)})"
+                )
+        out = []
+        for i, g in enumerate(r):
+            meta = in_meta.get(i)
+            if meta is None:
+                if g is not None and i not in k.tensor_pos:
+                    raise RuntimeError(
+                        f"function {type(ctx).__name__} returned a gradient different than None at position {i + 1}, "
+                        "but the corresponding forward input was not a Variable"
+                    )
+                out.append(None)
+                continue
+            shape, dtype = meta
+            if g is None:
+                g = _zeros(shape, dtype=dtype)
+            else:
+                if g.shape != shape:
+                    try:
+                        g = g.sum_to_size(shape)
+                    except RuntimeError:
+                        raise RuntimeError(
+                            f"Function {type(ctx).__name__} returned an invalid gradient at index {i} - got "
+                            f"{list(g.shape)} but expected shape compatible with {list(shape)}"
+                        ) from None
+                if g.dtype != dtype:
+                    g = g.to(dtype)
+            out.append(_export(g, foreign))
+        return out
+    except BaseException as e:  # noqa: BLE001
+        state.park(e)
+        return None
+    finally:
+        if type(h) is Handle:
+            h.release()  # ORT drops its reference right after this call returns
+
+
+def _record_materialize_grads() -> None:
+    """``ctx.set_materialize_grads(False)`` cannot be read back from torch's ctx: record it."""
+    fn = torch.autograd.function.FunctionCtx.set_materialize_grads
+    if getattr(fn, "_ortwrap", False):
+        return
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.__dict__["_ortwrap_materialize"] = bool(value)
+        fn(self, value)
+
+    set_materialize_grads._ortwrap = True  # type: ignore[attr-defined]
+    torch.autograd.function.FunctionCtx.set_materialize_grads = set_materialize_grads
+
+
+_record_materialize_grads()

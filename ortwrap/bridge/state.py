@@ -1,0 +1,158 @@
+"""Process-wide state of the bridge: registered Functions, pending exceptions, context accounting.
+
+ONNX Runtime keeps three process-global tables that this module mirrors and manages:
+
+- Functions registered by name (``register_torch_autograd_function``). ORT keeps the *first* class
+  registered under a name, so every class gets a name no other class has (:func:`function_name`).
+- The context map of PythonOp: each forward run of a PythonOp stores its context under an id that
+  PythonOpGrad erases after the Function's backward. A forward whose backward never runs (a
+  ``torch.no_grad()`` run, an abandoned training forward) leaves its entry behind. ortwrap counts
+  such entries and empties the map with ``unregister_python_functions`` at a quiet moment (no
+  forward waiting for its backward), then registers the Functions again (:func:`maybe_purge`).
+- Exceptions cannot cross ORT: a Function's exception is parked here by the runner and re-raised by
+  the caller of the ORT run with its original type (:func:`reraise_pending`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+import torch
+
+from .._ort import C
+
+_lock = threading.Lock()
+
+# ------------------------------------------------------------------------------------- functions
+_functions: dict[str, type] = {}  # unique name -> Function class
+_names: dict[type, str] = {}
+_aliases: dict[str, type] = {}  # variants of unique names (bool-input markers) -> class
+
+
+class _Placeholder(torch.autograd.Function):
+    """Registered with ORT for classes it refuses (only direct Function subclasses are accepted).
+
+    ortwrap's runner resolves the class from its own table, so ORT never calls this."""
+
+    @staticmethod
+    def forward(ctx, *args):  # pragma: no cover
+        raise RuntimeError("ortwrap placeholder Function called")
+
+    @staticmethod
+    def backward(ctx, *grads):  # pragma: no cover
+        raise RuntimeError("ortwrap placeholder Function called")
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a Function class: the name users give in ``inline_functions``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def function_name(cls: type) -> str:
+    """The unique name of ``cls`` in ORT's registry, registering it on first use.
+
+    Two classes with the same qualified name (defined in a loop, or reloaded) get ``name``,
+    ``name#2``, ...: ORT silently keeps the first class registered under a name.
+    """
+    with _lock:
+        name = _names.get(cls)
+        if name is not None:
+            return name
+        base = qualified_name(cls)
+        name, n = base, 1
+        while name in _functions:
+            n += 1
+            name = f"{base}#{n}"
+        _functions[name] = cls
+        _names[cls] = name
+        _ort_register(name, cls)
+        return name
+
+
+def function_class(name: str) -> type | None:
+    return _functions.get(name)
+
+
+def register_alias(name: str, cls: type) -> None:
+    """Register ``cls`` with ORT under a variant of its unique name (bool-input markers)."""
+    with _lock:
+        if name not in _aliases:
+            _aliases[name] = cls
+            _ort_register(name, cls)
+
+
+def _ort_register(name: str, cls: type) -> None:
+    direct = torch.autograd.Function in cls.__bases__
+    C.register_torch_autograd_function(name, cls if direct else _Placeholder)
+
+
+# ------------------------------------------------------------------------------------- errors
+_pending: list[BaseException] = []
+
+
+def park(exc: BaseException) -> None:
+    """Keep an exception raised inside ORT's run for the caller to re-raise."""
+    _pending.append(exc)
+
+
+def clear_pending() -> None:
+    _pending.clear()
+
+
+def reraise_pending(ort_error: BaseException | None) -> None:
+    """Raise the first exception parked during the last run, chained to ORT's error, if any."""
+    if _pending:
+        exc = _pending[0]
+        _pending.clear()
+        raise exc.with_traceback(exc.__traceback__) from ort_error
+
+
+# ------------------------------------------------------------------------------------- contexts
+_waiting = 0  # training forwards with PythonOps whose backward has not run (or been abandoned)
+_stale = 0  # context-map entries no backward will erase
+PURGE_THRESHOLD = 64
+
+
+def forward_started() -> None:
+    global _waiting
+    with _lock:
+        _waiting += 1
+
+
+def forward_finished(abandoned_entries: int) -> None:
+    """A forward's backward ran (0 entries left behind) or will never run (``abandoned_entries``)."""
+    global _waiting, _stale
+    with _lock:
+        _waiting -= 1
+        _stale += abandoned_entries
+
+
+def entries_left(n: int) -> None:
+    """A run left ``n`` entries in ORT's context map (inference runs: one per PythonOp)."""
+    global _stale
+    with _lock:
+        _stale += n
+
+
+def maybe_purge(force: bool = False) -> bool:
+    """Empty ORT's context map when it holds stale entries and no forward awaits its backward."""
+    global _stale
+    with _lock:
+        if _waiting or (_stale < PURGE_THRESHOLD and not (force and _stale)):
+            return False
+        C.unregister_python_functions()  # also forgets the Functions: register them again
+        for name, cls in (*_functions.items(), *_aliases.items()):
+            _ort_register(name, cls)
+        _stale = 0
+        return True
+
+
+def stats() -> dict[str, int]:
+    """Counters for tests and debugging."""
+    return {"functions": len(_functions), "waiting_forwards": _waiting, "stale_context_entries": _stale}
+
+
+# ORT's tables are C++ statics: if they still hold Python objects when the interpreter is gone,
+# their destructors crash the process at exit.
+atexit.register(C.unregister_python_functions)

@@ -1,0 +1,202 @@
+"""Export of ``torch.autograd.Function`` calls as ``com.microsoft::PythonOp`` nodes.
+
+The TorchScript exporter, run with ``autograd_inlining=False``, keeps each Function call as a
+``prim::PythonOp`` node; ortwrap's symbolic for it (installed only during ortwrap's exports)
+emits one PythonOp whose attributes encode the call, following ORT 1.19.2's schema:
+
+==============================  ==================================================================
+argument of ``Function.apply``  encoding
+==============================  ==================================================================
+tensor                          a node input (bool tensors cast to uint8, see ``runner.py``)
+bool / int / float              ``input_{bool,int,float}_scalars`` + ``..._positions``
+tuple of bool / int / float     ``input_{bool,int,float}_tuples`` + ``..._positions`` + ``..._begins``
+anything else                   ``input_pointer_scalars`` (the object's address) + positions; the
+                                object is kept alive by the program that owns the graph
+==============================  ==================================================================
+
+(None, str, dict, modules, process groups, callables all go by pointer. Floats are float32
+attributes; pass a float by pointer if it must be exact: wrap it in a 1-tuple of mixed types.)
+
+Outputs: ORT's context id (added by ``passes/pythonop_context.py`` as output 0), then the tensors.
+A Function listed in ``Options.inline_functions`` is not bridged: its ``apply`` calls ``forward``
+directly while ortwrap traces, so its forward's ops are exported (and differentiated by ORT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import state
+from .runner import BOOL_MARK, install
+
+_BOOL = 9
+_UINT8 = 2
+_ONNX_TYPES = {
+    "Float": 1,
+    "Byte": 2,
+    "Char": 3,
+    "Short": 5,
+    "Int": 6,
+    "Long": 7,
+    "Bool": _BOOL,
+    "Half": 10,
+    "Double": 11,
+    "BFloat16": 16,
+}
+
+
+@dataclass
+class ExportScope:
+    """What one export's PythonOps refer to.
+
+    Attributes:
+        keepalive: objects whose addresses are ``input_pointer_scalars`` of the graph. The program
+            built from the graph holds this list, so the objects live exactly as long as it can run.
+        functions: unique names of the Functions bridged.
+        with_backward: the graph gets a backward (PythonOp ``training_mode=1``, contexts kept).
+        inline: qualified names of Functions to inline instead of bridging.
+    """
+
+    with_backward: bool
+    inline: frozenset[str] = frozenset()
+    keepalive: list[object] = field(default_factory=list)
+    functions: list[str] = field(default_factory=list)
+
+
+_scope: contextvars.ContextVar[ExportScope | None] = contextvars.ContextVar("ortwrap_bridge_scope", default=None)
+
+
+class BridgeExportError(RuntimeError):
+    """A Function call cannot be bridged; the message names the Function."""
+
+
+def _onnx_type(value, what: str, fn: str) -> int:
+    t = value.type()
+    scalar = t.scalarType() if hasattr(t, "scalarType") else None
+    if scalar is None or scalar not in _ONNX_TYPES:
+        raise BridgeExportError(f"torch.autograd.Function {fn}: {what} has type {t}, which ortwrap cannot bridge")
+    return _ONNX_TYPES[scalar]
+
+
+def _rank(value, what: str, fn: str) -> int:
+    r = value.type().dim()
+    if r is None:
+        raise BridgeExportError(f"torch.autograd.Function {fn}: the rank of {what} is unknown")
+    return r
+
+
+def pythonop_symbolic(g, *args, **kwargs):
+    """Symbolic for ``prim::PythonOp`` (torch >= 1.13 convention: ``fn(g, *args)``)."""
+    scope = _scope.get()
+    node = g.original_node
+    cls = node.pyobj().__self__
+    qualname = state.qualified_name(cls)
+    if scope is None:
+        raise BridgeExportError(f"torch.autograd.Function {qualname}: exported outside an ortwrap export")
+    cconv = node.cconv()
+    if len(args) != len(cconv):
+        raise BridgeExportError(f"torch.autograd.Function {qualname}: argument count does not match its calling convention")
+    lists: dict[str, list] = {}
+
+    def add(key: str, value) -> None:
+        lists.setdefault(key, []).append(value)
+
+    def extend_tuple(kind: str, suffix: str, position: int, values: list) -> None:
+        key = f"input_{kind}_tuples_{suffix}"
+        add(f"input_{kind}_tuple_positions_i", position)
+        add(f"input_{kind}_tuple_begins_i", len(lists.get(key, [])))
+        lists.setdefault(key, []).extend(values)
+
+    tensors, requires_grad, bool_inputs = [], [], []
+    for i, (a, c) in enumerate(zip(args, cconv)):
+        if c == "d":
+            elem = _onnx_type(a, f"input {i}", qualname)
+            if elem == _BOOL:
+                a = g.op("Cast", a, to_i=_UINT8)
+                elem = _UINT8
+                bool_inputs.append(i)
+            tensors.append(a)
+            add("input_tensor_types_i", elem)
+            add("input_tensor_ranks_i", _rank(a, f"input {i}", qualname))
+            requires_grad.append(1 if a.requiresGrad() else 0)
+            continue
+        requires_grad.append(0)
+        if isinstance(a, bool):  # before int: bool is an int
+            add("input_bool_scalars_i", int(a))
+            add("input_bool_scalar_positions_i", i)
+        elif isinstance(a, int):
+            add("input_int_scalars_i", a)
+            add("input_int_scalar_positions_i", i)
+        elif isinstance(a, float):
+            add("input_float_scalars_f", a)
+            add("input_float_scalar_positions_i", i)
+        elif isinstance(a, tuple) and a and all(isinstance(x, bool) for x in a):
+            extend_tuple("bool", "i", i, [int(x) for x in a])
+        elif isinstance(a, tuple) and a and all(isinstance(x, int) and not isinstance(x, bool) for x in a):
+            extend_tuple("int", "i", i, list(a))
+        elif isinstance(a, tuple) and a and all(isinstance(x, float) for x in a):
+            extend_tuple("float", "f", i, list(a))
+        else:  # None, str, dicts, modules, callables, mixed tuples, ...: by address
+            scope.keepalive.append(a)
+            add("input_pointer_scalars_i", id(a))
+            add("input_pointer_scalar_positions_i", i)
+
+    outputs = list(node.outputs())
+    out_types = [_onnx_type(o, f"output {j}", qualname) for j, o in enumerate(outputs)]
+    name = state.function_name(cls)
+    scope.functions.append(name)
+    if bool_inputs:
+        func_name = f"{name}{BOOL_MARK}{','.join(map(str, bool_inputs))}"
+        state.register_alias(func_name, cls)
+    else:
+        func_name = name
+    attrs = dict(
+        func_name_s=func_name,
+        input_convention_s=cconv,
+        input_requires_grads_i=requires_grad,
+        output_tensor_types_i=[_UINT8 if t == _BOOL else t for t in out_types],
+        output_tensor_ranks_i=[_rank(o, f"output {j}", qualname) for j, o in enumerate(outputs)],
+        training_mode_i=1 if scope.with_backward else 0,
+        safe_run_mode_i=0,
+        comment_s=qualname,
+    )
+    attrs.update(lists)
+    attrs.setdefault("input_tensor_types_i", [])
+    attrs.setdefault("input_tensor_ranks_i", [])
+    results = g.op("com.microsoft::PythonOp", *tensors, outputs=len(outputs), **attrs)
+    results = list(results) if isinstance(results, (list, tuple)) else [results]
+    for j, (r, o, t) in enumerate(zip(results, outputs, out_types)):
+        r.setType(o.type())
+        if t == _BOOL:
+            results[j] = g.op("Cast", r, to_i=_BOOL)
+            results[j].setType(o.type())
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+@contextlib.contextmanager
+def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[ExportScope]:
+    """Bridge the Functions called while exporting; inline those named in ``inline``."""
+    install()
+    scope = ExportScope(with_backward=with_backward, inline=inline)
+    token = _scope.set(scope)
+    original_apply = torch.autograd.Function.__dict__["apply"]
+    if inline:
+
+        def apply(cls, *args, **kwargs):
+            if state.qualified_name(cls) in scope.inline:
+                # NOTE: traced as plain ops; the forward's ctx calls are accepted and ignored.
+                return cls.forward(torch.autograd.function.FunctionCtx(), *args, **kwargs)
+            return original_apply.__func__(cls, *args, **kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield scope
+    finally:
+        if inline:
+            torch.autograd.Function.apply = original_apply
+        _scope.reset(token)

@@ -1,0 +1,48 @@
+"""Give every ``com.microsoft::PythonOp`` the context output ORT expects.
+
+ORT's PythonOp schema puts an int64 context id first, before the Function's tensor outputs;
+``PythonOpGrad`` reads it to find the call's saved state. The exporter emits only the tensor
+outputs, so each node is rebuilt with a fresh ``<node>/ctx`` output in front.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+PYTHONOP_DOMAIN = "com.microsoft"
+
+
+def is_pythonop(node: ir.Node) -> bool:
+    return node.domain == PYTHONOP_DOMAIN and node.op_type == "PythonOp"
+
+
+class AddPythonOpContextPass(ir.passes.InPlacePass):
+    """Prepend a context output to PythonOp nodes that lack it."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        for graph in (model.graph, *model.graph.subgraphs()):
+            for i, node in enumerate(list(graph)):
+                if not is_pythonop(node) or node.meta.get("ortwrap_ctx"):
+                    continue
+                name = node.name or f"PythonOp_{i}"
+                new = ir.Node(
+                    node.domain,
+                    node.op_type,
+                    list(node.inputs),
+                    attributes=list(node.attributes.values()),
+                    num_outputs=len(node.outputs) + 1,
+                    name=name,
+                )
+                new.meta["ortwrap_ctx"] = True
+                new.outputs[0].name = f"{name}/ctx"
+                graph.insert_before(node, new)
+                for old, value in zip(node.outputs, new.outputs[1:]):
+                    old_name = old.name
+                    old.replace_all_uses_with(value, replace_graph_outputs=True)
+                    old.name = None
+                    value.name = old_name
+                    value.type, value.shape = old.type, old.shape
+                graph.remove(node, safe=True)
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
