@@ -17,10 +17,10 @@ from torch import nn
 
 from . import _tree
 from ._logging import configure, logger
+from .bridge import state as bridge_state
 from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedInputError
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
-from .bridge import state as bridge_state
 from .runtime.function import RunTrainingGraph
 
 __all__ = ["FallbackWarning", "ORTWrap"]

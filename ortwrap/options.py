@@ -57,6 +57,12 @@ class Options:
         "exported and differentiated by ONNX Runtime instead of running the Function as a PythonOp. "
         "Environment: comma-separated.",
     )
+    aten_ops: tuple[str, ...] = _opt(
+        (),
+        "ORTWRAP_ATEN_OPS",
+        "Names of aten ops (e.g. 'gelu', 'embedding') to run with PyTorch's own kernels and gradients inside the "
+        "ONNX Runtime graph (ATen nodes). Ops without an ONNX export always run that way. Environment: comma-separated.",
+    )
     allow_spinning: bool = _opt(
         False,
         "ORTWRAP_ALLOW_SPINNING",
@@ -75,9 +81,9 @@ class Options:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")
-        if isinstance(self.inline_functions, str):
-            object.__setattr__(self, "inline_functions", (self.inline_functions,))
-        object.__setattr__(self, "inline_functions", tuple(self.inline_functions))
+        for name in ("inline_functions", "aten_ops"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         if int(self.intra_op_threads) < 0:
             raise ValueError(f"ORTWrap option intra_op_threads={self.intra_op_threads!r} must be >= 0")
 

@@ -18,7 +18,9 @@ from torch import nn
 
 from ._logging import logger
 from ._ort import C
-from .errors import ExportError
+from .bridge import aten
+from .bridge.aten import ATEN_DOMAIN
+from .errors import ExportError, GradientBuildError
 from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
@@ -184,7 +186,11 @@ def compile_program(
     """
     seconds: dict[str, float] = {}
     export_kw = dict(
-        training=training, opset=options.opset, with_backward=with_backward, inline_functions=options.inline_functions
+        training=training,
+        opset=options.opset,
+        with_backward=with_backward,
+        inline_functions=options.inline_functions,
+        aten_ops=options.aten_ops,
     )
     t0 = time.perf_counter()
     try:
@@ -212,6 +218,14 @@ def compile_program(
     remaining = {o.name for o in exported.model.graph.output}
     exported.buffer_outputs = {k: v for k, v in exported.buffer_outputs.items() if k in remaining}
     _add_stop_gradient_inputs(exported)
+    if any(n.domain == ATEN_DOMAIN for n in exported.model.graph.node):
+        aten.install()
+        aten.declare_output_types(exported.model)
+        if with_backward:
+            try:
+                aten.register_gradients(exported.model)
+            except Exception as e:
+                raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
     state = list(exported.state_inputs)
     trainable = [
         n

@@ -129,7 +129,18 @@ class _Kernel:
     """One PythonOp node (ORT's kernel invoke id): constants of the node and what its first run
     learned. requires_grad flags, tensor flags and training mode are node attributes."""
 
-    __slots__ = ("apply", "bool_inputs", "bw_cls", "clone", "cls", "first", "n_args", "rg_pos", "tensor_pos", "want_grad")
+    __slots__ = (
+        "apply",
+        "bool_inputs",
+        "bw_cls",
+        "clone",
+        "cls",
+        "first",
+        "n_args",
+        "rg_pos",
+        "tensor_pos",
+        "want_grad",
+    )
 
     def __init__(self, func_name: str, requires_grad, tensor_flags, training: bool) -> None:
         base, _, bools = func_name.partition(BOOL_MARK)
@@ -257,7 +268,7 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
         for o in outs:
             result.append(_export(o, foreign) if isinstance(o, _Tensor) else None)
         return result
-    except BaseException as e:  # noqa: BLE001 - re-raised by the caller of the ORT run
+    except BaseException as e:
         state.park(e)
         return None
 
@@ -272,7 +283,10 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
         k: _Kernel = h.kernel
         in_meta, ctx = h.in_meta, h.ctx
         if ctx is None:  # no output was differentiable: eager autograd would not call backward
-            return [_to_dlpack(_zeros(in_meta[i][0], dtype=in_meta[i][1])) if i in in_meta else None for i in range(k.n_args)]
+            return [
+                _to_dlpack(_zeros(in_meta[i][0], dtype=in_meta[i][1])) if i in in_meta else None
+                for i in range(k.n_args)
+            ]
         materialize = ctx.__dict__.get("_ortwrap_materialize", True)
         foreign: list[int] = []
         grads = []
@@ -330,7 +344,7 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
                     g = g.to(dtype)
             out.append(_export(g, foreign))
         return out
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         state.park(e)
         return None
     finally:

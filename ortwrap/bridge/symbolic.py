@@ -71,8 +71,10 @@ class ExportScope:
 _scope: contextvars.ContextVar[ExportScope | None] = contextvars.ContextVar("ortwrap_bridge_scope", default=None)
 
 
-class BridgeExportError(RuntimeError):
-    """A Function call cannot be bridged; the message names the Function."""
+class BridgeExportError(ValueError):
+    """A Function call cannot be bridged; the message names the Function.
+
+    (Not a RuntimeError: the exporter would turn that into an ATen fallback node.)"""
 
 
 def _onnx_type(value, what: str, fn: str) -> int:
@@ -100,7 +102,9 @@ def pythonop_symbolic(g, *args, **kwargs):
         raise BridgeExportError(f"torch.autograd.Function {qualname}: exported outside an ortwrap export")
     cconv = node.cconv()
     if len(args) != len(cconv):
-        raise BridgeExportError(f"torch.autograd.Function {qualname}: argument count does not match its calling convention")
+        raise BridgeExportError(
+            f"torch.autograd.Function {qualname}: argument count does not match its calling convention"
+        )
     lists: dict[str, list] = {}
 
     def add(key: str, value) -> None:
@@ -147,6 +151,13 @@ def pythonop_symbolic(g, *args, **kwargs):
             add("input_pointer_scalar_positions_i", i)
 
     outputs = list(node.outputs())
+    for j, o in enumerate(outputs):
+        t = o.type()
+        if not hasattr(t, "scalarType") or t.scalarType() is None:
+            raise BridgeExportError(
+                f"torch.autograd.Function {qualname}: output {j} is not a tensor ({t}); ortwrap can only run "
+                "Functions whose outputs are all tensors inside ONNX Runtime"
+            )
     out_types = [_onnx_type(o, f"output {j}", qualname) for j, o in enumerate(outputs)]
     name = state.function_name(cls)
     scope.functions.append(name)

@@ -15,6 +15,8 @@ cross_entropy_loss             ``label_smoothing`` is refused by torch's symboli
 adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size into a fixed
                                pooling kernel; ortwrap records that the graph needs static spatial
                                shapes (see ``export.torchscript``).
+prim::PythonOp                 autograd.Function calls become PythonOps (``bridge/symbolic.py``).
+``Options.aten_ops``           each listed op becomes an ATen node (``bridge/aten.py``).
 =============================  =================================================================
 """
 
@@ -119,8 +121,25 @@ def _adaptive_pool(name: str, default: Callable) -> Callable:
 _ADAPTIVE = [f"aten::adaptive_{kind}_pool{d}d" for kind in ("avg", "max") for d in (1, 2, 3)]
 
 
+def _aten_symbolic(name: str) -> Callable:
+    """Export ``aten::<name>`` as an ATen node running PyTorch's own kernel (``Options.aten_ops``)."""
+
+    def symbolic(g, *args, **kwargs):
+        from torch.onnx._internal.torchscript_exporter.utils import _get_aten_op_overload_name
+
+        node = g.original_node
+        outputs = list(node.outputs())
+        result = g.aten_op(name, *args, overload_name=_get_aten_op_overload_name(node), outputs=len(outputs))
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        for r, o in zip(results, outputs):
+            r.setType(o.type())
+        return result
+
+    return symbolic
+
+
 @contextlib.contextmanager
-def ortwrap_symbolics(opset: int) -> Iterator[list[str]]:
+def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
     registry = _registry()
     from ..bridge.symbolic import pythonop_symbolic
@@ -130,6 +149,8 @@ def ortwrap_symbolics(opset: int) -> Iterator[list[str]]:
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
     }
+    for op in aten_ops:
+        symbolics[f"aten::{op}"] = _aten_symbolic(op)
     for name in _ADAPTIVE:
         group = registry.get_function_group(name)
         default = group.get(opset) if group is not None else None

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from .. import _tree
-from ..errors import ExportError
 from ..bridge.symbolic import export_scope
+from ..errors import ExportError
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
 from .symbolics import ortwrap_symbolics
@@ -82,6 +82,7 @@ def export_torchscript(
     static_spatial: bool = False,
     with_backward: bool = True,
     inline_functions: tuple[str, ...] = (),
+    aten_ops: tuple[str, ...] = (),
 ) -> ExportedModel:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
@@ -95,6 +96,7 @@ def export_torchscript(
         static_spatial: make only dimension 0 of each input dynamic (see :data:`STATIC_SPATIAL_OPS`).
         with_backward: the graph will get a backward (PythonOps keep their contexts).
         inline_functions: qualified names of autograd.Functions to export as ops, not PythonOps.
+        aten_ops: names of aten ops to export as ATen nodes (PyTorch's kernels) in any case.
 
     Raises:
         ExportError: chained to the exporter's error.
@@ -111,7 +113,7 @@ def export_torchscript(
         with (
             _preserved_state(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
-            ortwrap_symbolics(opset) as symbolic_reasons,
+            ortwrap_symbolics(opset, aten_ops) as symbolic_reasons,
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")
@@ -128,6 +130,8 @@ def export_torchscript(
                 input_names=input_names,
                 dynamic_axes=dynamic_axes,
                 autograd_inlining=False,
+                # Ops without an ONNX translation become ATen nodes that run PyTorch's kernels.
+                operator_export_type=torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK,
             )
     except Exception as e:
         text = str(e)

@@ -31,3 +31,26 @@ class NodeBuilder:
             old.name = None
             new.name = name
         graph.remove(node, safe=True)
+
+
+def constant_value(value: ir.Value | None) -> np.ndarray | None:
+    """The value of a tensor computed from constants only (Constant, Concat, Cast, Identity)."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().numpy()
+    args = [constant_value(v) for v in node.inputs]
+    if any(a is None for a in args):
+        return None
+    if node.op_type == "Concat":
+        return np.concatenate(args, axis=node.attributes["axis"].as_int())
+    if node.op_type == "Identity":
+        return args[0]
+    if node.op_type == "Cast":
+        return args[0].astype(ir.DataType(node.attributes["to"].as_int()).numpy())
+    return None

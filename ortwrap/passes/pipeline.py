@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import PassError
+from .aten_types import ATenOutputTypesPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .einsum import EinsumToMatMulPass
@@ -39,6 +40,7 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
+        ATenOutputTypesPass(),
         ResolveStopGradientPass(),
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),

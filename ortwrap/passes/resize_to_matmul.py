@@ -17,7 +17,7 @@ from onnx import helper
 
 from .._ort import ort
 from ..errors import PassError
-from ._build import NodeBuilder
+from ._build import NodeBuilder, constant_value
 
 
 def _tabulate(attrs: dict, size_in: int, *, scale: float | None = None, size_out: int | None = None) -> np.ndarray:
@@ -49,29 +49,6 @@ def _tabulate(attrs: dict, size_in: int, *, scale: float | None = None, size_out
     return np.ascontiguousarray(y[0, :, :, 0].T)
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of a tensor computed from constants only (Constant, Concat, Cast, Identity)."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    node = value.producer()
-    if node is None:
-        return None
-    if node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].as_tensor().numpy()
-    args = [_constant(v) for v in node.inputs]
-    if any(a is None for a in args):
-        return None
-    if node.op_type == "Concat":
-        return np.concatenate(args, axis=node.attributes["axis"].as_int())
-    if node.op_type == "Identity":
-        return args[0]
-    if node.op_type == "Cast":
-        return args[0].astype(ir.DataType(node.attributes["to"].as_int()).numpy())
-    return None
-
-
 class ResizeToMatMulPass(ir.passes.InPlacePass):
     """Replace 4-D Resize over H and W with ``A_h @ x @ A_w^T``."""
 
@@ -88,8 +65,8 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
             attrs = {name: attr.value for name, attr in node.attributes.items()}
             if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
                 raise PassError(f"node {node.name!r}: Resize tf_crop_and_resize is not supported")
-            scales = _constant(node.inputs[2]) if len(node.inputs) > 2 else None
-            sizes = _constant(node.inputs[3]) if len(node.inputs) > 3 else None
+            scales = constant_value(node.inputs[2]) if len(node.inputs) > 2 else None
+            sizes = constant_value(node.inputs[3]) if len(node.inputs) > 3 else None
             if scales is not None and scales.size == 4 and scales[0] == 1 and scales[1] == 1:
                 h_kw, w_kw = {"scale": float(scales[2])}, {"scale": float(scales[3])}
             elif sizes is not None and sizes.size == 4:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from .._ort import C, ort
-from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..options import Options

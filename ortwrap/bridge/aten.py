@@ -1,0 +1,311 @@
+"""ATen ops inside ORT graphs: PyTorch's own kernels run as ``org.pytorch.aten::ATen`` nodes.
+
+An op the exporter cannot translate to ONNX (``operator_export_type=ONNX_ATEN_FALLBACK``), or one
+listed in ``Options.aten_ops`` (ops ORT cannot differentiate, or differentiates slowly), becomes an
+ATen node: attribute ``operator`` (and ``overload_name``), the op's arguments as inputs (non-tensor
+arguments as constant tensors). ``_aten.c``, registered with ``register_aten_op_executor``, calls
+:func:`_execute` for every such node, which runs ``torch.ops.aten.<operator>.<overload>``.
+
+Gradients: for every ATen op in a graph that gets a backward, ortwrap registers a gradient
+definition with one node, ``ATen(operator="ortwrap_vjp::<op>")`` taking the output gradients and
+the forward inputs; the executor recomputes the op under autograd and returns PyTorch's own
+vector-Jacobian product. Integer inputs (dims, flags) are stop-gradient edges.
+
+Argument encoding (ORT's DLPack bridge carries neither strings nor bool):
+
+==========================================  ================================================
+ATen argument                               ATen node input
+==========================================  ================================================
+Tensor / Tensor?                            the tensor, or an absent input
+int, bool, float, Scalar                    0-d tensor (bool arrives as uint8)
+int[], float[], bool[]                      1-D tensor
+str                                         1-D uint8 tensor of UTF-8 bytes (ortwrap's own)
+ScalarType                                  int64 tensor of torch's ScalarType code
+==========================================  ================================================
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+
+import onnx
+import torch
+
+from .._ort import C
+from . import state
+from ._native import load
+
+ATEN_DOMAIN = "org.pytorch.aten"
+VJP_PREFIX = "ortwrap_vjp::"
+
+_from_dlpack = torch._C._from_dlpack
+_to_dlpack = torch._C._to_dlpack
+
+_SCALAR_TYPES = {
+    0: torch.uint8,
+    1: torch.int8,
+    2: torch.int16,
+    3: torch.int32,
+    4: torch.int64,
+    5: torch.float16,
+    6: torch.float32,
+    7: torch.float64,
+    11: torch.bool,
+    15: torch.bfloat16,
+}
+
+
+def _decoder(arg):
+    t = arg.type
+    kind = t.kind()
+    if kind == "OptionalType":
+        t = t.getElementType()
+        kind = t.kind()
+    if kind == "ListType":
+        elem = t.getElementType().kind()
+        if elem == "TensorType":
+            raise NotImplementedError(f"Tensor[] argument {arg.name!r} is not supported inside ONNX Runtime")
+        if elem == "BoolType":
+            return lambda x: [bool(v) for v in x.tolist()]
+        return lambda x: x.tolist()
+    if kind == "TensorType":
+        return lambda x: x
+    if kind in ("IntType", "SymIntType"):
+        return lambda x: int(x.item())
+    if kind == "FloatType":
+        return lambda x: float(x.item())
+    if kind == "BoolType":
+        return lambda x: bool(x.item())
+    if kind == "NumberType":
+        return lambda x: x.item()
+    if kind == "StringType":
+        return lambda x: bytes(x.tolist()).decode("utf-8")
+    if str(t) == "ScalarType":
+        return lambda x: _SCALAR_TYPES[int(x.item())]
+    raise NotImplementedError(f"argument {arg.name!r} of type {arg.type} is not supported inside ONNX Runtime")
+
+
+class _Plan:
+    """How to call one ATen overload from the node's inputs."""
+
+    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple")
+
+    def __init__(self, fn) -> None:
+        schema = fn._schema
+        self.fn = fn
+        self.pos: list = []  # (decoder, has_default, default)
+        self.kw: list = []  # (name, decoder)
+        self.simple = True  # every argument a plain Tensor: no decoding
+        for a in schema.arguments:
+            dec = _decoder(a)
+            has_default = a.default_value is not None or a.type.kind() == "OptionalType"
+            if a.type.kind() != "TensorType" or a.kwarg_only:
+                self.simple = False
+            if a.kwarg_only:
+                self.kw.append((a.name, dec))
+            else:
+                self.pos.append((dec, has_default, a.default_value))
+        self.n_args = len(schema.arguments)
+        self.n_returns = len(schema.returns)
+
+    def decode(self, op: str, tensors: list) -> tuple[list, dict]:
+        if self.simple:
+            return tensors, {}
+        if len(tensors) > self.n_args:
+            raise RuntimeError(f"{op} takes {self.n_args} arguments, the ATen node has {len(tensors)} inputs")
+        args, kwargs, i = [], {}, 0
+        for dec, has_default, default in self.pos:
+            t = tensors[i] if i < len(tensors) else None
+            i += 1
+            if t is None:
+                if not has_default:
+                    raise RuntimeError(f"required argument {i - 1} of {op} is missing")
+                args.append(default)
+            else:
+                args.append(dec(t))
+        for name, dec in self.kw:
+            t = tensors[i] if i < len(tensors) else None
+            i += 1
+            if t is not None:
+                kwargs[name] = dec(t)
+        return args, kwargs
+
+
+_plans: dict[tuple[str, str], _Plan] = {}
+
+
+def resolve(op: str, overload: str) -> _Plan:
+    """The plan for ``op`` (``name`` = ``aten::name``, or ``ns::name``) and its overload."""
+    key = (op, overload)
+    plan = _plans.get(key)
+    if plan is None:
+        ns, _, name = op.rpartition("::")
+        packet = getattr(getattr(torch.ops, ns or "aten"), name)
+        plan = _plans[key] = _Plan(getattr(packet, overload or "default"))
+    return plan
+
+
+def _encode(result, n_out: int, op: str) -> tuple:
+    if not isinstance(result, (tuple, list)):
+        result = (result,)
+    if len(result) < n_out:
+        raise RuntimeError(f"{op} returned {len(result)} values, the ATen node has {n_out} outputs")
+    out = []
+    for r in result[:n_out]:
+        if r is None:
+            out.append(None)
+            continue
+        if not isinstance(r, torch.Tensor):
+            r = torch.tensor(r)
+        if r.dtype is torch.bool:
+            r = r.view(torch.uint8)
+        out.append(_to_dlpack(r if r.is_contiguous() else r.contiguous()))
+    return tuple(out)
+
+
+def _vjp(op: str, overload: str, tensors: list, n_out: int) -> list:
+    """PyTorch's backward of ``op``: inputs are the output gradients, then the forward inputs."""
+    plan = resolve(op, overload)
+    grads_out, inputs = tensors[: plan.n_returns], list(tensors[plan.n_returns :])
+    leaves = []
+    for i, t in enumerate(inputs):
+        if t is not None and (t.is_floating_point() or t.is_complex()):
+            inputs[i] = t.detach().requires_grad_()
+            leaves.append(i)
+    with torch.enable_grad():
+        args, kwargs = plan.decode(op, inputs)
+        res = plan.fn(*args, **kwargs)
+        res = res if isinstance(res, (tuple, list)) else (res,)
+        pairs = [
+            (r, g) for r, g in zip(res, grads_out) if g is not None and isinstance(r, torch.Tensor) and r.requires_grad
+        ]
+        want = [inputs[i] for i in leaves]
+        got = (
+            torch.autograd.grad([r for r, _ in pairs], want, [g for _, g in pairs], allow_unused=True)
+            if pairs and want
+            else [None] * len(want)
+        )
+    result: list = [None] * len(inputs)
+    for i, g in zip(leaves, got):
+        result[i] = torch.zeros_like(inputs[i]) if g is None else g
+    return result[:n_out] + [None] * (n_out - len(result))
+
+
+def _execute(op: str, overload: str, capsules: tuple, n_out: int):
+    """Called from C for every ATen node. Never raises: parks the exception and returns None."""
+    try:
+        tensors = [None if c is None else _from_dlpack(c) for c in capsules]
+        if op.startswith(VJP_PREFIX):
+            return _encode(_vjp(op[len(VJP_PREFIX) :], overload, tensors, n_out), n_out, op)
+        plan = resolve(op, overload)
+        args, kwargs = plan.decode(op, tensors)
+        return _encode(plan.fn(*args, **kwargs), n_out, op)
+    except BaseException as e:
+        e.add_note(f"(while ONNX Runtime ran ATen op {op}.{overload or 'default'} through ortwrap)")
+        state.park(e)
+        return None
+
+
+def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
+    try:
+        plan = resolve(op.removeprefix(VJP_PREFIX), overload)
+        schema = plan.fn._schema
+        t = (schema.arguments if is_input else schema.returns)[index].type
+        if t.kind() == "OptionalType":
+            t = t.getElementType()
+        return t.kind() == "TensorType"
+    except Exception:
+        return True
+
+
+_installed = False
+_lock = threading.Lock()
+
+
+def install() -> None:
+    """Build (first time only), load and register the ATen executor with ORT. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    with _lock:
+        if _installed:
+            return
+        lib = load("_aten")
+        lib.ortwrap_aten_init.argtypes = [ctypes.py_object, ctypes.py_object]
+        lib.ortwrap_aten_init.restype = ctypes.c_int
+        if lib.ortwrap_aten_init(_execute, _is_tensor) != 0:
+            raise RuntimeError("ortwrap: initializing the ATen executor failed")
+        is_tensor = ctypes.cast(lib.ortwrap_is_tensor_argument, ctypes.c_void_p).value
+        execute = ctypes.cast(lib.ortwrap_execute, ctypes.c_void_p).value
+        C.register_aten_op_executor(str(is_tensor), str(execute))  # decimal strings
+        _installed = True
+
+
+def declare_output_types(model: onnx.ModelProto) -> None:
+    """Copy the types of graph outputs produced by ATen nodes into ``value_info``.
+
+    The gradient builder turns graph outputs into inputs of its ``YieldOp``; an ATen output then
+    loses the type that ``graph.output`` declared, and ORT has no type inference for ATen.
+    """
+    produced = {o for n in model.graph.node if n.domain == ATEN_DOMAIN for o in n.output}
+    known = {v.name for v in model.graph.value_info}
+    for out in model.graph.output:
+        if out.name in produced and out.name not in known:
+            model.graph.value_info.append(out)
+
+
+# ------------------------------------------------------------------------------------- gradients
+_gradient_arity: dict[str, int] = {}
+
+
+def _attribute(name: str, value: str):
+    a = C.GradientNodeAttributeDefinition()
+    a.name = name
+    a.value_json = json.dumps(value)
+    a.dtype = "string"
+    a.is_tensor = False
+    return a
+
+
+def register_gradients(model: onnx.ModelProto) -> list[str]:
+    """Register the vjp gradient definition of every ATen op in ``model``; return their keys.
+
+    ORT keys a gradient definition by ``(operator, overload)`` and reads inputs ``I(i)`` by
+    position, so all nodes of one op must have the same number of inputs.
+    """
+    keys = []
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        op = attrs["operator"].decode()
+        overload = attrs.get("overload_name", b"").decode()
+        if op.startswith(VJP_PREFIX):
+            continue
+        key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
+        n_in, n_out = len(node.input), len(node.output)
+        known = _gradient_arity.get(key)
+        if known is not None and known != n_in:
+            raise RuntimeError(
+                f"ATen op {op} appears with {known} and {n_in} inputs; ORT allows one gradient definition per op"
+            )
+        if known is None:
+            d = C.GradientNodeDefinition()
+            d.op_type, d.domain = "ATen", ATEN_DOMAIN
+            d.inputs = [f"GO({j})" for j in range(n_out)] + [f"I({i})" for i in range(n_in)]
+            d.outputs = [f"GI({i})" for i in range(n_in)]
+            attributes = [_attribute("operator", VJP_PREFIX + op)]
+            if overload:
+                attributes.append(_attribute("overload_name", overload))
+            d.attributes = attributes
+            C.register_gradient_definition(key, [d])
+            plan = resolve(op, overload)
+            schema_args = plan.fn._schema.arguments
+            stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            if stop:
+                C.register_custom_stop_gradient_edges(key, stop)
+            _gradient_arity[key] = n_in
+        keys.append(key)
+    return keys
