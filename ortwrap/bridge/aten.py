@@ -30,6 +30,7 @@ import ctypes
 import json
 import threading
 
+import numpy as np
 import onnx
 import torch
 
@@ -241,6 +242,78 @@ def install() -> None:
         execute = ctypes.cast(lib.ortwrap_execute, ctypes.c_void_p).value
         C.register_aten_op_executor(str(is_tensor), str(execute))  # decimal strings
         _installed = True
+
+
+def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
+    """Values of Constant nodes (strings as uint8 bytes, the executor's convention)."""
+    out = {}
+    for n in model.graph.node:
+        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx"):
+            continue
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.STRING and a.name in ("value", "value_string"):
+                out[n.output[0]] = torch.tensor(list(a.s), dtype=torch.uint8)
+            elif a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                out[n.output[0]] = torch.from_numpy(onnx.numpy_helper.to_array(a.t).copy())
+    return out
+
+
+def _types(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
+    """name -> (ONNX element type, rank) for every value whose type and rank are known."""
+    known = {}
+    for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        tt = v.type.tensor_type
+        if tt.elem_type and tt.HasField("shape"):
+            known[v.name] = (tt.elem_type, len(tt.shape.dim))
+    return known
+
+
+def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto:
+    """ONNX shape inference, extended through ATen nodes.
+
+    ONNX cannot infer the outputs of ``org.pytorch.aten::ATen``, so inference stops at the first
+    one. Each round infers what ONNX can, then evaluates every ATen node whose inputs are now known
+    on PyTorch's ``meta`` device (symbolic dimensions set to 2, constants at their values) and
+    records the dtype and rank of its outputs, until nothing changes.
+    """
+    for _ in range(max_rounds):
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        known = _types(model)
+        constants = _proto_constants(model)
+        progress = False
+        for node in model.graph.node:
+            if node.domain != ATEN_DOMAIN or node.op_type != "ATen" or all(o in known for o in node.output):
+                continue
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
+            if op.startswith(VJP_PREFIX):
+                continue
+            inputs = []
+            for name in node.input:
+                if not name:
+                    inputs.append(None)
+                elif name in constants:
+                    inputs.append(constants[name])
+                elif name in known:
+                    elem, rank = known[name]
+                    dtype = torch.from_numpy(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem))).dtype
+                    inputs.append(torch.empty([2] * rank, dtype=dtype, device="meta"))
+                else:
+                    break
+            else:
+                plan = resolve(op, overload)
+                args, kwargs = plan.decode(op, inputs)
+                meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+                result = plan.fn(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+                results = result if isinstance(result, (tuple, list)) else (result,)
+                for name, r in zip(node.output, results):
+                    if isinstance(r, torch.Tensor) and name not in known:
+                        elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty((), dtype=r.dtype).numpy().dtype)
+                        model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, [None] * r.dim()))
+                        progress = True
+        if not progress:
+            return model
+    return model
 
 
 def declare_output_types(model: onnx.ModelProto) -> None:

@@ -9,7 +9,8 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import PassError
-from .aten_types import ATenOutputTypesPass
+from ..bridge.aten import infer_types
+from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .einsum import EinsumToMatMulPass
@@ -40,7 +41,7 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
-        ATenOutputTypesPass(),
+        ATenStringArgumentsPass(),
         ResolveStopGradientPass(),
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
@@ -65,8 +66,11 @@ def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tupl
     Raises:
         PassError: naming the pass that failed, chained to its error.
     """
-    # Shapes let passes read ranks and static dimensions; ops ONNX does not know are skipped.
-    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    # Shapes let passes read ranks and static dimensions (extended through ATen nodes).
+    try:
+        model = infer_types(model)
+    except Exception as e:  # noqa: BLE001
+        raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
     ir_model = ir.serde.deserialize_model(model)
     records = []
     for p in passes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._ort import C, ort
+from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..options import Options
@@ -104,10 +105,13 @@ class TrainingRunner:
     def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         state = C.PartialGraphExecutionState()
         fetches = C.OrtValueVector()
+        bridge_state.clear_pending()
         try:
             self._agent.run_forward(feeds, fetches, state, None)
         except Exception as e:
+            bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
             raise RuntimeRunError(f"forward run failed: {e}") from e
+        bridge_state.reraise_pending(None)
         outputs = to_tensors(fetches)
         if self._output_types is None:
             self._output_types = [(t.dtype, t.device) for t in outputs]
@@ -115,10 +119,13 @@ class TrainingRunner:
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
+        bridge_state.clear_pending()
         try:
             self._agent.run_backward(to_ortvalues(grads), fetches, state)
         except Exception as e:
+            bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
             raise RuntimeRunError(f"backward run failed: {e}") from e
+        bridge_state.reraise_pending(None)
         return to_tensors(fetches)
 
 
@@ -136,10 +143,13 @@ class InferenceRunner:
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
+        bridge_state.clear_pending()
         try:
             self._sess.run_with_ortvaluevector(
                 self._run_options, self._feed_names, feeds, self._fetch_names, fetches, self._devices
             )
         except Exception as e:
+            bridge_state.reraise_pending(e)
             raise RuntimeRunError(f"forward run failed: {e}") from e
+        bridge_state.reraise_pending(None)
         return to_tensors(fetches)

@@ -1,0 +1,113 @@
+"""PyTorch ops inside the ORT graph: ops without an ONNX export, and ``Options.aten_ops``, run
+as ATen nodes with PyTorch's own kernels, and PyTorch's own backward as their gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import check_parity
+from torch import nn
+
+from ortwrap import ORTWrap
+
+
+def aten_ops_in(wrapper: ORTWrap) -> list[str]:
+    graph = wrapper.last_artifacts.graph.model().graph
+    return sorted(
+        next(a.s.decode() for a in n.attribute if a.name == "operator")
+        for n in graph.node
+        if n.domain == "org.pytorch.aten" and n.op_type == "ATen"
+    )
+
+
+def vec(b, g):
+    return (torch.randn(b, 4, generator=g),), {}
+
+
+class NoExport(nn.Module):
+    """Ops the TorchScript exporter cannot translate to ONNX at opset 17."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+        self.op = op
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.op == "matrix_exp":
+            h = torch.linalg.matrix_exp(0.3 * h.reshape(-1, 2, 2)).reshape(h.shape)
+        elif self.op == "digamma":
+            h = torch.digamma(torch.sigmoid(h) + 0.5)
+        elif self.op == "logcumsumexp":
+            h = torch.logcumsumexp(h, dim=1)  # a constant int argument
+        return self.b(h)
+
+
+@pytest.mark.parametrize("op", ["matrix_exp", "digamma", "logcumsumexp"])
+def test_op_without_onnx_export_runs_as_aten_with_torch_gradient(op):
+    w = check_parity(lambda: NoExport(op), vec)
+    names = aten_ops_in(w)
+    assert len(names) == 2 and names[1] == "ortwrap_vjp::" + names[0], names
+    assert w.export_count == 1
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 3)
+        self.approximate = approximate
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x), approximate=self.approximate))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_aten_ops_option_runs_gelu_with_torch_kernels(approximate):
+    # A string argument ('tanh') crosses as bytes.
+    w = check_parity(lambda: GeluMLP(approximate), vec, wrap_options={"aten_ops": ("gelu",)})
+    assert aten_ops_in(w) == ["gelu", "ortwrap_vjp::gelu"]
+
+
+def test_aten_embedding_with_padding_idx():
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, padding_idx=0)
+            self.head = nn.Linear(8, 20)
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.emb(ids)))
+
+    def inputs(b, g):
+        ids = torch.randint(0, 20, (b, 5), generator=g)
+        ids[:, -2:] = 0
+        return (ids,), {}
+
+    w = check_parity(LM, inputs, wrap_options={"aten_ops": ("embedding",)})
+    assert "embedding" in aten_ops_in(w)
+
+
+def test_exception_in_aten_op_keeps_its_type_and_wrapper_keeps_working():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return torch.linalg.matrix_exp(self.l(x))
+
+    m = M()
+    w = ORTWrap(m, fallback=False)
+    w(torch.randn(3, 2, 2)).sum().backward()
+    bad = torch.randn(3, 3, 2)  # not square: torch's kernel raises
+    with pytest.raises(Exception) as eager:
+        m(bad)
+    with pytest.raises(type(eager.value), match="square") as info:
+        w(bad)
+    assert "square" in str(eager.value)
+    assert info.value.__cause__ is not None  # chained to ORT's failed run
+    x = torch.randn(5, 2, 2)
+    torch.testing.assert_close(w(x), m(x))
