@@ -13,6 +13,7 @@ from .errors import (
     PassError,
     RuntimeRunError,
     SessionError,
+    UnsupportedFunctionError,
     UnsupportedInputError,
     VerificationError,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "PassError",
     "RuntimeRunError",
     "SessionError",
+    "UnsupportedFunctionError",
     "UnsupportedInputError",
     "VerificationError",
 ]

@@ -18,7 +18,7 @@ from torch import nn
 from . import _tree
 from ._logging import configure, logger
 from .bridge import state as bridge_state
-from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedInputError
+from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
 from .runtime.function import RunTrainingGraph
@@ -147,18 +147,37 @@ class ORTWrap(nn.Module):
         feeds = program.feeds(leaves)
         if program.n_pythonops:
             bridge_state.maybe_purge()
-        if program.with_backward:
-            outputs = RunTrainingGraph.apply(program, *feeds)
-        else:
-            outputs = program.runner.forward(program.bind(feeds))
-            if program.n_pythonops:
-                bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
+        try:
+            if program.with_backward:
+                outputs = RunTrainingGraph.apply(program, *feeds)
+            else:
+                outputs = program.runner.forward(program.bind(feeds))
+                if program.n_pythonops:
+                    bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
+        except UnsupportedFunctionError as e:
+            # Found only when the Function first runs: treated like a build failure.
+            if not self._options.fallback:
+                raise
+            self._fall_back(e)
+            return self.module(*args, **kwargs)
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():
                 for buf, value in zip(program.buffer_outputs, outputs[n:]):
                     buf.copy_(value)
         return _tree.unflatten(program.out_spec, outputs[:n])
+
+    def _fall_back(self, error: ORTWrapError) -> None:
+        """Run the module in PyTorch from now on, saying why once."""
+        self._fallback_reason = error
+        self._programs.clear()
+        warnings.warn(
+            f"ORTWrap falls back to PyTorch for {type(self.module).__name__}: the {error.phase} phase failed: {error}. "
+            "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
+            FallbackWarning,
+            stacklevel=5,
+        )
+        logger.warning("falling back to PyTorch: %s", error)
 
     def _flatten_inputs(self, args: tuple, kwargs: dict, leaves: list[torch.Tensor]) -> tuple:
         """Append the tensors of ``(args, kwargs)`` to ``leaves``; return their tree spec."""
@@ -197,14 +216,7 @@ class ORTWrap(nn.Module):
             self._export_count += 1 if isinstance(e, ExportError) else 2
             if not self._options.fallback:
                 raise
-            self._fallback_reason = e
-            warnings.warn(
-                f"ORTWrap falls back to PyTorch for {type(self.module).__name__}: the {e.phase} phase failed: {e}. "
-                "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
-                FallbackWarning,
-                stacklevel=4,
-            )
-            logger.warning("falling back to PyTorch: %s", e)
+            self._fall_back(e)
             return None
         self._export_count += artifacts.exports
         if program.static_spatial:

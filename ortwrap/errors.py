@@ -14,6 +14,7 @@ __all__ = [
     "PassError",
     "RuntimeRunError",
     "SessionError",
+    "UnsupportedFunctionError",
     "UnsupportedInputError",
     "VerificationError",
 ]
@@ -66,6 +67,12 @@ class UnsupportedInputError(ORTWrapError, TypeError):
     """An input of ``forward`` has a type or layout ortwrap cannot feed to ONNX Runtime."""
 
     phase = "inputs"
+
+
+class UnsupportedFunctionError(ORTWrapError, TypeError):
+    """A torch.autograd.Function in the module cannot run inside ONNX Runtime (non-tensor outputs)."""
+
+    phase = "bridge"
 
 
 class VerificationError(ORTWrapError):

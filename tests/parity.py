@@ -118,7 +118,9 @@ def check_parity(
                 assert p_o.grad is not None, f"step {step}: {name}.grad is None but eager's is not"
                 assert_close(p_o.grad, p_e.grad, f"step {step} grad of {name}", atol, rtol)
         for i, (a, b) in enumerate(zip(tensor_leaves((args_o, kwargs_o)), tensor_leaves((args_e, kwargs_e)))):
-            if b.requires_grad:
+            if b.requires_grad and b.grad is None:
+                assert a.grad is None, f"step {step}: input {i}.grad is set but eager's is None"
+            elif b.requires_grad:
                 assert a.grad is not None, f"step {step}: input {i}.grad is None"
                 assert_close(a.grad, b.grad, f"step {step} grad of input {i}", atol, rtol)
         for (name, b_o), (_, b_e) in zip(ours.named_buffers(), eager.named_buffers()):

@@ -33,6 +33,7 @@ import weakref
 import torch
 
 from .._ort import C
+from ..errors import UnsupportedFunctionError
 from . import state
 from ._native import load
 
@@ -104,10 +105,11 @@ class RunRecord:
         return left
 
     def finish(self) -> None:
-        """The backward ran (or failed): what ORT did not erase is counted as stale."""
+        """The backward ran (or the run failed): what ORT did not erase is counted as stale."""
         if not self.done:
             self.done = True
             state.forward_finished(self._release())
+            state.maybe_purge()
 
     def __del__(self) -> None:
         if not self.done:
@@ -236,9 +238,10 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
             outs = (outs,)
         for o in outs:
             if o is not None and not isinstance(o, _Tensor):
-                raise TypeError(
+                raise UnsupportedFunctionError(
                     f"torch.autograd.Function {state.qualified_name(k.cls)} returned a non-tensor output "
-                    f"({type(o).__name__}); ortwrap can only bridge Functions whose outputs are tensors"
+                    f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors inside "
+                    "ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
                 )
 
         ctx = None

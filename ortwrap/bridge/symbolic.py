@@ -182,32 +182,100 @@ def pythonop_symbolic(g, *args, **kwargs):
     results = g.op("com.microsoft::PythonOp", *tensors, outputs=len(outputs), **attrs)
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     for j, (r, o, t) in enumerate(zip(results, outputs, out_types)):
-        r.setType(o.type())
+        r.setType(o.type())  # traced sizes; passes/pythonop_context.py makes the dimensions symbolic
         if t == _BOOL:
             results[j] = g.op("Cast", r, to_i=_BOOL)
             results[j].setType(o.type())
     return results[0] if len(results) == 1 else tuple(results)
 
 
+def _inline_call(cls, args: tuple, kwargs: dict):
+    """Call a Function's forward as plain ops (traced, then differentiated by ORT)."""
+    ctx = torch.autograd.function.FunctionCtx()
+    if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+        out = cls.forward(*args, **kwargs)
+        cls.setup_context(ctx, args, out)
+        return out
+    return cls.forward(ctx, *args, **kwargs)
+
+
+def _subclasses(root: type) -> list[type]:
+    seen, stack = [], [root]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                stack.append(sub)
+    return seen
+
+
+def _dispatching_code():
+    """Code for ``Function.apply`` that inlines listed classes, with the original's one free cell.
+
+    NOTE: swapping the *code* of ``Function.apply`` (not the attribute) also reaches aliases bound
+    before export, such as ``scaled_softmax = ScaledSoftmax.apply`` at import time (apex, Megatron).
+    """
+    __class__ = None  # noqa: F841 - the free variable the original code has (for super())
+
+    def apply(cls, *args, **kwargs):
+        __class__  # noqa: B018
+        # Runs with torch.autograd.function's globals: reach ortwrap through the class.
+        return cls._ortwrap_dispatch(cls, args, kwargs)
+
+    return apply.__code__
+
+
+_original_apply = torch.autograd.Function.apply.__func__
+_original_code = _original_apply.__code__
+_original_copy = type(_original_apply)(
+    _original_code, _original_apply.__globals__, "apply", _original_apply.__defaults__, _original_apply.__closure__
+)
+
+
+def _dispatch(cls, args: tuple, kwargs: dict):
+    scope = _scope.get()
+    if scope is not None and scope.inline and state.qualified_name(cls) in scope.inline:
+        return _inline_call(cls, args, kwargs)
+    out = _original_copy(cls, *args, **kwargs)
+    if scope is not None and not _all_tensors(out):
+        # Autograd does not track such outputs: the tracer would record the forward's ops and ORT
+        # would differentiate them, silently ignoring the Function's backward.
+        raise BridgeExportError(
+            f"torch.autograd.Function {state.qualified_name(cls)} returned {type(out).__name__}"
+            f"{'' if not isinstance(out, (tuple, list)) else ' holding ' + ', '.join(type(o).__name__ for o in out)}; "
+            "ortwrap can only run Functions whose outputs are a tensor or a tuple of tensors inside ONNX Runtime"
+        )
+    return out
+
+
+def _all_tensors(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return True
+    return type(out) is tuple and all(o is None or isinstance(o, torch.Tensor) for o in out)
+
+
 @contextlib.contextmanager
 def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[ExportScope]:
-    """Bridge the Functions called while exporting; inline those named in ``inline``."""
+    """Bridge the Functions called while exporting; inline those named in ``inline``.
+
+    A Function's own ``symbolic`` staticmethod (Megatron defines some) would make the exporter
+    emit its forward's ops, which ORT would differentiate instead of calling the Function's
+    backward: during ortwrap's export those attributes are hidden, so every call is bridged.
+    """
     install()
     scope = ExportScope(with_backward=with_backward, inline=inline)
     token = _scope.set(scope)
-    original_apply = torch.autograd.Function.__dict__["apply"]
-    if inline:
-
-        def apply(cls, *args, **kwargs):
-            if state.qualified_name(cls) in scope.inline:
-                # NOTE: traced as plain ops; the forward's ctx calls are accepted and ignored.
-                return cls.forward(torch.autograd.function.FunctionCtx(), *args, **kwargs)
-            return original_apply.__func__(cls, *args, **kwargs)
-
-        torch.autograd.Function.apply = classmethod(apply)
+    hidden = [(c, c.__dict__["symbolic"]) for c in _subclasses(torch.autograd.Function) if "symbolic" in c.__dict__]
+    for c, _ in hidden:
+        delattr(c, "symbolic")
+    # Every Function call during the trace goes through _dispatch: inlining, output checks.
+    torch.autograd.Function._ortwrap_dispatch = staticmethod(_dispatch)
+    _original_apply.__code__ = _dispatching_code()
     try:
         yield scope
     finally:
-        if inline:
-            torch.autograd.Function.apply = original_apply
+        _original_apply.__code__ = _original_code
+        del torch.autograd.Function._ortwrap_dispatch
+        for c, fn in hidden:
+            setattr(c, "symbolic", fn)
         _scope.reset(token)

@@ -37,12 +37,14 @@ class AddPythonOpContextPass(ir.passes.InPlacePass):
                 new.meta["ortwrap_ctx"] = True
                 new.outputs[0].name = f"{name}/ctx"
                 graph.insert_before(node, new)
-                for old, value in zip(node.outputs, new.outputs[1:]):
+                for j, (old, value) in enumerate(zip(node.outputs, new.outputs[1:])):
                     old_name = old.name
                     old.replace_all_uses_with(value, replace_graph_outputs=True)
                     old.name = None
                     value.name = old_name
-                    value.type, value.shape = old.type, old.shape
+                    value.type = old.type
+                    if old.shape is not None:  # the exporter recorded the traced sizes: free them
+                        value.shape = ir.Shape([ir.SymbolicDim(f"{name}/out{j}_dim{d}") for d in range(len(old.shape))])
                 graph.remove(node, safe=True)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)

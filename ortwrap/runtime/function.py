@@ -35,7 +35,11 @@ class RunTrainingGraph(torch.autograd.Function):
             # NOTE: the record collects the PythonOp contexts of this run; it lives in ctx, so if
             # no backward ever runs they are released when autograd drops ctx.
             with RunRecord() as record:
-                outputs, state = runner.forward(program.bind(feeds))
+                try:
+                    outputs, state = runner.forward(program.bind(feeds))
+                except BaseException:
+                    record.finish()  # the exception may outlive this frame: release now
+                    raise
             ctx.record = record
         else:
             outputs, state = runner.forward(program.bind(feeds))
