@@ -55,12 +55,20 @@ def main(iters: int = 400) -> None:
         "ortwrap without Functions": ORTWrap(copy.deepcopy(base), fallback=False),
         "ortwrap with 16 PythonOps": ORTWrap(with_fn, fallback=False),
     }
-    steps = {n: train_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), lambda m: m(x).sum()) for n, m in models.items()}
+    steps = {
+        n: train_step(m, torch.optim.SGD(m.parameters(), lr=1e-3), lambda m: m(x).sum()) for n, m in models.items()
+    }
     times = interleaved(steps, warmup=20, iters=iters)
     report(f"PythonOp overhead: {CALLS} near-identity Functions", times, baseline="eager without Functions")
-    per_call = (statistics.median(times["ortwrap with 16 PythonOps"]) - statistics.median(times["ortwrap without Functions"])) / CALLS
-    eager_per_call = (statistics.median(times["eager with Functions"]) - statistics.median(times["eager without Functions"])) / CALLS
-    print(f"  => per Function call (forward + backward): ortwrap {per_call * 1e6:.1f} us, eager {eager_per_call * 1e6:.1f} us")
+    per_call = (
+        statistics.median(times["ortwrap with 16 PythonOps"]) - statistics.median(times["ortwrap without Functions"])
+    ) / CALLS
+    eager_per_call = (
+        statistics.median(times["eager with Functions"]) - statistics.median(times["eager without Functions"])
+    ) / CALLS
+    print(
+        f"  => per Function call (forward + backward): ortwrap {per_call * 1e6:.1f} us, eager {eager_per_call * 1e6:.1f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def _dispatching_code():
     NOTE: swapping the *code* of ``Function.apply`` (not the attribute) also reaches aliases bound
     before export, such as ``scaled_softmax = ScaledSoftmax.apply`` at import time (apex, Megatron).
     """
-    __class__ = None  # noqa: F841 - the free variable the original code has (for super())
+    __class__ = None
 
     def apply(cls, *args, **kwargs):
         __class__  # noqa: B018
@@ -277,5 +277,5 @@ def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[Exp
         _original_apply.__code__ = _original_code
         del torch.autograd.Function._ortwrap_dispatch
         for c, fn in hidden:
-            setattr(c, "symbolic", fn)
+            c.symbolic = fn
         _scope.reset(token)

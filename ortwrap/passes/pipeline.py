@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from ..errors import PassError
 from ..bridge.aten import infer_types
+from ..errors import PassError
 from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
@@ -69,7 +69,7 @@ def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tupl
     # Shapes let passes read ranks and static dimensions (extended through ATen nodes).
     try:
         model = infer_types(model)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
     ir_model = ir.serde.deserialize_model(model)
     records = []
