@@ -43,6 +43,10 @@ typedef struct {
 
 static PyObject *g_forward = NULL;  /* Python callables (strong references) */
 static PyObject *g_backward = NULL;
+static PyObject *g_forward_fast = NULL;  /* (invoke_id, args) for kernels Python already knows */
+static PyObject *g_backward_fast = NULL;
+static PyObject *g_known_forward = NULL;  /* sets of invoke ids seen by each runner */
+static PyObject *g_known_backward = NULL;
 static PyObject *g_on_error = NULL;
 
 typedef void *(*nothrow_new_fn)(size_t, const void *);
@@ -103,38 +107,52 @@ static void report_error(const char *where) {
     Py_XDECREF(tb);
 }
 
-static cxx_vector *run(cxx_vector *ret, PyObject *handler, int is_forward, const char *where,
-                       const char *func_name, void *callback, const cxx_vector *requires_grad,
+static cxx_vector *run(cxx_vector *ret, PyObject *handler, PyObject *fast, PyObject *known, int is_forward,
+                       const char *where, const char *func_name, void *callback, const cxx_vector *requires_grad,
                        const cxx_vector *tensor_flags, _Bool training, const cxx_vector *inplace_map,
                        const char *invoke_id, _Bool safe_mode, const cxx_vector *args) {
     ret->begin = ret->end = ret->end_of_storage = NULL;
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *call = PyTuple_New(9), *result = NULL;
-    if (!call || !handler) goto fail;
-    PyObject *cb = callback ? (PyObject *)callback : Py_None;
-    Py_INCREF(cb);
-    PyTuple_SET_ITEM(call, 1, cb);
-    PyObject *b = training ? Py_True : Py_False;
-    Py_INCREF(b);
-    PyTuple_SET_ITEM(call, 4, b);
-    b = safe_mode ? Py_True : Py_False;
-    Py_INCREF(b);
-    PyTuple_SET_ITEM(call, 7, b);
-    PyObject *x;
-    if (!(x = PyUnicode_FromString(func_name))) goto fail;
-    PyTuple_SET_ITEM(call, 0, x);
-    if (!(x = int64_tuple(requires_grad))) goto fail;
-    PyTuple_SET_ITEM(call, 2, x);
-    if (!(x = int64_tuple(tensor_flags))) goto fail;
-    PyTuple_SET_ITEM(call, 3, x);
-    if (!(x = int64_tuple(inplace_map))) goto fail;
-    PyTuple_SET_ITEM(call, 5, x);
-    if (!(x = PyUnicode_FromString(invoke_id))) goto fail;
-    PyTuple_SET_ITEM(call, 6, x);
-    if (!(x = object_tuple(args))) goto fail;
-    PyTuple_SET_ITEM(call, 8, x);
-
-    result = PyObject_Call(handler, call, NULL);
+    PyObject *call = NULL, *result = NULL, *key = NULL, *x;
+    if (!handler || !fast || !known) goto fail;
+    if (!(key = PyUnicode_FromString(invoke_id))) goto fail;
+    int seen = PySet_Contains(known, key);
+    if (seen < 0) goto fail;
+    if (seen) {
+        /* Fast path: the node's constants were handed over on its first call. */
+        if (!(call = PyTuple_New(2))) goto fail;
+        Py_INCREF(key);
+        PyTuple_SET_ITEM(call, 0, key);
+        if (!(x = object_tuple(args))) goto fail;
+        PyTuple_SET_ITEM(call, 1, x);
+        result = PyObject_Call(fast, call, NULL);
+    } else {
+        if (!(call = PyTuple_New(9))) goto fail;
+        PyObject *cb = callback ? (PyObject *)callback : Py_None;
+        Py_INCREF(cb);
+        PyTuple_SET_ITEM(call, 1, cb);
+        PyObject *b = training ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyTuple_SET_ITEM(call, 4, b);
+        b = safe_mode ? Py_True : Py_False;
+        Py_INCREF(b);
+        PyTuple_SET_ITEM(call, 7, b);
+        if (!(x = PyUnicode_FromString(func_name))) goto fail;
+        PyTuple_SET_ITEM(call, 0, x);
+        if (!(x = int64_tuple(requires_grad))) goto fail;
+        PyTuple_SET_ITEM(call, 2, x);
+        if (!(x = int64_tuple(tensor_flags))) goto fail;
+        PyTuple_SET_ITEM(call, 3, x);
+        if (!(x = int64_tuple(inplace_map))) goto fail;
+        PyTuple_SET_ITEM(call, 5, x);
+        Py_INCREF(key);
+        PyTuple_SET_ITEM(call, 6, key);
+        if (!(x = object_tuple(args))) goto fail;
+        PyTuple_SET_ITEM(call, 8, x);
+        result = PyObject_Call(handler, call, NULL);
+        if (result && PyList_CheckExact(result) && PySet_Add(known, key) < 0) goto fail;
+    }
+    Py_CLEAR(key);
     Py_CLEAR(call); /* drops our references to ORT's argument capsules before ORT checks counts */
     if (!result || !PyList_CheckExact(result)) goto fail;
     Py_ssize_t n = PyList_GET_SIZE(result);
@@ -166,6 +184,7 @@ static cxx_vector *run(cxx_vector *ret, PyObject *handler, int is_forward, const
     return ret;
 
 fail:
+    Py_XDECREF(key);
     Py_XDECREF(call);
     Py_XDECREF(result);
     report_error(where);
@@ -177,7 +196,7 @@ cxx_vector *ortwrap_forward_runner(cxx_vector *ret, const char *func_name, void 
                                    const cxx_vector *requires_grad, const cxx_vector *tensor_flags,
                                    _Bool training, const cxx_vector *inplace_map,
                                    const char *invoke_id, _Bool safe_mode, const cxx_vector *args) {
-    return run(ret, g_forward, 1, "forward", func_name, callback, requires_grad, tensor_flags,
+    return run(ret, g_forward, g_forward_fast, g_known_forward, 1, "forward", func_name, callback, requires_grad, tensor_flags,
                training, inplace_map, invoke_id, safe_mode, args);
 }
 
@@ -185,12 +204,19 @@ cxx_vector *ortwrap_backward_runner(cxx_vector *ret, const char *func_name, void
                                     const cxx_vector *requires_grad, const cxx_vector *tensor_flags,
                                     _Bool training, const cxx_vector *inplace_map,
                                     const char *invoke_id, _Bool safe_mode, const cxx_vector *args) {
-    return run(ret, g_backward, 0, "backward", func_name, callback, requires_grad, tensor_flags,
+    return run(ret, g_backward, g_backward_fast, g_known_backward, 0, "backward", func_name, callback, requires_grad, tensor_flags,
                training, inplace_map, invoke_id, safe_mode, args);
 }
 
 /* Called through ctypes.PyDLL (GIL held). Returns 0 on success. */
-int ortwrap_bridge_set_handlers(PyObject *forward, PyObject *backward, PyObject *on_error) {
+int ortwrap_bridge_set_handlers(PyObject *forward, PyObject *backward, PyObject *on_error,
+                                PyObject *forward_fast, PyObject *backward_fast) {
+    if (!g_known_forward && !(g_known_forward = PySet_New(NULL))) return -1;
+    if (!g_known_backward && !(g_known_backward = PySet_New(NULL))) return -1;
+    Py_XINCREF(forward_fast);
+    Py_XINCREF(backward_fast);
+    Py_XSETREF(g_forward_fast, forward_fast);
+    Py_XSETREF(g_backward_fast, backward_fast);
     if (!g_new) {
         void *h = dlopen("libstdc++.so.6", RTLD_LAZY | RTLD_NOLOAD);
         if (h) g_new = (nothrow_new_fn)dlsym(h, "_ZnwmRKSt9nothrow_t");

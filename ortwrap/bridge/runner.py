@@ -16,6 +16,8 @@ NOTE: ownership and lifetime.
   mode) and drops it right after PythonOpGrad ran. The Handle holds the torch context of the call,
   which holds what ``save_for_backward`` saved. ``Handle.release`` drops that early when no
   backward will run (see ``RunRecord``).
+- ORT, not autograd, drives the Function: its ``forward`` and ``backward`` are called directly
+  with a :class:`FunctionContext` (no autograd graph is built for the call).
 - Tensors arrive in ORT's buffers. ORT may reuse an input buffer once the PythonOp ran, so inputs
   that the Function keeps (saved for backward, or modified in place) are cloned; the first call of
   each node learns which those are. An output or gradient that shares an ORT input buffer is cloned.
@@ -59,9 +61,10 @@ def install() -> None:
         if _installed:
             return
         lib = load("_runner")
-        lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 3
+        lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 5
         lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
-        lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park)
+        if lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park, _forward_fast, _backward_fast) != 0:
+            raise RuntimeError("ortwrap: initializing the PythonOp runners failed")
         C.register_forward_runner(ctypes.cast(lib.ortwrap_forward_runner, ctypes.c_void_p).value)
         C.register_backward_runner(ctypes.cast(lib.ortwrap_backward_runner, ctypes.c_void_p).value)
         _installed = True
@@ -127,19 +130,60 @@ class Handle:
         self.ctx = self.out_meta = self.in_meta = None
 
 
+class FunctionContext:
+    """The ``ctx`` a bridged Function's forward and backward receive.
+
+    ORT, not autograd, drives a bridged Function, so its ``forward`` and ``backward`` are called
+    directly (no autograd graph is built for the call: that is most of ``Function.apply``'s cost)
+    with this context, which implements the ``FunctionCtx`` API Functions use.
+    """
+
+    # Defaults as class attributes: a context costs one attribute set until the Function uses it.
+    to_save: tuple = ()
+    dirty_tensors: tuple = ()
+    non_differentiable: tuple = ()
+    materialize_grads = True
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors) -> None:
+        self.to_save = tensors
+
+    @property
+    def saved_tensors(self) -> tuple:
+        return self.to_save
+
+    saved_variables = saved_tensors
+
+    def save_for_forward(self, *tensors) -> None:
+        pass
+
+    def mark_dirty(self, *tensors) -> None:
+        self.dirty_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        self.non_differentiable = tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = bool(value)
+
+
 class _Kernel:
     """One PythonOp node (ORT's kernel invoke id): constants of the node and what its first run
     learned. requires_grad flags, tensor flags and training mode are node attributes."""
 
     __slots__ = (
-        "apply",
+        "backward",
         "bool_inputs",
-        "bw_cls",
         "clone",
         "cls",
         "first",
+        "forward",
         "n_args",
+        "needs_input_grad",
         "rg_pos",
+        "setup_context",
         "tensor_pos",
         "want_grad",
     )
@@ -150,12 +194,15 @@ class _Kernel:
         if cls is None:
             raise RuntimeError(f"PythonOp {func_name!r}: no torch.autograd.Function is registered under this name")
         self.cls = cls
-        self.apply = cls.apply
-        self.bw_cls = cls._backward_cls
+        self.forward = cls.forward
+        self.backward = cls.backward
+        has_setup = cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context
+        self.setup_context = cls.setup_context if has_setup else None
         self.n_args = len(tensor_flags)
         self.tensor_pos = tuple(i for i, f in enumerate(tensor_flags) if f)
         self.rg_pos = frozenset(i for i in self.tensor_pos if requires_grad[i]) if training else frozenset()
         self.want_grad = bool(self.rg_pos)
+        self.needs_input_grad = tuple(i in self.rg_pos for i in range(self.n_args))
         self.bool_inputs = frozenset(int(i) for i in bools.split(",")) if bools else frozenset()
         self.clone: frozenset[int] = frozenset()  # inputs saved in ctx or made dirty
         self.first = True
@@ -165,8 +212,9 @@ _kernels: dict[str, _Kernel] = {}
 
 
 def _export(t: _Tensor, foreign: list[int]) -> object:
-    """DLPack capsule for an output: detached, contiguous, not in an ORT input buffer, bool as uint8."""
-    t = t.detach()
+    """DLPack capsule for an output: contiguous, not in an ORT input buffer, bool as uint8.
+
+    (Bridged Functions run with grad mode off: their outputs never require grad.)"""
     if foreign and t.numel() and t.untyped_storage().data_ptr() in foreign:
         t = t.clone(memory_format=torch.contiguous_format)
     elif not t.is_contiguous():
@@ -176,17 +224,30 @@ def _export(t: _Tensor, foreign: list[int]) -> object:
     return _to_dlpack(t)
 
 
-def _learn(k: _Kernel, ctx, outs: tuple, passed: dict[int, _Tensor]) -> None:
+def _tensors_in(values: list, depth: int = 3) -> list[_Tensor]:
+    found = []
+    for v in values:
+        if isinstance(v, _Tensor):
+            found.append(v)
+        elif depth and isinstance(v, (list, tuple)):
+            found += _tensors_in(list(v), depth - 1)
+        elif depth and isinstance(v, dict):
+            found += _tensors_in(list(v.values()), depth - 1)
+    return found
+
+
+def _learn(k: _Kernel, ctx: FunctionContext, outs: tuple, passed: dict[int, _Tensor]) -> None:
     """First run of a node: which inputs does the Function keep (saved, or modified in place)?"""
     keep = set()
     by_storage = {t.untyped_storage().data_ptr(): i for i, t in passed.items() if t.numel()}
-    if ctx is not None:
-        for s in ctx.saved_tensors:
-            if s is not None and s.numel():
-                pos = by_storage.get(s.untyped_storage().data_ptr())
-                if pos is not None:
-                    keep.add(pos)
-    for o in outs:  # mark_dirty returns the input object itself
+    # What the backward can reach: saved tensors, dirty ones, and tensors kept as ctx attributes
+    # (``ctx.x = x``, also inside lists, tuples and dicts).
+    for s in (*ctx.to_save, *ctx.dirty_tensors, *_tensors_in(list(ctx.__dict__.values()))):
+        if isinstance(s, _Tensor) and s.numel():
+            pos = by_storage.get(s.untyped_storage().data_ptr())
+            if pos is not None:
+                keep.add(pos)
+    for o in outs:  # an output returned in place of its input
         for i, t in passed.items():
             if o is t:
                 keep.add(i)
@@ -195,11 +256,25 @@ def _learn(k: _Kernel, ctx, outs: tuple, passed: dict[int, _Tensor]) -> None:
 
 
 def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
+    """First call of a PythonOp node: learn its constants, then run it."""
     try:
         k = _kernels.get(invoke_id)
         if k is None:
             k = _kernels[invoke_id] = _Kernel(func_name, requires_grad, tensor_flags, training)
-        first, clone, rg_pos = k.first, k.clone, k.rg_pos
+    except BaseException as e:
+        state.park(e)
+        return None
+    return _run_forward(k, args)
+
+
+def _forward_fast(invoke_id, args):
+    """Later calls: the C runner passes only the node's id and its arguments."""
+    return _run_forward(_kernels[invoke_id], args)
+
+
+def _run_forward(k: _Kernel, args: tuple):
+    try:
+        first, clone = k.first, k.clone
         call = list(args)
         foreign: list[int] = []  # ORT-owned input buffers
         passed: dict[int, _Tensor] = {}
@@ -211,27 +286,20 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
             foreign.append(t.untyped_storage().data_ptr())
             if i in k.bool_inputs:
                 t = t.view(torch.bool)
-            rg = i in rg_pos
             if first or i in clone:
-                # Kept by the Function: must not live in a buffer ORT may reuse.
-                if rg:
-                    prev = _is_grad_enabled()
-                    _set_grad_enabled(True)
-                    try:
-                        t = t.requires_grad_(True).clone()  # a non-leaf, like an eager intermediate
-                    finally:
-                        _set_grad_enabled(prev)
-                else:
-                    t = t.clone()
-            elif rg:
-                t.requires_grad_(True)
+                t = t.clone()  # kept by the Function: must not live in a buffer ORT may reuse
             call[i] = t
             passed[i] = t
 
+        ctx = FunctionContext(k.needs_input_grad)
         prev = _is_grad_enabled()
-        _set_grad_enabled(k.want_grad)
+        _set_grad_enabled(False)
         try:
-            outs = k.apply(*call)
+            if k.setup_context is None:
+                outs = k.forward(ctx, *call)
+            else:
+                outs = k.forward(*call)
+                k.setup_context(ctx, tuple(call), outs)
         finally:
             _set_grad_enabled(prev)
         if type(outs) is not tuple:
@@ -243,15 +311,6 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
                     f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors inside "
                     "ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
                 )
-
-        ctx = None
-        if k.want_grad:
-            for o in outs:
-                if isinstance(o, _Tensor):
-                    g = o.grad_fn
-                    if g is not None and type(g) is k.bw_cls:
-                        ctx = g
-                        break
         if first:
             _learn(k, ctx, outs, passed)
 
@@ -262,8 +321,17 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
             h.alive = True
             h.ctx = ctx
             h.kernel = k
-            h.out_meta = [(o.shape, o.dtype, o.requires_grad) if isinstance(o, _Tensor) else None for o in outs]
-            h.in_meta = {i: (passed[i].shape, passed[i].dtype) for i in rg_pos if i in passed}
+            frozen = ctx.non_differentiable
+            if frozen:
+                h.out_meta = [
+                    (o.shape, o.dtype, o.is_floating_point() and not any(o is f for f in frozen))
+                    if isinstance(o, _Tensor)
+                    else None
+                    for o in outs
+                ]
+            else:
+                h.out_meta = [(o.shape, o.dtype, o.is_floating_point()) if o is not None else None for o in outs]
+            h.in_meta = {i: (passed[i].shape, passed[i].dtype) for i in k.rg_pos if i in passed}
             record = getattr(_current, "record", None)
             if record is not None:
                 record.handles.append(weakref.ref(h))
@@ -277,20 +345,21 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
 
 
 def _backward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
+    return _backward_fast(invoke_id, args)
+
+
+def _backward_fast(invoke_id, args):
     h = args[0]
     try:
         if type(h) is not Handle:
-            raise RuntimeError(f"PythonOpGrad {func_name!r}: the forward produced no context")
+            raise RuntimeError(f"PythonOpGrad {invoke_id}: the forward produced no context")
         if not h.alive:
-            raise RuntimeError(f"PythonOpGrad {func_name!r}: its context was released before backward ran")
+            raise RuntimeError(
+                f"PythonOpGrad of {state.qualified_name(h.kernel.cls)}: its context was released before backward ran"
+            )
         k: _Kernel = h.kernel
         in_meta, ctx = h.in_meta, h.ctx
-        if ctx is None:  # no output was differentiable: eager autograd would not call backward
-            return [
-                _to_dlpack(_zeros(in_meta[i][0], dtype=in_meta[i][1])) if i in in_meta else None
-                for i in range(k.n_args)
-            ]
-        materialize = ctx.__dict__.get("_ortwrap_materialize", True)
+        materialize = ctx.materialize_grads
         foreign: list[int] = []
         grads = []
         for meta, a in zip(h.out_meta, args[1:]):
@@ -307,7 +376,7 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
         prev = _is_grad_enabled()
         _set_grad_enabled(False)
         try:
-            r = ctx.apply(*grads)
+            r = k.backward(ctx, *grads)
         finally:
             _set_grad_enabled(prev)
         if type(r) is not tuple:
@@ -318,7 +387,8 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
                 r = r[:n_in]
             else:
                 raise RuntimeError(
-                    f"function {type(ctx).__name__} returned an incorrect number of gradients (expected {n_in}, got {len(r)})"
+                    f"function {k.cls.__name__}Backward returned an incorrect number of gradients "
+                    f"(expected {n_in}, got {len(r)})"
                 )
         out = []
         for i, g in enumerate(r):
@@ -326,8 +396,8 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
             if meta is None:
                 if g is not None and i not in k.tensor_pos:
                     raise RuntimeError(
-                        f"function {type(ctx).__name__} returned a gradient different than None at position {i + 1}, "
-                        "but the corresponding forward input was not a Variable"
+                        f"function {k.cls.__name__}Backward returned a gradient different than None at position "
+                        f"{i + 1}, but the corresponding forward input was not a Variable"
                     )
                 out.append(None)
                 continue
@@ -340,7 +410,7 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
                         g = g.sum_to_size(shape)
                     except RuntimeError:
                         raise RuntimeError(
-                            f"Function {type(ctx).__name__} returned an invalid gradient at index {i} - got "
+                            f"Function {k.cls.__name__}Backward returned an invalid gradient at index {i} - got "
                             f"{list(g.shape)} but expected shape compatible with {list(shape)}"
                         ) from None
                 if g.dtype != dtype:
@@ -353,20 +423,3 @@ def _backward(func_name, callback, requires_grad, tensor_flags, training, inplac
     finally:
         if type(h) is Handle:
             h.release()  # ORT drops its reference right after this call returns
-
-
-def _record_materialize_grads() -> None:
-    """``ctx.set_materialize_grads(False)`` cannot be read back from torch's ctx: record it."""
-    fn = torch.autograd.function.FunctionCtx.set_materialize_grads
-    if getattr(fn, "_ortwrap", False):
-        return
-
-    def set_materialize_grads(self, value: bool) -> None:
-        self.__dict__["_ortwrap_materialize"] = bool(value)
-        fn(self, value)
-
-    set_materialize_grads._ortwrap = True  # type: ignore[attr-defined]
-    torch.autograd.function.FunctionCtx.set_materialize_grads = set_materialize_grads
-
-
-_record_materialize_grads()
