@@ -274,7 +274,7 @@ def _forward_fast(invoke_id, args):
 
 def _run_forward(k: _Kernel, args: tuple):
     try:
-        first, clone = k.first, k.clone
+        first, clone, rg_pos = k.first, k.clone, k.rg_pos
         call = list(args)
         foreign: list[int] = []  # ORT-owned input buffers
         passed: dict[int, _Tensor] = {}
@@ -288,6 +288,8 @@ def _run_forward(k: _Kernel, args: tuple):
                 t = t.view(torch.bool)
             if first or i in clone:
                 t = t.clone()  # kept by the Function: must not live in a buffer ORT may reuse
+            if i in rg_pos:
+                t.requires_grad_(True)  # as in eager: forward may branch on it (grad mode stays off)
             call[i] = t
             passed[i] = t
 
