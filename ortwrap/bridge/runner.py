@@ -326,14 +326,14 @@ def _run_forward(k: _Kernel, args: tuple):
             frozen = ctx.non_differentiable
             if frozen:
                 h.out_meta = [
-                    (o.shape, o.dtype, o.is_floating_point() and not any(o is f for f in frozen))
+                    (o.shape, o.dtype, o.is_floating_point() and not any(o is f for f in frozen), o.device)
                     if isinstance(o, _Tensor)
                     else None
                     for o in outs
                 ]
             else:
-                h.out_meta = [(o.shape, o.dtype, o.is_floating_point()) if o is not None else None for o in outs]
-            h.in_meta = {i: (passed[i].shape, passed[i].dtype) for i in k.rg_pos if i in passed}
+                h.out_meta = [(o.shape, o.dtype, o.is_floating_point(), o.device) if o is not None else None for o in outs]
+            h.in_meta = {i: (passed[i].shape, passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
             record = getattr(_current, "record", None)
             if record is not None:
                 record.handles.append(weakref.ref(h))
@@ -373,7 +373,7 @@ def _backward_fast(invoke_id, args):
                 g = _from_dlpack(a)
                 foreign.append(g.untyped_storage().data_ptr())
             elif materialize:
-                g = _zeros(meta[0], dtype=meta[1])
+                g = _zeros(meta[0], dtype=meta[1], device=meta[3])
             grads.append(g)
         prev = _is_grad_enabled()
         _set_grad_enabled(False)
@@ -403,9 +403,9 @@ def _backward_fast(invoke_id, args):
                     )
                 out.append(None)
                 continue
-            shape, dtype = meta
+            shape, dtype, device = meta
             if g is None:
-                g = _zeros(shape, dtype=dtype)
+                g = _zeros(shape, dtype=dtype, device=device)
             else:
                 if g.shape != shape:
                     try:
