@@ -200,12 +200,12 @@ def compile_program(
         if "input size not accessible" not in str(e):
             raise
         exported = None
-        reason = "the exporter needs static spatial sizes"
+        reasons = ["the exporter needs static spatial sizes"]
     else:
-        reason = "; ".join(exported.static_reasons)
+        reasons = list(exported.static_reasons)
     exports = 1
     if exported is None or exported.static_reasons:
-        logger.info("exporting with static non-batch dimensions: %s", reason)
+        logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
         exported = export_torchscript(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
         exports = 2
     exported_proto = onnx.ModelProto()
@@ -259,7 +259,7 @@ def compile_program(
         training,
         with_backward,
         exports,
-        exported.static_reasons,
+        sorted(set(reasons + exported.static_reasons)) if exported.static_spatial else [],
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(

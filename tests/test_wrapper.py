@@ -371,3 +371,45 @@ def test_outputs_keep_their_values_after_backward():
     saved = y.detach().clone(), t.detach().clone()
     (y * torch.randn_like(y)).sum().backward(retain_graph=False)
     assert torch.equal(y.detach(), saved[0]) and torch.equal(t.detach(), saved[1])
+
+
+class SqueezeMask(nn.Module):
+    """masked_fill on an unsqueezed activation, then squeeze(1): the exporter writes the squeeze of a
+    dynamic dimension as an If node, on which ORT's gradient builder aborts the process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.l(x).unsqueeze(1).masked_fill(mask, -1e4).squeeze(1)
+
+
+def test_squeeze_of_a_non_batch_dimension_trains_with_static_dims():
+    from parity import check_parity
+
+    def inputs(b, g):
+        mask = torch.zeros(b, 1, 4, 4, dtype=torch.bool)
+        mask[..., -1] = True
+        return (torch.randn(b, 4, 4, generator=g), mask), {}
+
+    w = check_parity(SqueezeMask, inputs)
+    assert any("If node" in r for r in w.last_artifacts.static_reasons)
+    assert "If" not in {n.op_type for n in w.last_artifacts.pre_grad.graph.node}
+
+
+def test_control_flow_on_the_batch_dimension_falls_back_instead_of_crashing():
+    class SqueezeBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x).squeeze(0)
+
+    m = SqueezeBatch()
+    w = ORTWrap(m)
+    x = torch.randn(1, 3, 4)
+    with pytest.warns(FallbackWarning, match=r"passes phase failed.*If.*control flow"):
+        y = w(x)
+    assert_close(y, m(x), "fallback output")

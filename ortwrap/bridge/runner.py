@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import types
 import weakref
 
 import torch
@@ -195,7 +196,9 @@ class _Kernel:
             raise RuntimeError(f"PythonOp {func_name!r}: no torch.autograd.Function is registered under this name")
         self.cls = cls
         self.forward = cls.forward
-        self.backward = cls.backward
+        base = torch.autograd.function._SingleLevelFunction
+        # torch documents ``vjp`` as an alias of ``backward``: a Function may define either.
+        self.backward = cls.vjp if cls.backward is base.backward else cls.backward
         has_setup = cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context
         self.setup_context = cls.setup_context if has_setup else None
         self.n_args = len(tensor_flags)
@@ -225,14 +228,21 @@ def _export(t: _Tensor, foreign: list[int]) -> object:
 
 
 def _tensors_in(values: list, depth: int = 3) -> list[_Tensor]:
+    """Tensors in ``values``, also inside lists, tuples, dicts and plain objects' attributes."""
     found = []
     for v in values:
         if isinstance(v, _Tensor):
             found.append(v)
-        elif depth and isinstance(v, (list, tuple)):
+        elif not depth:
+            continue
+        elif isinstance(v, (list, tuple)):
             found += _tensors_in(list(v), depth - 1)
-        elif depth and isinstance(v, dict):
+        elif isinstance(v, dict):
             found += _tensors_in(list(v.values()), depth - 1)
+        elif hasattr(v, "__dict__") and not isinstance(
+            v, (type, types.ModuleType, types.FunctionType, torch.nn.Module)
+        ):
+            found += _tensors_in(list(vars(v).values()), depth - 1)
     return found
 
 
@@ -332,7 +342,9 @@ def _run_forward(k: _Kernel, args: tuple):
                     for o in outs
                 ]
             else:
-                h.out_meta = [(o.shape, o.dtype, o.is_floating_point(), o.device) if o is not None else None for o in outs]
+                h.out_meta = [
+                    (o.shape, o.dtype, o.is_floating_point(), o.device) if o is not None else None for o in outs
+                ]
             h.in_meta = {i: (passed[i].shape, passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
             record = getattr(_current, "record", None)
             if record is not None:

@@ -183,10 +183,14 @@ STATIC_SPATIAL_OPS = frozenset({"MaxPool", "AveragePool", "Resize", "Upsample", 
 
 
 def _graph_static_reasons(model: onnx.ModelProto) -> list[str]:
-    found = sorted(
-        {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in STATIC_SPATIAL_OPS}
-    )
-    return [f"{op} needs static spatial shapes for its gradient" for op in found]
+    nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
+    found = sorted({n.op_type for n in nodes if n.op_type in STATIC_SPATIAL_OPS})
+    reasons = [f"{op} needs static spatial shapes for its gradient" for op in found]
+    if any(n.op_type == "If" for n in nodes):
+        # The exporter writes shape-dependent ops (squeeze of a dynamic dim, ...) as If nodes, on
+        # which ORT 1.19.2's gradient builder aborts the process; static dims make them plain ops.
+        reasons.append("an If node (a shape-dependent op such as squeeze on a dynamic dimension)")
+    return reasons
 
 
 def _name_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:

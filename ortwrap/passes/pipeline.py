@@ -13,6 +13,7 @@ from ..errors import PassError
 from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
+from .control_flow import RefuseControlFlowPass
 from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .instance_norm import DecomposeInstanceNormPass
@@ -56,6 +57,7 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
             EinsumToMatMulPass(),
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
+            RefuseControlFlowPass(),
         ]
     return passes
 
