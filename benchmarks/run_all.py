@@ -5,6 +5,7 @@ from __future__ import annotations
 import bench_lm
 import bench_mlp
 import bench_overhead
+import bench_pythonop
 import bench_threads
 import torch
 
@@ -13,4 +14,5 @@ if __name__ == "__main__":
     bench_mlp.main()
     bench_lm.main()
     bench_overhead.main()
+    bench_pythonop.main()
     bench_threads.main()

@@ -146,6 +146,7 @@ class ORTWrap(nn.Module):
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
         if program.n_pythonops:
+            bridge_state.collect_abandoned()  # a safe point: no ORT run is in progress
             bridge_state.maybe_purge()
         try:
             if program.with_backward:
@@ -163,7 +164,7 @@ class ORTWrap(nn.Module):
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():
-                for buf, value in zip(program.buffer_outputs, outputs[n:]):
+                for buf, value in zip(program.buffer_outputs, outputs[n : n + len(program.buffer_outputs)]):
                     buf.copy_(value)
         return _tree.unflatten(program.out_spec, outputs[:n])
 

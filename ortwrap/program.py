@@ -25,6 +25,7 @@ from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
+from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
 from .runtime import InferenceRunner, TrainingRunner
 from .runtime.dlpack import StateValueCache, to_dlpack
@@ -109,12 +110,15 @@ class Program:
         self.n_outputs = len(exported.output_names)
         if outputs[: self.n_outputs] != exported.output_names:
             raise AssertionError(f"graph outputs {outputs} do not start with {exported.output_names}")
-        self.buffer_outputs = [exported.buffer_outputs[name] for name in outputs[self.n_outputs :]]
-        #: Outputs autograd must not differentiate: ORT's non-differentiable ones and buffers.
+        rest = outputs[self.n_outputs :]
+        #: PythonOp context ids, the last outputs (see passes/pythonop_context.py).
+        self.n_contexts = sum(name.startswith(CONTEXT_OUTPUT_PREFIX) for name in rest)
+        buffer_names = rest[: len(rest) - self.n_contexts]
+        self.buffer_outputs = [exported.buffer_outputs[name] for name in buffer_names]
+        #: Outputs autograd must not differentiate: ORT's non-differentiable ones, buffers, context ids.
         self.non_differentiable = tuple(
             i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
         )
-        self._buffer_names = outputs[self.n_outputs :]
         self._state_cache = StateValueCache(len(self._plan))
         # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
         # as this program (and its session) can run.

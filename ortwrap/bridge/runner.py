@@ -83,11 +83,12 @@ class RunRecord:
     without backward), its Handles are released and their map entries counted as stale.
     """
 
-    __slots__ = ("done", "handles")
+    __slots__ = ("context_ids", "done", "handles")
 
     def __init__(self) -> None:
         # Weak: ORT must be the only owner of a Handle (unsafe run mode checks the refcount).
         self.handles: list[weakref.ref[Handle]] = []
+        self.context_ids: list = []  # int64 tensors: this run's keys in ORT's context map
         self.done = False
         state.forward_started()
 
@@ -118,7 +119,13 @@ class RunRecord:
     def __del__(self) -> None:
         if not self.done:
             self.done = True
-            state.forward_finished(self._release())
+            left = self._release()
+            if left and self.context_ids:
+                # No backward will erase these entries: queue them for the janitor (run later, at a
+                # safe point: this may be called by the garbage collector inside an ORT run).
+                state.abandon([int(t) for t in self.context_ids])
+                left = 0
+            state.forward_finished(left)
 
 
 class Handle:

@@ -148,9 +148,41 @@ def maybe_purge(force: bool = False) -> bool:
         return True
 
 
+_abandoned: list[int] = []  # context ids of training forwards whose backward will never run
+
+
+def abandon(ids: list[int]) -> None:
+    with _lock:
+        _abandoned.extend(ids)
+
+
+def collect_abandoned() -> int:
+    """Erase the queued context entries from ORT's map; return how many. Call only at a safe point
+    (not during an ORT run).
+
+    ORT erases a context only when PythonOpGrad ran for it, so a one-node graph with a
+    ``PythonOpGrad`` (the janitor) is run for each abandoned id: ORT looks the context up, calls
+    ortwrap's backward runner (which declines the released context) and erases the entry.
+    """
+    with _lock:
+        ids = list(_abandoned)
+        _abandoned.clear()
+    if not ids:
+        return 0
+    from .janitor import erase_contexts
+
+    erase_contexts(ids)
+    return len(ids)
+
+
 def stats() -> dict[str, int]:
     """Counters for tests and debugging."""
-    return {"functions": len(_functions), "waiting_forwards": _waiting, "stale_context_entries": _stale}
+    return {
+        "functions": len(_functions),
+        "waiting_forwards": _waiting,
+        "stale_context_entries": _stale,
+        "abandoned_context_entries": len(_abandoned),
+    }
 
 
 # ORT's tables are C++ statics: if they still hold Python objects when the interpreter is gone,

@@ -2,7 +2,9 @@
 
 ORT's PythonOp schema puts an int64 context id first, before the Function's tensor outputs;
 ``PythonOpGrad`` reads it to find the call's saved state. The exporter emits only the tensor
-outputs, so each node is rebuilt with a fresh ``<node>/ctx`` output in front.
+outputs, so each node is rebuilt with a fresh ``<node>/ctx`` output in front. The ids are also
+graph outputs (``pythonop_ctx:<k>``, last): a forward whose backward never runs tells ortwrap which
+entries of ORT's context map to erase (``bridge/state.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 PYTHONOP_DOMAIN = "com.microsoft"
+CONTEXT_OUTPUT_PREFIX = "pythonop_ctx:"
 
 
 def is_pythonop(node: ir.Node) -> bool:
@@ -21,6 +24,7 @@ class AddPythonOpContextPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
+        contexts: list[ir.Value] = []
         for graph in (model.graph, *model.graph.subgraphs()):
             for i, node in enumerate(list(graph)):
                 if not is_pythonop(node) or node.meta.get("ortwrap_ctx"):
@@ -46,5 +50,14 @@ class AddPythonOpContextPass(ir.passes.InPlacePass):
                     if old.shape is not None:  # the exporter recorded the traced sizes: free them
                         value.shape = ir.Shape([ir.SymbolicDim(f"{name}/out{j}_dim{d}") for d in range(len(old.shape))])
                 graph.remove(node, safe=True)
+                if graph is model.graph:
+                    ctx = new.outputs[0]
+                    ctx.dtype = ir.DataType.INT64
+                    exposed = ir.node("Identity", [ctx], name=f"{name}/ctx_out")
+                    graph.insert_after(new, exposed)
+                    exposed.outputs[0].name = f"{CONTEXT_OUTPUT_PREFIX}{len(contexts)}"
+                    exposed.outputs[0].dtype = ir.DataType.INT64
+                    contexts.append(exposed.outputs[0])
                 modified = True
+        model.graph.outputs.extend(contexts)
         return ir.passes.PassResult(model, modified=modified)

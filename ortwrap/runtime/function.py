@@ -40,6 +40,8 @@ class RunTrainingGraph(torch.autograd.Function):
                 except BaseException:
                     record.finish()  # the exception may outlive this frame: release now
                     raise
+            if program.n_contexts:
+                record.context_ids = outputs[len(outputs) - program.n_contexts :]
             ctx.record = record
         else:
             outputs, state = runner.forward(program.bind(feeds))
