@@ -28,7 +28,7 @@ from .passes import PassRecord, default_passes, run_passes
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
 from .runtime import InferenceRunner, TrainingRunner
-from .runtime.dlpack import StateValueCache, to_dlpack
+from .runtime.dlpack import StateValueCache, push_tensor
 
 
 @dataclass
@@ -139,12 +139,7 @@ class Program:
         cached_tensors, pointers, values = cache.tensors, cache.pointers, cache.values
         for j, t in enumerate(feeds):
             if self._is_input[j]:
-                if not t.is_contiguous():
-                    t = t.contiguous()
-                if t.dtype is torch.bool:
-                    push(to_dlpack(t.view(torch.uint8)), True)
-                else:
-                    push(to_dlpack(t), False)
+                push_tensor(vec, t)
             elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
                 push(values[j])
             else:

@@ -20,18 +20,22 @@ to_dlpack = torch._C._to_dlpack
 from_dlpack = torch._C._from_dlpack
 
 
+def push_tensor(vec: C.OrtValueVector, t: torch.Tensor) -> None:
+    """Append ``t`` (made contiguous if it is not; bool as a uint8 view) to ``vec`` without a copy."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype is torch.bool:
+        vec.push_back(to_dlpack(t.view(torch.uint8)), True)
+    else:
+        vec.push_back(to_dlpack(t), False)
+
+
 def to_ortvalues(tensors: Sequence[torch.Tensor]) -> C.OrtValueVector:
-    """Wrap ``tensors`` (made contiguous if they are not) as an OrtValueVector."""
+    """Wrap ``tensors`` as an OrtValueVector (see :func:`push_tensor`)."""
     vec = C.OrtValueVector()
     vec.reserve(len(tensors))
-    push = vec.push_back
     for t in tensors:
-        if not t.is_contiguous():
-            t = t.contiguous()
-        if t.dtype is torch.bool:
-            push(to_dlpack(t.view(torch.uint8)), True)
-        else:
-            push(to_dlpack(t), False)
+        push_tensor(vec, t)
     return vec
 
 
