@@ -185,6 +185,8 @@ class _Kernel:
         "backward",
         "bool_inputs",
         "clone",
+        "in_types",
+        "out_types",
         "cls",
         "first",
         "forward",
@@ -216,6 +218,8 @@ class _Kernel:
         self.bool_inputs = frozenset(int(i) for i in bools.split(",")) if bools else frozenset()
         self.clone: frozenset[int] = frozenset()  # inputs saved in ctx or made dirty
         self.first = True
+        self.out_types: list | None = None  # per output: (dtype, device, floating) or None
+        self.in_types: dict[int, tuple] = {}  # per input that requires grad: (dtype, device)
 
 
 _kernels: dict[str, _Kernel] = {}
@@ -341,18 +345,14 @@ def _run_forward(k: _Kernel, args: tuple):
             h.ctx = ctx
             h.kernel = k
             frozen = ctx.non_differentiable
-            if frozen:
-                h.out_meta = [
-                    (o.shape, o.dtype, o.is_floating_point() and not any(o is f for f in frozen), o.device)
-                    if isinstance(o, _Tensor)
-                    else None
-                    for o in outs
-                ]
-            else:
-                h.out_meta = [
-                    (o.shape, o.dtype, o.is_floating_point(), o.device) if o is not None else None for o in outs
-                ]
-            h.in_meta = {i: (passed[i].shape, passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
+            # Per call only shapes; dtypes and devices are per node (kernel.types).
+            h.out_meta = [
+                (o.shape, not frozen or not any(o is f for f in frozen)) if o is not None else None for o in outs
+            ]
+            h.in_meta = {i: passed[i].shape for i in k.rg_pos if i in passed}
+            if k.out_types is None:
+                k.out_types = [(o.dtype, o.device, o.is_floating_point()) if o is not None else None for o in outs]
+                k.in_types = {i: (passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
             record = getattr(_current, "record", None)
             if record is not None:
                 record.handles.append(weakref.ref(h))
@@ -383,16 +383,16 @@ def _backward_fast(invoke_id, args):
         materialize = ctx.materialize_grads
         foreign: list[int] = []
         grads = []
-        for meta, a in zip(h.out_meta, args[1:]):
+        for meta, types, a in zip(h.out_meta, k.out_types, args[1:]):
             if meta is None:
                 grads.append(None)
                 continue
             g = None
-            if a is not None and meta[2]:  # meta[2]: the output is differentiable
+            if a is not None and meta[1] and types[2]:  # a differentiable (floating) output
                 g = _from_dlpack(a)
                 foreign.append(g.untyped_storage().data_ptr())
             elif materialize:
-                g = _zeros(meta[0], dtype=meta[1], device=meta[3])
+                g = _zeros(meta[0], dtype=types[0], device=types[1])
             grads.append(g)
         prev = _is_grad_enabled()
         _set_grad_enabled(False)
@@ -422,7 +422,8 @@ def _backward_fast(invoke_id, args):
                     )
                 out.append(None)
                 continue
-            shape, dtype, device = meta
+            shape = meta
+            dtype, device = k.in_types[i]
             if g is None:
                 g = _zeros(shape, dtype=dtype, device=device)
             else:
