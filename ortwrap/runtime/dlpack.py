@@ -72,9 +72,13 @@ class StateValueCache:
         return ov
 
 
-def to_tensors(values: C.OrtValueVector) -> list[torch.Tensor]:
-    """Turn every OrtValue of ``values`` into a torch tensor sharing its memory."""
+def to_tensors(values: C.OrtValueVector, may_hold_bool: bool = True) -> list[torch.Tensor]:
+    """Turn every OrtValue of ``values`` into a torch tensor sharing its memory.
+
+    ``may_hold_bool=False`` skips looking for bool tensors (which cross as uint8).
+    """
     out = values.to_dlpacks(from_dlpack)
-    for i in values.bool_tensor_indices():
-        out[i] = out[i].view(torch.bool)
+    if may_hold_bool:
+        for i in values.bool_tensor_indices():
+            out[i] = out[i].view(torch.bool)
     return out

@@ -12,6 +12,17 @@ from ..options import Options
 from .dlpack import to_ortvalues, to_tensors
 
 
+#: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
+_pending = bridge_state._pending
+
+
+def _has_bool_outputs(graph: TrainingGraph) -> bool:
+    """Whether any forward output is bool (ORT hands those over as uint8)."""
+    model = graph.model()
+    types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.output, *model.graph.value_info)}
+    return any(types.get(name, 9) == 9 for name in graph.info.user_output_names)
+
+
 def session_options(options: Options) -> ort.SessionOptions:
     """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``)."""
     so = ort.SessionOptions()
@@ -95,6 +106,7 @@ class TrainingRunner:
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
+        self._bool_outputs = _has_bool_outputs(graph)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -105,28 +117,32 @@ class TrainingRunner:
     def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         state = C.PartialGraphExecutionState()
         fetches = C.OrtValueVector()
-        bridge_state.clear_pending()
+        if _pending:
+            _pending.clear()
         try:
             self._agent.run_forward(feeds, fetches, state, None)
         except Exception as e:
             bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
             raise RuntimeRunError(f"forward run failed: {e}") from e
-        bridge_state.reraise_pending(None)
-        outputs = to_tensors(fetches)
+        if _pending:  # an ATen op may fail without failing the run
+            bridge_state.reraise_pending(None)
+        outputs = to_tensors(fetches, self._bool_outputs)
         if self._output_types is None:
             self._output_types = [(t.dtype, t.device) for t in outputs]
         return outputs, state
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
-        bridge_state.clear_pending()
+        if _pending:
+            _pending.clear()
         try:
             self._agent.run_backward(to_ortvalues(grads), fetches, state)
         except Exception as e:
             bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
             raise RuntimeRunError(f"backward run failed: {e}") from e
-        bridge_state.reraise_pending(None)
-        return to_tensors(fetches)
+        if _pending:
+            bridge_state.reraise_pending(None)
+        return to_tensors(fetches, False)  # gradients are never bool
 
 
 class InferenceRunner:
@@ -140,10 +156,12 @@ class InferenceRunner:
         self._fetch_names = list(graph.info.user_output_names)
         self._devices = [ort_device] * len(self._fetch_names)
         self._run_options = ort.RunOptions()
+        self._bool_outputs = _has_bool_outputs(graph)
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
-        bridge_state.clear_pending()
+        if _pending:
+            _pending.clear()
         try:
             self._sess.run_with_ortvaluevector(
                 self._run_options, self._feed_names, feeds, self._fetch_names, fetches, self._devices
@@ -151,5 +169,6 @@ class InferenceRunner:
         except Exception as e:
             bridge_state.reraise_pending(e)
             raise RuntimeRunError(f"forward run failed: {e}") from e
-        bridge_state.reraise_pending(None)
-        return to_tensors(fetches)
+        if _pending:
+            bridge_state.reraise_pending(None)
+        return to_tensors(fetches, self._bool_outputs)
