@@ -314,7 +314,8 @@ def _run_forward(k: _Kernel, args: tuple):
             call[i] = t
             passed[i] = t
 
-        ctx = FunctionContext(k.needs_input_grad)
+        ctx = _new_context(FunctionContext)
+        ctx.needs_input_grad = k.needs_input_grad
         prev = _is_grad_enabled()
         _set_grad_enabled(False)
         try:
@@ -331,8 +332,8 @@ def _run_forward(k: _Kernel, args: tuple):
             if o is not None and not isinstance(o, _Tensor):
                 raise UnsupportedFunctionError(
                     f"torch.autograd.Function {state.qualified_name(k.cls)} returned a non-tensor output "
-                    f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors inside "
-                    "ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
+                    f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors "
+                    "inside ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
                 )
         if first:
             _learn(k, ctx, outs, passed)
@@ -349,20 +350,23 @@ def _run_forward(k: _Kernel, args: tuple):
             h.out_meta = [
                 (o.shape, not frozen or not any(o is f for f in frozen)) if o is not None else None for o in outs
             ]
-            h.in_meta = {i: passed[i].shape for i in k.rg_pos if i in passed}
+            h.in_meta = {i: passed[i].shape for i in rg_pos if i in passed}
             if k.out_types is None:
                 k.out_types = [(o.dtype, o.device, o.is_floating_point()) if o is not None else None for o in outs]
-                k.in_types = {i: (passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
+                k.in_types = {i: (passed[i].dtype, passed[i].device) for i in rg_pos if i in passed}
             record = getattr(_current, "record", None)
             if record is not None:
                 record.handles.append(weakref.ref(h))
             result = [h]
         for o in outs:
-            result.append(_export(o, foreign) if isinstance(o, _Tensor) else None)
+            result.append(None if o is None else _export(o, foreign))
         return result
     except BaseException as e:
         state.park(e)
         return None
+
+
+_new_context = object.__new__
 
 
 def _backward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
