@@ -11,7 +11,6 @@ from ..grad import TrainingGraph
 from ..options import Options
 from .dlpack import to_ortvalues, to_tensors
 
-
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
 _pending = bridge_state._pending
 
