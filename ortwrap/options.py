@@ -149,6 +149,11 @@ def env_flag(name: str, default: bool) -> bool:
         raise ValueError(f"environment variable {name}={raw!r} is invalid: {e}") from e
 
 
+def c_compiler_override() -> str | None:
+    """``$CC``, if set: the compiler for ortwrap's native helpers."""
+    return os.environ.get("CC") or None
+
+
 def cache_dir() -> str:
     """Where ortwrap caches its compiled native helpers: ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``."""
     return os.environ.get("ORTWRAP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ortwrap")

@@ -24,7 +24,7 @@ import tempfile
 from functools import cache
 
 from ..errors import ORTWrapError
-from ..options import cache_dir
+from ..options import c_compiler_override, cache_dir
 
 
 class NativeBuildError(ORTWrapError):
@@ -37,7 +37,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _compiler() -> str:
-    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    override = c_compiler_override()
+    candidates = [override] if override else ["cc", "gcc", "clang"]
     for c in candidates:
         path = shutil.which(c)
         if path:
