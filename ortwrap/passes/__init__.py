@@ -3,5 +3,13 @@
 from __future__ import annotations
 
 from .pipeline import PassRecord, default_passes, run_passes
+from .shape_related import ShapeRelatedNode, explain_shape_related_nodes, shape_related_nodes
 
-__all__ = ["PassRecord", "default_passes", "run_passes"]
+__all__ = [
+    "PassRecord",
+    "ShapeRelatedNode",
+    "default_passes",
+    "explain_shape_related_nodes",
+    "run_passes",
+    "shape_related_nodes",
+]

@@ -21,7 +21,8 @@ How it works
      ``EyeLike``, ``CastLike``'s ``target_type``). The walk never enters them, and a node all of
      whose inputs are metadata-only (``Shape``, ``Size``) is a *stop node*.
 
-2. From every ``shape`` input of every node (subgraphs included) walk backwards through
+2. From every ``shape`` input of every node (subgraphs included), and from the subgraph outputs
+   in :data:`HOST_SUBGRAPH_OUTPUTS` (the ``Loop`` body's condition), walk backwards through
    producers, collecting the nodes met. The walk stops at graph inputs, initializers, nodes without
    inputs (``Constant``: collected) and stop nodes (``Shape``/``Size``: collected, their input is
    not entered, so e.g. the ``MatMul`` whose output's shape is taken is not collected). The
@@ -191,6 +192,13 @@ HOST_INPUTS: dict[tuple[str, str], tuple[HostInputs, ...]] = {
     ("", "CastLike"): (HostInputs(15, metadata={1: "target_type"}),),
 }
 
+#: (domain, op_type) -> graph attribute -> subgraph output index -> name, for subgraph outputs the
+#: control-flow kernel itself reads on the host: the ``Loop`` body's continuation condition
+#: (ORT's CUDA ``Loop`` runs the CPU implementation, which reads it after every iteration).
+HOST_SUBGRAPH_OUTPUTS: dict[tuple[str, str], dict[str, dict[int, str]]] = {
+    ("", "Loop"): {"body": {0: "cond"}},
+}
+
 _NO_HOST_INPUTS = HostInputs(0)
 
 
@@ -293,14 +301,10 @@ class _Analysis:
     def run(self) -> dict[str, ShapeRelatedNode]:
         reasons: dict[int, set[str]] = {}
         found: dict[int, ir.Node] = {}
-        for consumer in self.nodes:
-            for index, input_name in self.spec(consumer).shape.items():
-                if index >= len(consumer.inputs) or consumer.inputs[index] is None:
-                    continue
-                reason = f"{self.names[id(consumer)]} input {index} ({input_name})"
-                for node in self._walk(consumer.inputs[index]):
-                    found[id(node)] = node
-                    reasons.setdefault(id(node), set()).add(reason)
+        for value, reason in self._roots():
+            for node in self._walk(value):
+                found[id(node)] = node
+                reasons.setdefault(id(node), set()).add(reason)
         return {
             self.names[key]: ShapeRelatedNode(
                 name=self.names[key],
@@ -310,6 +314,24 @@ class _Analysis:
             )
             for key, node in found.items()
         }
+
+    def _roots(self) -> Iterator[tuple[ir.Value, str]]:
+        """(value read on the host, reason) for every walk to start."""
+        for consumer in self.nodes:
+            name = self.names[id(consumer)]
+            spec = self.spec(consumer)
+            for index, input_name in spec.shape.items():
+                if index < len(consumer.inputs) and consumer.inputs[index] is not None:
+                    yield consumer.inputs[index], f"{name} input {index} ({input_name})"
+            host_outputs = HOST_SUBGRAPH_OUTPUTS.get((_domain(consumer.domain), consumer.op_type), {})
+            for attr_name, outputs in host_outputs.items():
+                attr = consumer.attributes.get(attr_name)
+                if not isinstance(attr, ir.Attr) or attr.type != ir.AttributeType.GRAPH:
+                    continue
+                for index, output_name in outputs.items():
+                    if index < len(attr.value.outputs):
+                        reason = f"{name} {attr_name} output {index} ({output_name})"
+                        yield attr.value.outputs[index], reason
 
     def _walk(self, start: ir.Value) -> Iterator[ir.Node]:
         """Yield each node met walking backwards from ``start``, once."""
@@ -392,9 +414,12 @@ class _Analysis:
                 graph = value.graph
                 if graph is None or id(graph) not in self.owners:
                     yield f"graph output {value.name}"
-                elif id(self.owners[id(graph)][0]) not in found:
-                    owner = self.owners[id(graph)][0]
-                    yield f"{self.names[id(owner)]} output via {value.name}"
+                else:
+                    owner, attr_name = self.owners[id(graph)]
+                    host_outputs = HOST_SUBGRAPH_OUTPUTS.get((_domain(owner.domain), owner.op_type), {})
+                    read_on_host = list(graph.outputs).index(value) in host_outputs.get(attr_name, {})
+                    if id(owner) not in found and not read_on_host:
+                        yield f"{self.names[id(owner)]} output via {value.name}"
             for usage in value.uses():
                 consumer, index = usage.node, usage.idx
                 if id(consumer) in found:
