@@ -27,8 +27,8 @@ ScalarType                                  int64 tensor of torch's ScalarType c
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
-import threading
 
 import numpy as np
 import onnx
@@ -221,27 +221,17 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
         return True
 
 
-_installed = False
-_lock = threading.Lock()
-
-
+@functools.cache
 def install() -> None:
-    """Build (first time only), load and register the ATen executor with ORT. Idempotent."""
-    global _installed
-    if _installed:
-        return
-    with _lock:
-        if _installed:
-            return
-        lib = load("_aten")
-        lib.ortwrap_aten_init.argtypes = [ctypes.py_object, ctypes.py_object]
-        lib.ortwrap_aten_init.restype = ctypes.c_int
-        if lib.ortwrap_aten_init(_execute, _is_tensor) != 0:
-            raise RuntimeError("ortwrap: initializing the ATen executor failed")
-        is_tensor = ctypes.cast(lib.ortwrap_is_tensor_argument, ctypes.c_void_p).value
-        execute = ctypes.cast(lib.ortwrap_execute, ctypes.c_void_p).value
-        C.register_aten_op_executor(str(is_tensor), str(execute))  # decimal strings
-        _installed = True
+    """Build (first time only), load and register the ATen executor with ORT. Once per process."""
+    lib = load("_aten")
+    lib.ortwrap_aten_init.argtypes = [ctypes.py_object, ctypes.py_object]
+    lib.ortwrap_aten_init.restype = ctypes.c_int
+    if lib.ortwrap_aten_init(_execute, _is_tensor) != 0:
+        raise RuntimeError("ortwrap: initializing the ATen executor failed")
+    is_tensor = ctypes.cast(lib.ortwrap_is_tensor_argument, ctypes.c_void_p).value
+    execute = ctypes.cast(lib.ortwrap_execute, ctypes.c_void_p).value
+    C.register_aten_op_executor(str(is_tensor), str(execute))  # decimal strings
 
 
 def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:

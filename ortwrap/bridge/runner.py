@@ -29,6 +29,7 @@ NOTE: ownership and lifetime.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import types
 import weakref
@@ -49,26 +50,17 @@ _zeros = torch.zeros
 
 BOOL_MARK = "|bool="
 
-_installed = False
-_install_lock = threading.Lock()
 
-
+@functools.cache
 def install() -> None:
-    """Build (first time only), load and register the native runners with ORT. Idempotent."""
-    global _installed
-    if _installed:
-        return
-    with _install_lock:
-        if _installed:
-            return
-        lib = load("_runner")
-        lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 5
-        lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
-        if lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park, _forward_fast, _backward_fast) != 0:
-            raise RuntimeError("ortwrap: initializing the PythonOp runners failed")
-        C.register_forward_runner(ctypes.cast(lib.ortwrap_forward_runner, ctypes.c_void_p).value)
-        C.register_backward_runner(ctypes.cast(lib.ortwrap_backward_runner, ctypes.c_void_p).value)
-        _installed = True
+    """Build (first time only), load and register the native runners with ORT. Once per process."""
+    lib = load("_runner")
+    lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 5
+    lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
+    if lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park, _forward_fast, _backward_fast) != 0:
+        raise RuntimeError("ortwrap: initializing the PythonOp runners failed")
+    C.register_forward_runner(ctypes.cast(lib.ortwrap_forward_runner, ctypes.c_void_p).value)
+    C.register_backward_runner(ctypes.cast(lib.ortwrap_backward_runner, ctypes.c_void_p).value)
 
 
 # ------------------------------------------------------------------------------------- run records

@@ -135,11 +135,11 @@ def entries_left(n: int) -> None:
         _stale += n
 
 
-def maybe_purge(force: bool = False) -> bool:
+def maybe_purge() -> bool:
     """Empty ORT's context map when it holds stale entries and no forward awaits its backward."""
     global _stale
     with _lock:
-        if _waiting or (_stale < PURGE_THRESHOLD and not (force and _stale)):
+        if _waiting or _stale < PURGE_THRESHOLD:
             return False
         C.unregister_python_functions()  # also forgets the Functions: register them again
         for name, cls in (*_functions.items(), *_aliases.items()):

@@ -15,6 +15,20 @@ from .dlpack import to_ortvalues, to_tensors
 _pending = bridge_state._pending
 
 
+def _run(what: str, fn, *args) -> None:
+    """Call an ORT run; an exception a Function or ATen op raised inside it is re-raised as itself
+    (an ATen op may also fail without failing the run), any other failure as RuntimeRunError."""
+    if _pending:
+        _pending.clear()
+    try:
+        fn(*args)
+    except Exception as e:
+        bridge_state.reraise_pending(e)
+        raise RuntimeRunError(f"{what} run failed: {e}") from e
+    if _pending:
+        bridge_state.reraise_pending(None)
+
+
 def _has_bool_outputs(graph: TrainingGraph) -> bool:
     """Whether any forward output is bool (ORT hands those over as uint8)."""
     model = graph.model()
@@ -116,15 +130,7 @@ class TrainingRunner:
     def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
         state = C.PartialGraphExecutionState()
         fetches = C.OrtValueVector()
-        if _pending:
-            _pending.clear()
-        try:
-            self._agent.run_forward(feeds, fetches, state, None)
-        except Exception as e:
-            bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
-            raise RuntimeRunError(f"forward run failed: {e}") from e
-        if _pending:  # an ATen op may fail without failing the run
-            bridge_state.reraise_pending(None)
+        _run("forward", self._agent.run_forward, feeds, fetches, state, None)
         outputs = to_tensors(fetches, self._bool_outputs)
         if self._output_types is None:
             self._output_types = [(t.dtype, t.device) for t in outputs]
@@ -132,15 +138,7 @@ class TrainingRunner:
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
-        if _pending:
-            _pending.clear()
-        try:
-            self._agent.run_backward(to_ortvalues(grads), fetches, state)
-        except Exception as e:
-            bridge_state.reraise_pending(e)  # a Function or ATen op raised: re-raise its own exception
-            raise RuntimeRunError(f"backward run failed: {e}") from e
-        if _pending:
-            bridge_state.reraise_pending(None)
+        _run("backward", self._agent.run_backward, to_ortvalues(grads), fetches, state)
         return to_tensors(fetches, False)  # gradients are never bool
 
 
@@ -159,15 +157,14 @@ class InferenceRunner:
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
-        if _pending:
-            _pending.clear()
-        try:
-            self._sess.run_with_ortvaluevector(
-                self._run_options, self._feed_names, feeds, self._fetch_names, fetches, self._devices
-            )
-        except Exception as e:
-            bridge_state.reraise_pending(e)
-            raise RuntimeRunError(f"forward run failed: {e}") from e
-        if _pending:
-            bridge_state.reraise_pending(None)
+        _run(
+            "forward",
+            self._sess.run_with_ortvaluevector,
+            self._run_options,
+            self._feed_names,
+            feeds,
+            self._fetch_names,
+            fetches,
+            self._devices,
+        )
         return to_tensors(fetches, self._bool_outputs)
