@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bench_cpu_fallback
 import bench_lm
 import bench_mlp
 import bench_overhead
@@ -16,3 +17,4 @@ if __name__ == "__main__":
     bench_overhead.main()
     bench_pythonop.main()
     bench_threads.main()
+    bench_cpu_fallback.main()

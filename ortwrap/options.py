@@ -18,8 +18,8 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("torchscript",)
 
 
-def _opt(default: Any, env: str | None, help: str) -> Any:
-    return field(default=default, metadata={"env": env, "help": help})
+def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"env": env, "help": help, "aliases": aliases})
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,14 @@ class Options:
         "Let ORT's idle threads spin. Off by default: spinning threads fight PyTorch's OpenMP threads "
         "between ORT runs and make training steps several times slower on small machines.",
     )
+    aggressive_cpu_fallback: bool = _opt(
+        False,
+        "ORTWRAP_AGGRESSIVE_CPU_FALLBACK",
+        "Move the nodes that compute shapes (Reshape's shape, Slice's starts, Range's inputs, ...) out of the graph "
+        "into a host-side shape program run on the CPU before each step, so that kernels get them without a "
+        "device round trip (docs/cpu-fallback.md). Also read from ORT_AGGRESSIVE_CPU_FALLBACK, upstream's name.",
+        aliases=("ORT_AGGRESSIVE_CPU_FALLBACK",),
+    )
 
     def __post_init__(self) -> None:
         level = str(self.log_level).upper()
@@ -106,6 +114,9 @@ class Options:
                 continue
             env = f.metadata.get("env")
             raw = os.environ.get(env) if env else None
+            for alias in f.metadata.get("aliases", ()):
+                if raw is None or raw == "":
+                    env, raw = alias, os.environ.get(alias)
             if raw is None or raw == "":
                 continue
             try:
@@ -161,5 +172,8 @@ def cache_dir() -> str:
 
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.
 ENV_VARS: dict[str, tuple[str, str]] = {
-    f.metadata["env"]: (f.name, f.metadata["help"]) for f in dataclasses.fields(Options) if f.metadata.get("env")
+    env: (f.name, f.metadata["help"])
+    for f in dataclasses.fields(Options)
+    if f.metadata.get("env")
+    for env in (f.metadata["env"], *f.metadata.get("aliases", ()))
 }

@@ -25,10 +25,12 @@ from .export import ExportedModel, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
+from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
 from .runtime import InferenceRunner, TrainingRunner
 from .runtime.dlpack import StateValueCache, push_tensor
+from .runtime.host_shapes import HostShapeRunner
 
 
 @dataclass
@@ -45,6 +47,8 @@ class BuildArtifacts:
         with_backward: built with a backward graph.
         exports: how many exports the build took (2 when a graph needed static spatial shapes).
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
+        host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
+            feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
     """
 
     exported: onnx.ModelProto
@@ -56,6 +60,7 @@ class BuildArtifacts:
     with_backward: bool = True
     exports: int = 1
     static_reasons: list[str] = field(default_factory=list)
+    host_shapes: HostShapeSplit | None = None
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -72,6 +77,8 @@ class BuildArtifacts:
         with open(path, "wb") as f:
             f.write(self.graph.model_bytes)
         paths.append(path)
+        if self.host_shapes is not None:
+            paths += self.host_shapes.save(directory, f"build{index:02d}_{kind}_host_shapes")
         return paths
 
 
@@ -211,7 +218,15 @@ def compile_program(
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
     seconds["export"] = t1 - t0
-    exported.model, records = run_passes(exported.model, default_passes(with_backward=with_backward))
+    passes = default_passes(with_backward=with_backward)
+    host_pass = None
+    if options.aggressive_cpu_fallback:  # last: it splits the final forward graph
+        host_pass = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})
+        passes.append(host_pass)
+    exported.model, records = run_passes(exported.model, passes)
+    host_index = {n: i for i, n in enumerate(exported.user_input_names) if n is not None}
+    if host_pass is not None:  # the host-fed inputs follow the user's flat tensors
+        exported.user_input_names += [f.name for f in host_pass.split.feeds]
     t2 = time.perf_counter()
     seconds["passes"] = t2 - t1
     remaining = {o.name for o in exported.model.graph.output}
@@ -249,6 +264,8 @@ def compile_program(
     runner = (TrainingRunner if with_backward else InferenceRunner)(graph, device, options)
     seconds["session"] = time.perf_counter() - t3
     program = Program(exported, graph, runner, module)
+    if host_pass is not None and host_pass.split.feeds:
+        program.feeds = HostShapeRunner(host_pass.split, host_index).wrap(program.feeds)
     artifacts = BuildArtifacts(
         exported_proto,
         exported.model,
@@ -259,6 +276,7 @@ def compile_program(
         with_backward,
         exports,
         sorted(set(reasons + exported.static_reasons)) if exported.static_spatial else [],
+        host_pass.split if host_pass is not None else None,
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(
