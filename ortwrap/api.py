@@ -19,6 +19,8 @@ from . import _tree
 from ._logging import configure, logger
 from .bridge import state as bridge_state
 from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError
+from .integrations import deepspeed as _deepspeed
+from .integrations.distributed import check_wrappable
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
 from .runtime.function import RunTrainingGraph
@@ -56,6 +58,7 @@ class ORTWrap(nn.Module):
             raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
         if isinstance(module, ORTWrap):
             raise TypeError("ORTWrap(module): module is already an ORTWrap")
+        check_wrappable(module)
         super().__init__()
         self.module = module
         self._options = Options.resolve(**options)
@@ -109,6 +112,9 @@ class ORTWrap(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
+        if "ds_id" in self.__dict__ and _deepspeed.BUSY_MARK not in self.__dict__:
+            # DeepSpeed ZeRO-3 hooked this module: gather its partitioned parameters around the run.
+            return _deepspeed.zero3_forward(self, args, kwargs)
         params_rg = tuple([p.requires_grad for p in self._params])
         grad_on = torch.is_grad_enabled()
         in_spec: tuple | None = None
@@ -133,15 +139,19 @@ class ORTWrap(nn.Module):
             program = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
+        table: dict | list | None = None
         if type(program) is dict:  # graphs with static non-batch dimensions: one program per shape
             shape_key = tuple(tuple(t.shape[1:]) for t in leaves)
             table, program = program, program.get(shape_key)
-        else:
-            table = None
+        elif type(program) is list:  # dynamo captures with shape guards: the first that holds
+            table, program = program, next((p for p in program if p.shape_guards.check(leaves)), None)
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
-            program = self._build(key, leaves, in_spec, needs_grad, table)
+            try:
+                program = self._build(key, leaves, in_spec, needs_grad, table)
+            except _GuardMiss as miss:
+                return self._run_eagerly_once(miss.error, args, kwargs)
             if program is None:
                 return self.module(*args, **kwargs)
         feeds = program.feeds(leaves)
@@ -180,6 +190,19 @@ class ORTWrap(nn.Module):
         )
         logger.warning("falling back to PyTorch: %s", error)
 
+    def _run_eagerly_once(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
+        """Shapes outside a dynamo capture's assumptions that do not export either: most often an
+        input the module rejects (a wrong feature size). Run this call in PyTorch, so the module
+        raises its own error; the programs for the shapes that worked stay."""
+        out = self.module(*args, **kwargs)
+        warnings.warn(
+            f"ORTWrap ran one call of {type(self.module).__name__} in PyTorch: its input shapes break the dynamo "
+            f"capture's assumptions and a new export failed: {error}",
+            FallbackWarning,
+            stacklevel=3,
+        )
+        return out
+
     def _flatten_inputs(self, args: tuple, kwargs: dict, leaves: list[torch.Tensor]) -> tuple:
         """Append the tensors of ``(args, kwargs)`` to ``leaves``; return their tree spec."""
         names = self._arg_names
@@ -192,7 +215,7 @@ class ORTWrap(nn.Module):
         return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
 
     def _build(
-        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, table: dict | None
+        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, table: dict | list | None
     ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
@@ -203,18 +226,21 @@ class ORTWrap(nn.Module):
         self._params = list(self.module.parameters())
         paths = _leaf_paths(in_spec, self._arg_names)
         try:
-            program, artifacts = compile_program(
-                self.module,
-                leaves,
-                in_spec,
-                paths,
-                training=self.module.training,
-                with_backward=needs_grad,
-                device=device,
-                options=self._options,
-            )
+            with _deepspeed.export_guard(self):  # hides DeepSpeed ZeRO-3's module hooks from the trace
+                program, artifacts = compile_program(
+                    self.module,
+                    leaves,
+                    in_spec,
+                    paths,
+                    training=self.module.training,
+                    with_backward=needs_grad,
+                    device=device,
+                    options=self._options,
+                )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
+            if isinstance(table, list) and table and isinstance(e, ExportError):
+                raise _GuardMiss(e) from e
             if not self._options.fallback:
                 raise
             self._fall_back(e)
@@ -224,6 +250,10 @@ class ORTWrap(nn.Module):
             if table is None:
                 table = self._programs[key] = {}
             table[tuple(tuple(t.shape[1:]) for t in leaves)] = program
+        elif program.shape_guards:
+            if table is None:
+                table = self._programs[key] = []
+            table.append(program)
         else:
             self._programs[key] = program
         self._last_artifacts = artifacts
@@ -231,6 +261,14 @@ class ORTWrap(nn.Module):
             paths_saved = artifacts.save(self._options.debug_dir, self._export_count)
             logger.info("saved build artifacts: %s", ", ".join(paths_saved))
         return program
+
+
+class _GuardMiss(Exception):
+    """A dynamo program exists for the input schema, but these shapes neither fit nor export."""
+
+    def __init__(self, error: ORTWrapError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _positional_names(module: nn.Module) -> list[str]:

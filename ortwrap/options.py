@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_EXPORTERS = ("torchscript",)
+_EXPORTERS = ("torchscript", "dynamo")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:

@@ -22,6 +22,7 @@ from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN
 from .errors import ExportError, GradientBuildError
 from .export import ExportedModel, export_torchscript
+from .export.dynamo import export_dynamo
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes
@@ -103,6 +104,8 @@ class Program:
         self.with_backward = graph.has_backward
         #: Non-batch dimensions are part of the graph: each new one needs its own program.
         self.static_spatial = exported.static_spatial
+        #: dynamo exports: dims the capture fixed or tied; a call that breaks them needs a new program.
+        self.shape_guards = exported.shape_guards or None
         self.out_spec = exported.out_spec
         index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
         refs = _state_refs(module)
@@ -132,6 +135,11 @@ class Program:
         self.keepalive = exported.keepalive
         self.n_pythonops = len(exported.functions)
         self._is_input = [ref is None for _, ref in self._plan]
+
+    def forget_state_values(self) -> None:
+        """Drop the cached OrtValues of parameters and buffers, and the memory they keep alive (DeepSpeed
+        ZeRO-3 partitions the parameters between steps: their gathered memory must be freed)."""
+        self._state_cache = StateValueCache(len(self._plan))
 
     def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors of every graph feed, in feed order: user inputs, parameters and buffers."""
@@ -198,9 +206,10 @@ def compile_program(
         inline_functions=options.inline_functions,
         aten_ops=options.aten_ops,
     )
+    export = export_dynamo if options.exporter == "dynamo" else export_torchscript
     t0 = time.perf_counter()
     try:
-        exported = export_torchscript(module, leaves, in_spec, input_paths, **export_kw)
+        exported = export(module, leaves, in_spec, input_paths, **export_kw)
     except ExportError as e:
         # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
         if "input size not accessible" not in str(e):
@@ -212,7 +221,7 @@ def compile_program(
     exports = 1
     if exported is None or exported.static_reasons:
         logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
-        exported = export_torchscript(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
+        exported = export(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
         exports = 2
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)

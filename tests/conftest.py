@@ -40,3 +40,18 @@ def _clean_env(monkeypatch):
     for var in list(os.environ):
         if var.startswith("ORTWRAP_"):
             monkeypatch.delenv(var)
+
+
+@pytest.fixture(params=["torchscript", "dynamo"])
+def exporter(request):
+    """Run a test with each exporter: check_parity and ``ORTWrap(..., exporter=exporter)`` use it.
+
+    Core parity modules opt in with ``pytestmark = pytest.mark.usefixtures("exporter")``."""
+    import parity
+
+    saved = parity.EXPORTER
+    parity.EXPORTER = request.param
+    try:
+        yield request.param
+    finally:
+        parity.EXPORTER = saved

@@ -14,6 +14,9 @@ from ortwrap import ORTWrap
 
 ATOL = 1e-5
 RTOL = 1e-4
+#: The exporter check_parity uses unless wrap_options names one; the ``exporter`` fixture
+#: (conftest.py) runs a test module with each.
+EXPORTER = "torchscript"
 
 
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
@@ -86,7 +89,7 @@ def check_parity(
     torch.manual_seed(seed)
     eager = make_model().to(device)
     ours = copy.deepcopy(eager)
-    wrapped = ORTWrap(ours, **{"fallback": False, **(wrap_options or {})})
+    wrapped = ORTWrap(ours, **{"fallback": False, "exporter": EXPORTER, **(wrap_options or {})})
     eager.train(train)
     wrapped.train(train)
     opt_e = torch.optim.SGD(eager.parameters(), lr=lr, momentum=0.9)

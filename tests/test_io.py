@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections import namedtuple
 
+import pytest
 import torch
 from parity import check_parity
 from torch import nn
+
+pytestmark = pytest.mark.usefixtures("exporter")
 
 
 class DictTupleKwargs(nn.Module):

@@ -8,6 +8,8 @@ from parity import check_parity
 from tiny_gpt import GPTConfig, TinyGPT
 from torch import nn
 
+pytestmark = pytest.mark.usefixtures("exporter")
+
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))

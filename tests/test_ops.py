@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from parity import check_parity
 from torch import nn
 
+pytestmark = pytest.mark.usefixtures("exporter")
+
 
 def seq_inputs(feat: int, seq: int = 5):
     return lambda b, g: ((torch.randn(b, seq, feat, generator=g),), {})

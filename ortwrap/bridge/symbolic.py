@@ -92,19 +92,19 @@ def _rank(value, what: str, fn: str) -> int:
     return r
 
 
-def pythonop_symbolic(g, *args, **kwargs):
-    """Symbolic for ``prim::PythonOp`` (torch >= 1.13 convention: ``fn(g, *args)``)."""
-    scope = _scope.get()
-    node = g.original_node
-    cls = node.pyobj().__self__
-    qualname = state.qualified_name(cls)
-    if scope is None:
-        raise BridgeExportError(f"torch.autograd.Function {qualname}: exported outside an ortwrap export")
-    cconv = node.cconv()
-    if len(args) != len(cconv):
-        raise BridgeExportError(
-            f"torch.autograd.Function {qualname}: argument count does not match its calling convention"
-        )
+def encode_call(
+    cls: type, items: list[tuple[str, object]], out_types: list[int], out_ranks: list[int], scope: ExportScope
+) -> dict[str, object]:
+    """The PythonOp attributes of one call of ``cls`` (TorchScript ``g.op`` keyword style).
+
+    Args:
+        cls: the Function class.
+        items: each argument of ``apply`` in order: ``("tensor", (onnx elem type, rank,
+            requires_grad))`` or ``("value", the Python object)``.
+        out_types: ONNX element type of each output (bool is passed as uint8).
+        out_ranks: rank of each output.
+        scope: the export scope; pointer arguments are kept alive in ``scope.keepalive``.
+    """
     lists: dict[str, list] = {}
 
     def add(key: str, value) -> None:
@@ -116,19 +116,19 @@ def pythonop_symbolic(g, *args, **kwargs):
         add(f"input_{kind}_tuple_begins_i", len(lists.get(key, [])))
         lists.setdefault(key, []).extend(values)
 
-    tensors, requires_grad, bool_inputs = [], [], []
-    for i, (a, c) in enumerate(zip(args, cconv)):
-        if c == "d":
-            elem = _onnx_type(a, f"input {i}", qualname)
+    requires_grad, bool_inputs, cconv = [], [], []
+    for i, (kind, a) in enumerate(items):
+        if kind == "tensor":
+            elem, rank, rg = a
             if elem == _BOOL:
-                a = g.op("Cast", a, to_i=_UINT8)
                 elem = _UINT8
                 bool_inputs.append(i)
-            tensors.append(a)
             add("input_tensor_types_i", elem)
-            add("input_tensor_ranks_i", _rank(a, f"input {i}", qualname))
-            requires_grad.append(1 if a.requiresGrad() else 0)
+            add("input_tensor_ranks_i", rank)
+            requires_grad.append(1 if rg else 0)
+            cconv.append("d")
             continue
+        cconv.append("c")
         requires_grad.append(0)
         if isinstance(a, bool):  # before int: bool is an int
             add("input_bool_scalars_i", int(a))
@@ -149,7 +149,53 @@ def pythonop_symbolic(g, *args, **kwargs):
             scope.keepalive.append(a)
             add("input_pointer_scalars_i", id(a))
             add("input_pointer_scalar_positions_i", i)
+    name = state.function_name(cls)
+    scope.functions.append(name)
+    if bool_inputs:
+        func_name = f"{name}{BOOL_MARK}{','.join(map(str, bool_inputs))}"
+        state.register_alias(func_name, cls)
+    else:
+        func_name = name
+    attrs: dict[str, object] = dict(
+        func_name_s=func_name,
+        input_convention_s="".join(cconv),
+        input_requires_grads_i=requires_grad,
+        output_tensor_types_i=[_UINT8 if t == _BOOL else t for t in out_types],
+        output_tensor_ranks_i=list(out_ranks),
+        training_mode_i=1 if scope.with_backward else 0,
+        safe_run_mode_i=0,
+        comment_s=state.qualified_name(cls),
+    )
+    attrs.update(lists)
+    attrs.setdefault("input_tensor_types_i", [])
+    attrs.setdefault("input_tensor_ranks_i", [])
+    return attrs
 
+
+def pythonop_symbolic(g, *args, **kwargs):
+    """Symbolic for ``prim::PythonOp`` (torch >= 1.13 convention: ``fn(g, *args)``)."""
+    scope = _scope.get()
+    node = g.original_node
+    cls = node.pyobj().__self__
+    qualname = state.qualified_name(cls)
+    if scope is None:
+        raise BridgeExportError(f"torch.autograd.Function {qualname}: exported outside an ortwrap export")
+    cconv = node.cconv()
+    if len(args) != len(cconv):
+        raise BridgeExportError(
+            f"torch.autograd.Function {qualname}: argument count does not match its calling convention"
+        )
+    items: list[tuple[str, object]] = []
+    cast_inputs = []
+    for i, (a, c) in enumerate(zip(args, cconv)):
+        if c == "d":
+            elem = _onnx_type(a, f"input {i}", qualname)
+            if elem == _BOOL:
+                a = g.op("Cast", a, to_i=_UINT8)
+            cast_inputs.append(a)
+            items.append(("tensor", (elem, _rank(a, f"input {i}", qualname), bool(a.requiresGrad()))))
+        else:
+            items.append(("value", a))
     outputs = list(node.outputs())
     for j, o in enumerate(outputs):
         t = o.type()
@@ -159,26 +205,9 @@ def pythonop_symbolic(g, *args, **kwargs):
                 "Functions whose outputs are all tensors inside ONNX Runtime"
             )
     out_types = [_onnx_type(o, f"output {j}", qualname) for j, o in enumerate(outputs)]
-    name = state.function_name(cls)
-    scope.functions.append(name)
-    if bool_inputs:
-        func_name = f"{name}{BOOL_MARK}{','.join(map(str, bool_inputs))}"
-        state.register_alias(func_name, cls)
-    else:
-        func_name = name
-    attrs = dict(
-        func_name_s=func_name,
-        input_convention_s=cconv,
-        input_requires_grads_i=requires_grad,
-        output_tensor_types_i=[_UINT8 if t == _BOOL else t for t in out_types],
-        output_tensor_ranks_i=[_rank(o, f"output {j}", qualname) for j, o in enumerate(outputs)],
-        training_mode_i=1 if scope.with_backward else 0,
-        safe_run_mode_i=0,
-        comment_s=qualname,
-    )
-    attrs.update(lists)
-    attrs.setdefault("input_tensor_types_i", [])
-    attrs.setdefault("input_tensor_ranks_i", [])
+    out_ranks = [_rank(o, f"output {j}", qualname) for j, o in enumerate(outputs)]
+    attrs = encode_call(cls, items, out_types, out_ranks, scope)
+    tensors = cast_inputs
     results = g.op("com.microsoft::PythonOp", *tensors, outputs=len(outputs), **attrs)
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     for j, (r, o, t) in enumerate(zip(results, outputs, out_types)):
@@ -232,12 +261,22 @@ _original_copy = type(_original_apply)(
 )
 
 
+#: Returned by a call hook that leaves the call to ``Function.apply``.
+NOT_HANDLED = object()
+_call_hook: contextvars.ContextVar = contextvars.ContextVar("ortwrap_call_hook", default=None)
+
+
 def _dispatch(cls, args: tuple, kwargs: dict):
     scope = _scope.get()
     if scope is not None and scope.inline and state.qualified_name(cls) in scope.inline:
         return _inline_call(cls, args, kwargs)
+    hook = _call_hook.get()
+    if hook is not None:
+        out = hook(cls, args, kwargs)
+        if out is not NOT_HANDLED:
+            return out
     out = _original_copy(cls, *args, **kwargs)
-    if scope is not None and not _all_tensors(out):
+    if scope is not None and hook is None and not _all_tensors(out):
         # Autograd does not track such outputs: the tracer would record the forward's ops and ORT
         # would differentiate them, silently ignoring the Function's backward.
         raise BridgeExportError(
@@ -256,15 +295,28 @@ def _all_tensors(out) -> bool:
 
 @contextlib.contextmanager
 def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[ExportScope]:
-    """Bridge the Functions called while exporting; inline those named in ``inline``.
+    """Bridge the Functions called while the TorchScript exporter traces; inline those in ``inline``."""
+    scope = ExportScope(with_backward=with_backward, inline=inline)
+    with function_scope(scope):
+        yield scope
+
+
+@contextlib.contextmanager
+def function_scope(scope: ExportScope, hook=None) -> Iterator[ExportScope]:
+    """Route every ``Function.apply`` through ortwrap while an export runs.
+
+    Args:
+        scope: what the export's PythonOps refer to.
+        hook: ``hook(cls, args, kwargs)`` replaces a call (the dynamo capture's custom op), or
+            returns :data:`NOT_HANDLED` to let ``apply`` run.
 
     A Function's own ``symbolic`` staticmethod (Megatron defines some) would make the exporter
     emit its forward's ops, which ORT would differentiate instead of calling the Function's
     backward: during ortwrap's export those attributes are hidden, so every call is bridged.
     """
     install()
-    scope = ExportScope(with_backward=with_backward, inline=inline)
     token = _scope.set(scope)
+    hook_token = _call_hook.set(hook)
     hidden = [(c, c.__dict__["symbolic"]) for c in _subclasses(torch.autograd.Function) if "symbolic" in c.__dict__]
     for c, _ in hidden:
         delattr(c, "symbolic")
@@ -278,4 +330,5 @@ def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[Exp
         del torch.autograd.Function._ortwrap_dispatch
         for c, fn in hidden:
             c.symbolic = fn
+        _call_hook.reset(hook_token)
         _scope.reset(token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 import torch
@@ -39,3 +40,5 @@ class ExportedModel:
     static_spatial: bool = False
     keepalive: list[object] = field(default_factory=list)
     functions: list[str] = field(default_factory=list)
+    #: dynamo exports only: the shape assumptions of the capture (``export.dynamo.ShapeGuards``).
+    shape_guards: Any = None

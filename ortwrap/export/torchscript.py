@@ -26,11 +26,22 @@ from torch import nn
 from .. import _tree
 from ..bridge.symbolic import export_scope
 from ..errors import ExportError
+from ..integrations.distributed import collective_stubs
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
 from .symbolics import ortwrap_symbolics
 
 _PREFIX = "module."
+
+
+class _Traced:
+    """What tracing the adapter found out: the output tree spec and the number of tensor outputs."""
+
+    __slots__ = ("n_outputs", "out_spec")
+
+    def __init__(self) -> None:
+        self.out_spec: tuple | None = None
+        self.n_outputs = 0
 
 
 class _Adapter(nn.Module):
@@ -41,15 +52,24 @@ class _Adapter(nn.Module):
         self.module = module
         self._in_spec = in_spec
         self._buffer_names = buffer_names
-        self.out_spec: tuple | None = None
-        self.n_outputs = 0
+        # torch.export (non-strict) restores the module's attributes, containers included, after
+        # tracing: the trace's findings go to an object it does not look into.
+        self._traced = _Traced()
+
+    @property
+    def out_spec(self) -> tuple | None:
+        return self._traced.out_spec
+
+    @property
+    def n_outputs(self) -> int:
+        return self._traced.n_outputs
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = _tree.unflatten(self._in_spec, flat)
         out = self.module(*args, **kwargs)
         leaves: list[torch.Tensor] = []
-        self.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
-        self.n_outputs = len(leaves)
+        self._traced.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
+        self._traced.n_outputs = len(leaves)
         buffers = dict(self.module.named_buffers())
         return (*leaves, *(buffers[n] for n in self._buffer_names))
 
@@ -114,6 +134,7 @@ def export_torchscript(
             _preserved_state(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
             ortwrap_symbolics(opset, aten_ops) as symbolic_reasons,
+            collective_stubs(),
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")

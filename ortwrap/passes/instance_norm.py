@@ -32,9 +32,15 @@ class DecomposeInstanceNormPass(ir.passes.InPlacePass):
             eps = node.attributes["epsilon"].as_float() if "epsilon" in node.attributes else 1e-5
             b = NodeBuilder(node.name or "instance_norm")
             channel_axes = b.const(np.array(list(range(1, rank - 1)), dtype=np.int64))
-            mean = b.op("ReduceMean", x, axes=axes, keepdims=1)
-            d = b.op("Sub", x, mean)
-            var = b.op("ReduceMean", b.op("Mul", d, d), axes=axes, keepdims=1)
+            if model.opset_imports.get("", 17) >= 18:  # ReduceMean's axes became an input
+                axes_in = b.const(np.array(axes, dtype=np.int64))
+                mean = b.op("ReduceMean", x, axes_in, keepdims=1)
+                d = b.op("Sub", x, mean)
+                var = b.op("ReduceMean", b.op("Mul", d, d), axes_in, keepdims=1)
+            else:
+                mean = b.op("ReduceMean", x, axes=axes, keepdims=1)
+                d = b.op("Sub", x, mean)
+                var = b.op("ReduceMean", b.op("Mul", d, d), axes=axes, keepdims=1)
             eps_v = b.const(np.array(eps, dtype=(x.dtype or ir.DataType.FLOAT).numpy()))
             normed = b.op("Div", d, b.op("Sqrt", b.op("Add", var, eps_v)))
             y = b.op(

@@ -20,7 +20,9 @@ from ..errors import PassError
 from ._build import NodeBuilder, constant_value
 
 
-def _tabulate(attrs: dict, size_in: int, *, scale: float | None = None, size_out: int | None = None) -> np.ndarray:
+def _tabulate(
+    attrs: dict, size_in: int, *, scale: float | None = None, size_out: int | None = None, opset: int = 17
+) -> np.ndarray:
     """The (out x size_in) matrix of a 1-D Resize, from ORT's forward Resize on ``eye``.
 
     Given ``scale``, the Resize is run with that scale (as the exported node is), so the coordinate
@@ -41,7 +43,7 @@ def _tabulate(attrs: dict, size_in: int, *, scale: float | None = None, size_out
         [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)],
         [init],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -76,8 +78,10 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
                     f"node {node.name!r}: Resize needs constant scales over H and W only, or constant sizes"
                 )
             dtype = (x.dtype or ir.DataType.FLOAT).numpy()
-            a_h = _tabulate(attrs, sx[2], **h_kw).astype(dtype)
-            a_w_t = np.ascontiguousarray(_tabulate(attrs, sx[3], **w_kw).T).astype(dtype)
+            # The node's own opset: opset 18 added attributes (antialias, ...) that exporters set.
+            opset = max(model.opset_imports.get("", 17), 17)
+            a_h = _tabulate(attrs, sx[2], opset=opset, **h_kw).astype(dtype)
+            a_w_t = np.ascontiguousarray(_tabulate(attrs, sx[3], opset=opset, **w_kw).T).astype(dtype)
             b = NodeBuilder(node.name or "resize")
             out = b.op("MatMul", b.const(a_h), b.op("MatMul", x, b.const(a_w_t)))
             b.replace(graph, node, [out])

@@ -1,0 +1,299 @@
+"""autograd.Functions under the dynamo exporter: one custom op per call, one PythonOp per node.
+
+``torch.export`` traces through ``Function.forward`` and silently drops the Function's backward.
+While ortwrap captures, every ``Function.apply`` (``bridge.symbolic``'s dispatcher) instead calls
+the custom op ``ortwrap::function_call(Tensor[] inputs, int call_id) -> Tensor[]``:
+
+* ``call_id`` indexes a :class:`_Call` record that holds the Function class and every non-tensor
+  argument, which never enter the FX graph;
+* the op's fake implementation runs the Function's forward on fake tensors (copies, so in-place
+  Functions mutate nothing) to give the capture the output shapes, symbolic dims included;
+* the exporter translates the op, through ``custom_translation_table``, into a placeholder node
+  ``ortwrap.dynamo::FunctionCall<N>`` with a fixed number of outputs (an ONNX schema per arity
+  is registered on first use);
+* :meth:`CaptureScope.finish` replaces each placeholder with the ``com.microsoft::PythonOp`` that
+  :func:`ortwrap.bridge.symbolic.encode_call` describes: the same node the TorchScript path
+  emits, so the runners, the context pass and ORT's PythonOpGrad treat both alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import onnx
+import onnx_ir as ir
+import torch
+
+from . import state
+from .symbolic import _BOOL, _UINT8, NOT_HANDLED, BridgeExportError, ExportScope, encode_call, function_scope
+
+PLACEHOLDER_DOMAIN = "ortwrap.dynamo"
+_ids = itertools.count(1)
+
+
+@dataclass
+class _Call:
+    """One Function call seen during capture."""
+
+    cls: type
+    #: ``apply``'s arguments; each tensor is replaced by its index in the op's ``inputs``.
+    args: tuple
+    tensor_positions: list[int]
+    requires_grad: list[bool]
+    #: filled by the fake implementation
+    n_outputs: int = -1
+    single: bool = True
+
+
+@dataclass
+class CaptureScope(ExportScope):
+    """An :class:`ExportScope` that also records the calls made during one capture."""
+
+    calls: dict[int, _Call] = field(default_factory=dict)
+
+    def translation_table(self) -> dict:
+        return {torch.ops.ortwrap.function_call.default: _translate}
+
+    def finish(self, model: ir.Model) -> None:
+        """Replace the placeholder nodes of ``model`` with PythonOps."""
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+            if node.domain != PLACEHOLDER_DOMAIN:
+                continue
+            call = self.calls[node.attributes["call_id"].as_int()]
+            _replace_placeholder(node, call, self)
+        model.opset_imports.pop(PLACEHOLDER_DOMAIN, None)
+        model.opset_imports.setdefault("com.microsoft", 1)
+
+
+_current: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar("ortwrap_capture", default=None)
+#: Set while a fake implementation runs a Function's forward: nested Functions run as they are.
+_in_fake = contextvars.ContextVar("ortwrap_in_fake", default=False)
+
+
+@contextlib.contextmanager
+def capture_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[CaptureScope]:
+    """Bridge the Functions called while ``torch.export`` captures."""
+    _define_op()
+    scope = CaptureScope(with_backward=with_backward, inline=inline)
+    token = _current.set(scope)
+    try:
+        with function_scope(scope, _bridge_call):
+            yield scope
+    finally:
+        _current.reset(token)
+
+
+def _bridge_call(cls, args: tuple, kwargs: dict):
+    """``Function.apply`` during capture: one ``ortwrap::function_call``."""
+    if _in_fake.get():
+        return NOT_HANDLED  # run the Function as it is
+    scope = _current.get()
+    qualname = state.qualified_name(cls)
+    if kwargs:
+        raise BridgeExportError(
+            f"torch.autograd.Function {qualname} was called with keyword arguments {sorted(kwargs)}; "
+            "Function.apply takes positional arguments only"
+        )
+    tensors, positions, stored = [], [], []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            positions.append(i)
+            stored.append(len(tensors))
+            tensors.append(a)
+        else:
+            stored.append(a)
+    call_id = next(_ids)
+    scope.calls[call_id] = _Call(cls, tuple(stored), positions, [t.requires_grad for t in tensors])
+    outs = torch.ops.ortwrap.function_call(tensors, call_id)
+    call = scope.calls[call_id]
+    return outs[0] if call.single else tuple(outs)
+
+
+def _run_forward(call: _Call, tensors: list[torch.Tensor]):
+    args = list(call.args)
+    for index, pos in enumerate(call.tensor_positions):
+        args[pos] = tensors[index].clone()
+    cls = call.cls
+    token = _in_fake.set(True)
+    try:
+        with torch.no_grad():
+            if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+                return cls.forward(*args)
+            return cls.forward(torch.autograd.function.FunctionCtx(), *args)
+    finally:
+        _in_fake.reset(token)
+
+
+def _fake_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.Tensor]:
+    scope = _current.get()
+    call = scope.calls[call_id] if scope is not None else None
+    if call is None:
+        raise RuntimeError("ortwrap::function_call runs only while ortwrap captures a module")
+    out = _run_forward(call, list(inputs))
+    qualname = state.qualified_name(call.cls)
+    single = isinstance(out, torch.Tensor)
+    outs = [out] if single else out
+    if not isinstance(outs, tuple) or not all(isinstance(o, torch.Tensor) for o in outs):
+        kinds = ", ".join(type(o).__name__ for o in outs) if isinstance(outs, (tuple, list)) else type(out).__name__
+        raise BridgeExportError(
+            f"torch.autograd.Function {qualname} returned {kinds}; ortwrap can only run Functions whose outputs "
+            "are a tensor or a tuple of tensors inside ONNX Runtime"
+        )
+    call.single = single
+    call.n_outputs = len(outs)
+    return [o.clone() for o in outs]
+
+
+def _real_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.Tensor]:
+    raise RuntimeError("ortwrap::function_call is a capture placeholder; it never runs eagerly")
+
+
+def _no_autograd(ctx, grads):
+    raise RuntimeError("ortwrap::function_call is a capture placeholder; ONNX Runtime runs its backward")
+
+
+_defined = False
+
+
+def _define_op() -> None:
+    global _defined
+    if _defined:
+        return
+    op = torch.library.custom_op("ortwrap::function_call", mutates_args=())(_real_function_call)
+    op.register_fake(_fake_function_call)
+    op.register_autograd(_no_autograd)
+    _defined = True
+
+
+_schemas: set[int] = set()
+
+
+def _placeholder_schema(n_outputs: int) -> str:
+    name = f"FunctionCall{n_outputs}"
+    if n_outputs not in _schemas:
+        types = [
+            "tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)", "tensor(int64)",
+            "tensor(int32)", "tensor(int16)", "tensor(int8)", "tensor(uint8)", "tensor(bool)",
+        ]  # fmt: skip
+        param = onnx.defs.OpSchema.FormalParameter
+        schema = onnx.defs.OpSchema(
+            name,
+            PLACEHOLDER_DOMAIN,
+            1,
+            inputs=[
+                param(
+                    "inputs",
+                    "T",
+                    param_option=onnx.defs.OpSchema.FormalParameterOption.Variadic,
+                    is_homogeneous=False,
+                    min_arity=0,
+                ),
+            ],  # fmt: skip
+            outputs=[param(f"output{j}", f"O{j}") for j in range(n_outputs)],
+            type_constraints=[("T", types, "")] + [(f"O{j}", types, "") for j in range(n_outputs)],
+            attributes=[onnx.defs.OpSchema.Attribute("call_id", onnx.defs.OpSchema.AttrType.INT, "")],
+        )
+        try:
+            onnx.defs.register_schema(schema)
+        except Exception:  # registered by an earlier import of this module
+            pass
+        _schemas.add(n_outputs)
+    return name
+
+
+def _translate(inputs, call_id: int):
+    """custom_translation_table entry: the placeholder node with the call's number of outputs."""
+    import onnxscript
+
+    scope = _current.get()
+    call = scope.calls[call_id]
+    opset = onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1)
+    op = getattr(opset, _placeholder_schema(call.n_outputs))
+    outs = op(*inputs, call_id=call_id)
+    return [outs] if call.n_outputs == 1 else list(outs)
+
+
+_ELEM = {
+    ir.DataType.FLOAT: 1, ir.DataType.UINT8: 2, ir.DataType.INT8: 3, ir.DataType.INT16: 5, ir.DataType.INT32: 6,
+    ir.DataType.INT64: 7, ir.DataType.BOOL: _BOOL, ir.DataType.FLOAT16: 10, ir.DataType.DOUBLE: 11,
+    ir.DataType.BFLOAT16: 16,
+}  # fmt: skip
+
+
+def _elem_and_rank(value: ir.Value, what: str, qualname: str) -> tuple[int, int]:
+    if value.dtype not in _ELEM or value.shape is None:
+        raise BridgeExportError(
+            f"torch.autograd.Function {qualname}: {what} has type {value.type} and shape {value.shape}, which "
+            "ortwrap cannot bridge"
+        )
+    return _ELEM[value.dtype], len(value.shape)
+
+
+def _replace_placeholder(node: ir.Node, call: _Call, scope: CaptureScope) -> None:
+    qualname = state.qualified_name(call.cls)
+    graph = node.graph
+    items: list[tuple[str, object]] = []
+    inputs: list[ir.Value] = []
+    tensor_index = {pos: k for k, pos in enumerate(call.tensor_positions)}
+    for i, a in enumerate(call.args):
+        k = tensor_index.get(i)
+        if k is None:
+            items.append(("value", a))
+            continue
+        value = node.inputs[k]
+        elem, rank = _elem_and_rank(value, f"input {i}", qualname)
+        if elem == _BOOL:
+            cast = ir.node("Cast", [value], {"to": _UINT8}, name=f"{node.name}/bool_in{i}")
+            graph.insert_before(node, cast)
+            cast.outputs[0].dtype = ir.DataType.UINT8
+            cast.outputs[0].shape = value.shape
+            value = cast.outputs[0]
+        inputs.append(value)
+        items.append(("tensor", (elem, rank, call.requires_grad[k])))
+    outs = [_elem_and_rank(o, f"output {j}", qualname) for j, o in enumerate(node.outputs)]
+    attrs = encode_call(call.cls, items, [t for t, _ in outs], [r for _, r in outs], scope)
+    replacement = ir.Node(
+        "com.microsoft",
+        "PythonOp",
+        inputs,
+        attributes=[_attr(k, v) for k, v in attrs.items()],
+        num_outputs=len(node.outputs),
+        name=node.name or f"PythonOp_{call.cls.__name__}",
+    )
+    graph.insert_before(node, replacement)
+    for j, (old, new) in enumerate(zip(node.outputs, replacement.outputs)):
+        new.shape = old.shape
+        new.name = old.name
+        old.name = None
+        if outs[j][0] == _BOOL:
+            new.dtype = ir.DataType.UINT8
+            cast = ir.node("Cast", [new], {"to": _BOOL}, name=f"{replacement.name}/bool_out{j}")
+            graph.insert_after(replacement, cast)
+            cast.outputs[0].dtype = ir.DataType.BOOL
+            cast.outputs[0].shape = old.shape
+            result = cast.outputs[0]
+            name, new.name = new.name, f"{new.name}/uint8"
+            result.name = name
+        else:
+            new.dtype = old.dtype
+            result = new
+        ir.convenience.replace_all_uses_with(old, result)
+        for k, out in enumerate(graph.outputs):
+            if out is old:
+                graph.outputs[k] = result
+    graph.remove(node, safe=True)
+
+
+def _attr(key: str, value: object) -> ir.Attr:
+    name, kind = key.rsplit("_", 1)
+    if kind == "s":
+        return ir.AttrString(name, str(value))
+    if kind == "f":
+        return ir.AttrFloat32s(name, [float(v) for v in value])  # type: ignore[union-attr]
+    if isinstance(value, list):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    return ir.AttrInt64(name, int(value))  # type: ignore[arg-type]

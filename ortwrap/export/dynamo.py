@@ -1,0 +1,260 @@
+"""Export with the dynamo exporter (``torch.export`` + ``torch.onnx.export(ExportedProgram)``).
+
+The module is captured through the same adapter as the TorchScript path (flat tensor inputs in,
+flat tensor outputs followed by every buffer out), then:
+
+1. ``torch.export.export(..., strict=False)`` with ``Dim.AUTO`` on every dimension: a dimension
+   stays symbolic unless the model's code fixes it (a feature size that meets a weight, or a size
+   of 0/1 in the example). The dims the capture fixed or tied together are recorded as guards
+   (:class:`ShapeGuards`): a call that breaks one gets a new export instead of a wrong result.
+2. ``torch.onnx.export(program, optimize=False)``: the exporter's optimizer folds ``Transpose(W)``
+   into anonymous constants and merges equal initializers, which destroys parameter identity.
+3. Parameters and buffers, initializers in the exporter's output, are moved to graph inputs, so
+   each step feeds the tensors the optimizer updates in place (as in the TorchScript path).
+4. The onnxscript optimizer then runs with the parameters safely out of reach: it inlines the
+   exporter's onnxscript functions, turns ``SplitToSequence``/``SequenceAt`` into ``Split`` and
+   removes ``CastLike``/``Constant`` clutter.
+
+autograd.Functions are bridged by :mod:`ortwrap.bridge.dynamo`: each call becomes one custom op
+during capture and one ``com.microsoft::PythonOp`` in the ONNX graph, exactly like the TorchScript
+path's, so the Function's own backward runs. The passes that follow (optional outputs, control
+flow, sequence ops on the gradient path) are the shared pipeline's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from ..bridge import dynamo as bridge_dynamo
+from ..errors import ExportError
+from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from .model import ExportedModel
+from .translations import training_translations
+from .torchscript import _PREFIX, _Adapter, _graph_static_reasons, _name_outputs, _preserved_state
+
+#: Opset of the dynamo exporter's output; ORT 1.19.2 loads up to 21.
+DYNAMO_OPSET = 20
+
+
+@dataclass(frozen=True)
+class ShapeGuards:
+    """What the capture assumed about input shapes beyond their ranks.
+
+    Attributes:
+        static: ``(input index, dim, size)`` for each dimension the capture fixed.
+        equal: groups of ``(input index, dim)`` the capture assumed equal (one symbol).
+    """
+
+    static: tuple[tuple[int, int, int], ...] = ()
+    equal: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.static or self.equal)
+
+    def check(self, leaves: list[torch.Tensor]) -> bool:
+        """True if ``leaves`` satisfy every assumption."""
+        for i, d, size in self.static:
+            if leaves[i].shape[d] != size:
+                return False
+        for group in self.equal:
+            i0, d0 = group[0]
+            first = leaves[i0].shape[d0]
+            for i, d in group[1:]:
+                if leaves[i].shape[d] != first:
+                    return False
+        return True
+
+    def describe(self, paths: list[str]) -> str:
+        parts = [f"{paths[i]}.shape[{d}] == {s}" for i, d, s in self.static]
+        parts += [" == ".join(f"{paths[i]}.shape[{d}]" for i, d in g) for g in self.equal]
+        return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter prints progress and logs warnings about optional packages: keep them out of the
+    user's output (failures still raise)."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def export_dynamo(
+    module: nn.Module,
+    flat_inputs: list[torch.Tensor],
+    in_spec: tuple,
+    input_paths: list[str],
+    *,
+    training: bool,
+    opset: int | None = None,
+    static_spatial: bool = False,
+    with_backward: bool = True,
+    inline_functions: tuple[str, ...] = (),
+    aten_ops: tuple[str, ...] = (),
+) -> ExportedModel:
+    """Export ``module`` called with the inputs ``in_spec`` and ``flat_inputs`` describe.
+
+    Same contract as :func:`ortwrap.export.export_torchscript`; the result also carries
+    ``shape_guards``. ``aten_ops`` is not supported by this exporter (it raises).
+
+    Raises:
+        ExportError: chained to the exporter's error, naming the step that failed.
+    """
+    if aten_ops:
+        raise ExportError(
+            f"aten_ops={list(aten_ops)} is supported with exporter='torchscript' only; "
+            "remove the option or use the TorchScript exporter"
+        )
+    from torch.export import Dim
+
+    buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
+    adapter = _Adapter(module, in_spec, buffer_names)
+    input_names = [f"input:{p}" for p in input_paths]
+    dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
+    dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
+    was_training = module.training
+    step = "torch.export.export"
+    try:
+        module.train(training)
+        with (
+            _quiet_exporter(),
+            _preserved_state(module),
+            _collective_stubs(),
+            bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
+        ):
+            program = torch.export.export(
+                adapter, tuple(t.detach() for t in flat_inputs), dynamic_shapes=dynamic_shapes, strict=False
+            )
+            step = "torch.onnx.export (dynamo)"
+            onnx_program = torch.onnx.export(
+                program,
+                dynamo=True,
+                optimize=False,
+                opset_version=opset if opset and opset >= 18 else DYNAMO_OPSET,
+                custom_translation_table={**training_translations(), **bridge.translation_table()},
+                verbose=False,
+                report=False,
+            )
+            ir_model = onnx_program.model
+    except Exception as e:
+        text = str(e)
+        if len(text) > 700:
+            text = text[:700] + " ... (full message in the chained exception)"
+        raise ExportError(
+            f"{step} failed for {type(module).__name__}: {type(e).__name__}: {text}. "
+            "Check that the module's forward can be captured by torch.export, or use exporter='torchscript'."
+        ) from e
+    finally:
+        module.train(was_training)
+
+    n_out = adapter.n_outputs
+    graph = ir_model.graph
+    if len(graph.inputs) != len(flat_inputs):
+        raise ExportError(
+            f"the dynamo export has {len(graph.inputs)} user inputs, expected {len(flat_inputs)} "
+            f"({', '.join(input_paths)})"
+        )
+    guards = _shape_guards(graph.inputs)
+    for value, name in zip(graph.inputs, input_names):
+        value.name = name
+    named_state = dict(adapter.named_parameters(remove_duplicate=False))
+    named_state.update(adapter.named_buffers(remove_duplicate=False))
+    state_values: list[tuple[ir.Value, str]] = []
+    for name, value in list(graph.initializers.items()):
+        if name not in named_state:
+            continue  # a constant the capture lifted: it stays an initializer
+        del graph.initializers[name]
+        value.const_value = None
+        graph.inputs.append(value)
+        state_values.append((value, name))
+    try:
+        bridge.finish(ir_model)
+        import onnxscript.optimizer
+
+        onnxscript.optimizer.optimize_ir(ir_model)
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"optimizing the dynamo export failed: {type(e).__name__}: {e}") from e
+    # The optimizer renames a graph input that is also a graph output ("x" -> "x_orig"): give the
+    # inputs their names back (outputs are renamed below anyway), mapping state by value.
+    taken = {v.name: v for v in _all_values(graph)}
+    for value, name in [*zip(graph.inputs, input_names), *state_values]:
+        if value.name != name:
+            other = taken.get(name)
+            if other is not None and other is not value:
+                other.name = f"{name}/value"
+            value.name = name
+    state_inputs: dict[str, torch.Tensor] = {}
+    state_names: dict[str, str] = {}
+    for value, name in state_values:
+        state_inputs[value.name] = named_state[name]
+        state_names[value.name] = name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
+    output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
+    model = _name_outputs(ir.serde.serialize_model(ir_model), output_names)
+    present = {i.name for i in model.graph.input}
+    assert adapter.out_spec is not None
+    buffers = dict(module.named_buffers())
+    return ExportedModel(
+        model=model,
+        user_input_names=[n if n in present else None for n in input_names],
+        state_inputs=state_inputs,
+        output_names=output_names[:n_out],
+        out_spec=adapter.out_spec,
+        buffer_outputs={o: buffers[b] for o, b in zip(output_names[n_out:], buffer_names)},
+        state_names=state_names,
+        static_reasons=_graph_static_reasons(model),
+        static_spatial=static_spatial,
+        keepalive=bridge.keepalive,
+        functions=bridge.functions,
+        shape_guards=guards,
+    )
+
+
+def _all_values(graph: ir.Graph) -> list[ir.Value]:
+    values = list(graph.inputs)
+    for node in graph:
+        values.extend(node.outputs)
+    return values
+
+
+def _shape_guards(inputs: list[ir.Value]) -> ShapeGuards:
+    static: list[tuple[int, int, int]] = []
+    symbols: dict[str, list[tuple[int, int]]] = {}
+    for i, value in enumerate(inputs):
+        shape = value.shape
+        if shape is None:
+            continue
+        for d, dim in enumerate(shape):
+            if isinstance(dim, int):
+                static.append((i, d, dim))
+            elif isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                symbols.setdefault(dim.value, []).append((i, d))
+    equal = tuple(tuple(g) for g in symbols.values() if len(g) > 1)
+    return ShapeGuards(tuple(static), equal)
+
+
+def _collective_stubs():
+    """torch.distributed collectives become no-op stubs during capture (integrations.distributed)."""
+    try:
+        from ..integrations.distributed import collective_stubs
+    except ImportError:
+        return contextlib.nullcontext()
+    return collective_stubs()
