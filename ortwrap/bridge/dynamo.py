@@ -192,7 +192,7 @@ def _placeholder_schema(n_outputs: int) -> str:
                     is_homogeneous=False,
                     min_arity=0,
                 ),
-            ],  # fmt: skip
+            ],
             outputs=[param(f"output{j}", f"O{j}") for j in range(n_outputs)],
             type_constraints=[("T", types, "")] + [(f"O{j}", types, "") for j in range(n_outputs)],
             attributes=[onnx.defs.OpSchema.Attribute("call_id", onnx.defs.OpSchema.AttrType.INT, "")],

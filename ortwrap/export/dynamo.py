@@ -38,8 +38,8 @@ from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
-from .translations import training_translations
 from .torchscript import _PREFIX, _Adapter, _graph_static_reasons, _name_outputs, _preserved_state
+from .translations import training_translations
 
 #: Opset of the dynamo exporter's output; ORT 1.19.2 loads up to 21.
 DYNAMO_OPSET = 20
