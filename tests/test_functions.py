@@ -177,6 +177,7 @@ class MaskedSelfAttention(nn.Module):
         return self.out(probs.squeeze(1) @ v)
 
 
+@pytest.mark.usefixtures("exporter")
 def test_apex_scaled_masked_softmax_with_bool_mask_input():
     def inputs(b, g):
         s = b + 2  # the sequence length changes with the batch size too
@@ -280,6 +281,7 @@ class ParallelMLP(nn.Module):
     ],
     ids=["plain", "with_onnx_symbolic"],
 )
+@pytest.mark.usefixtures("exporter")
 def test_megatron_copy_to_and_reduce_from_region(copy_fn, reduce_fn):
     run_parity(lambda: ParallelMLP(copy_fn, reduce_fn), randn_inputs(6), {copy_fn: 1, reduce_fn: 1})
 
@@ -314,6 +316,7 @@ class SignSTE(Function):
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("fn", [RoundClippedSTE, SignSTE], ids=["round_clipped", "sign_clamped"])
+@pytest.mark.usefixtures("exporter")
 def test_straight_through_estimator(fn, train):
     run_parity(lambda: Sandwich(fn.apply), randn_inputs(6), {fn: 1}, train=train)
 
@@ -344,6 +347,7 @@ class DomainAdversarial(nn.Module):
         return self.label_head(f), self.domain_head(GradientReversal.apply(f, 0.75))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_gradient_reversal_layer():
     run_parity(DomainAdversarial, randn_inputs(6), {GradientReversal: 1})
 
@@ -371,6 +375,7 @@ class ScalarAndTupleFunction(Function):
         return alpha * beta[0] * beta[1] * gamma * grad_input, None, None, None
 
 
+@pytest.mark.usefixtures("exporter")
 def test_scalar_and_tuple_function():
     def body(h):
         return ScalarAndTupleFunction.apply(h, 5.0, (-1.5, 2.0), 0.25)
@@ -401,6 +406,7 @@ class CtxAttributes(Function):
         return g * (y**p + ctx.half * x + ctx.cfg["shift"]) * ctx.k, None
 
 
+@pytest.mark.usefixtures("exporter")
 def test_save_for_backward_and_plain_ctx_attributes():
     run_parity(lambda: Sandwich(lambda h: CtxAttributes.apply(h, 3)), randn_inputs(6), {CtxAttributes: 1})
 
@@ -444,6 +450,7 @@ class KeepsInputModel(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["attribute", "in_a_dict", "in_an_object"])
+@pytest.mark.usefixtures("exporter")
 def test_input_kept_as_a_plain_ctx_attribute(how):
     # Equal batch sizes first: later runs of a node reuse what its first run learned.
     run_parity(lambda: KeepsInputModel(how), randn_inputs(6), {KeepsInputOnCtx: 1}, batch_sizes=(4, 4, 4, 7, 3))
@@ -479,6 +486,7 @@ class TwoTensorInputs(nn.Module):
 
 
 @pytest.mark.parametrize("y_requires_grad", [False, True], ids=["y_no_grad", "y_requires_grad"])
+@pytest.mark.usefixtures("exporter")
 def test_needs_input_grad(y_requires_grad):
     def inputs(b, g):
         return (torch.randn(b, 6, generator=g), torch.randn(b, 8, generator=g).requires_grad_(y_requires_grad)), {}
@@ -499,6 +507,7 @@ class SameTensorTwice(nn.Module):
         return self.l2(NeedsInputGrad.apply(h, h, 0.5))  # both gradients flow into h
 
 
+@pytest.mark.usefixtures("exporter")
 def test_same_tensor_passed_twice():
     NeedsInputGrad.seen = []
     run_parity(SameTensorTwice, randn_inputs(6), {NeedsInputGrad: 1})
@@ -536,6 +545,7 @@ class BranchModel(nn.Module):
         return self.l2(BranchesOnRequiresGrad.apply(self.l1(x), y))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_forward_sees_requires_grad_of_its_inputs_like_eager():
     def inputs(b, g):
         return (torch.randn(b, 6, generator=g), torch.randn(b, 8, generator=g)), {}
@@ -607,6 +617,7 @@ class AuxModel(nn.Module):
 
 
 @pytest.mark.parametrize("case", ["argmax_indices", "float_aux_output"])
+@pytest.mark.usefixtures("exporter")
 def test_mark_non_differentiable(case):
     fn, model = {"argmax_indices": (MaxWithIndex, ArgmaxModel), "float_aux_output": (NonDifferentiableFloat, AuxModel)}[
         case
@@ -643,6 +654,7 @@ class InPlaceModel(nn.Module):
         return self.l2(torch.relu(a) + torch.sigmoid(h))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_mark_dirty_in_place_on_intermediate():
     run_parity(InPlaceModel, randn_inputs(6), {DoubleInPlace: 1})
 
@@ -697,12 +709,14 @@ class MiddleOutputUnused(nn.Module):
         return self.l2(a) + self.l3(c)
 
 
+@pytest.mark.usefixtures("exporter")
 def test_set_materialize_grads_false_unused_output_is_none():
     ThreeOutputsNoMaterialize.seen = []
     run_parity(lambda: MiddleOutputUnused(ThreeOutputsNoMaterialize), randn_inputs(6), {ThreeOutputsNoMaterialize: 1})
     assert set(ThreeOutputsNoMaterialize.seen) == {(False, True, False)}, ThreeOutputsNoMaterialize.seen
 
 
+@pytest.mark.usefixtures("exporter")
 def test_several_outputs_some_unused_get_zero_grads():
     ThreeOutputs.seen = []
     run_parity(lambda: MiddleOutputUnused(ThreeOutputs), randn_inputs(6), {ThreeOutputs: 1})
@@ -723,6 +737,7 @@ class OnceDifferentiableSquare(Function):
         return g * 3.0 * x  # true derivative: 2x
 
 
+@pytest.mark.usefixtures("exporter")
 def test_once_differentiable_backward():
     run_parity(lambda: Sandwich(OnceDifferentiableSquare.apply), randn_inputs(6), {OnceDifferentiableSquare: 1})
 
@@ -767,6 +782,7 @@ class ViewOutputModel(nn.Module):
 
 
 @pytest.mark.parametrize("fn", [SliceView, ReshapeView], ids=["slice", "view_reshape"])
+@pytest.mark.usefixtures("exporter")
 def test_output_is_a_view_of_the_input(fn):
     run_parity(lambda: ViewOutputModel(fn), randn_inputs(6), {fn: 1})
 
@@ -793,6 +809,7 @@ class ShapeOpsAfterFunction(nn.Module):
         return self.l2(y.flatten(1)), y.sum(dim=1)  # gradients of Flatten and ReduceSum need y's shape
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_output_shapes_stay_dynamic():
     # Only the batch size changes between steps: one export must serve them all.
     w = run_parity(ShapeOpsAfterFunction, randn_inputs(6), {Double: 1})
@@ -826,6 +843,7 @@ class RepeatedCalls(nn.Module):
         return self.l3(a + b + c)
 
 
+@pytest.mark.usefixtures("exporter")
 def test_same_function_called_several_times():
     w = run_parity(RepeatedCalls, randn_inputs(6), {ScaleBy: 3})
     assert w.export_count == 1
@@ -853,6 +871,7 @@ class OuterUsesInner(Function):
         return g * 7.0
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_called_inside_another_functions_forward():
     run_parity(lambda: Sandwich(OuterUsesInner.apply), randn_inputs(6), {OuterUsesInner: 1})
     assert BACKWARD_CALLS["InnerRound"] == 0  # neither eager nor ORT calls the inner backward
@@ -881,6 +900,7 @@ class QuantizedFeatures(nn.Module):
         return self.l2(torch.relu(self.l1(feats)))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_with_no_input_requiring_grad_before_parameters():
     BACKWARD_CALLS.clear()
     w = check_parity(QuantizedFeatures, randn_inputs(6, requires_grad=False))
@@ -946,6 +966,7 @@ class ManyArgumentsModel(nn.Module):
         return self.l2(h)
 
 
+@pytest.mark.usefixtures("exporter")
 def test_non_tensor_arguments_of_many_kinds():
     ManyArguments.seen = []
     run_parity(ManyArgumentsModel, randn_inputs(6), {ManyArguments: 1})
@@ -1020,6 +1041,7 @@ class NonTensorOutputModel(nn.Module):
 
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no_fallback"])
 @pytest.mark.parametrize("fn", [ReturnsIntToo, ReturnsList], ids=["tuple_with_int", "python_list"])
+@pytest.mark.usefixtures("exporter")
 def test_non_tensor_output_falls_back_or_raises(fn, fallback):
     if fallback:
         with pytest.warns(FallbackWarning, match=fn.__name__):
@@ -1052,6 +1074,7 @@ def _loop_functions() -> list[type]:
     return classes
 
 
+@pytest.mark.usefixtures("exporter")
 def test_same_qualname_different_classes_do_not_collide():
     first, second = _loop_functions()
     assert first.__qualname__ == second.__qualname__ and first is not second
@@ -1094,6 +1117,7 @@ class ScaledByFour(_ScaledBase):
         return x * k
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_that_is_not_a_direct_subclass():
     run_parity(lambda: Sandwich(lambda h: ScaledByFour.apply(h, 1.5)), randn_inputs(6), {ScaledByFour: 1})
 
@@ -1118,6 +1142,7 @@ class SetupContextStyle(Function):
         return g * torch.cos(x) * ctx.k * 2.0, None
 
 
+@pytest.mark.usefixtures("exporter")
 def test_setup_context_style_function():
     run_parity(lambda: Sandwich(lambda h: SetupContextStyle.apply(h, 1.5)), randn_inputs(6), {SetupContextStyle: 1})
 
@@ -1135,6 +1160,7 @@ class VjpInsteadOfBackward(Function):
         return g * 3.0
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_defining_vjp_instead_of_backward():
     run_parity(lambda: Sandwich(VjpInsteadOfBackward.apply), randn_inputs(6), {VjpInsteadOfBackward: 1})
 
@@ -1162,6 +1188,7 @@ class BiasModel(nn.Module):
         return self.l2(torch.relu(AddBias.apply(self.l1(x), self.bias)))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_backward_returns_broadcast_shape_and_other_dtype():
     run_parity(BiasModel, randn_inputs(6), {AddBias: 1})
 
@@ -1197,6 +1224,7 @@ class QuantizedWeightModel(nn.Module):
         return self.head(F.linear(e, w_q))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_functions_on_parameters_and_an_int64_index_input():
     def inputs(b, g):
         return (torch.randint(0, 10, (b, 5), generator=g),), {}
@@ -1227,6 +1255,7 @@ class MixedPrecisionModel(nn.Module):
         return self.l2(ToDouble.apply(self.l1(x)))
 
 
+@pytest.mark.usefixtures("exporter")
 def test_function_changing_dtype():
     run_parity(MixedPrecisionModel, randn_inputs(6), {ToDouble: 1})
 
@@ -1247,6 +1276,7 @@ class CheckpointedBlock(nn.Module):
         return self.l2(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True) + h)
 
 
+@pytest.mark.usefixtures("exporter")
 def test_reentrant_activation_checkpointing():
     from torch.utils.checkpoint import CheckpointFunction
 
@@ -1535,6 +1565,7 @@ class InlineAndBridge(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["option", "env"])
+@pytest.mark.usefixtures("exporter")
 def test_inline_functions_option(how, monkeypatch):
     if how == "option":
         options = {"inline_functions": [qualified_name(TanhScaled)]}
@@ -1563,6 +1594,7 @@ def test_inline_functions_option(how, monkeypatch):
 tanh_scaled = TanhScaled.apply  # the common `my_op = MyFunction.apply` alias, bound at import time
 
 
+@pytest.mark.usefixtures("exporter")
 def test_inline_functions_applies_to_an_apply_alias_bound_before_wrapping():
     BACKWARD_CALLS.clear()
     w = check_parity(
@@ -1593,6 +1625,7 @@ class SinScaledSetupContext(Function):
         return g * torch.cos(x) * ctx.k, None
 
 
+@pytest.mark.usefixtures("exporter")
 def test_inline_functions_with_a_setup_context_style_function():
     w = check_parity(
         lambda: Sandwich(lambda h: SinScaledSetupContext.apply(h, 1.5)),
@@ -1665,6 +1698,7 @@ def test_user_torch_onnx_export_of_a_function_is_unaffected():
     assert ns["user_export"](ns["UserModel"]()) == baseline
 
 
+@pytest.mark.usefixtures("exporter")
 def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
     def user_symbolic(g, *args, **kwargs):
         return g.op("user.domain::UserPythonOp", *[a for a in args if isinstance(a, torch._C.Value)])

@@ -47,6 +47,8 @@ class _Call:
     #: filled by the fake implementation
     n_outputs: int = -1
     single: bool = True
+    #: (input index, output index) of each input the forward modified in place (``mark_dirty``)
+    dirty: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +72,8 @@ class CaptureScope(ExportScope):
 
 
 _current: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar("ortwrap_capture", default=None)
-#: Set while a fake implementation runs a Function's forward: nested Functions run as they are.
+#: Set while the custom op runs (its autograd wrapper, its fake implementation running the
+#: Function's forward): Functions called there run as they are.
 _in_fake = contextvars.ContextVar("ortwrap_in_fake", default=False)
 
 
@@ -108,24 +111,43 @@ def _bridge_call(cls, args: tuple, kwargs: dict):
             stored.append(a)
     call_id = next(_ids)
     scope.calls[call_id] = _Call(cls, tuple(stored), positions, [t.requires_grad for t in tensors])
-    outs = torch.ops.ortwrap.function_call(tensors, call_id)
+    token = _in_fake.set(True)  # the op's own autograd wrapper is a Function: let it run
+    try:
+        outs = torch.ops.ortwrap.function_call(tensors, call_id)
+    finally:
+        _in_fake.reset(token)
     call = scope.calls[call_id]
+    for k, j in call.dirty:
+        # In eager the input IS the output afterwards: later uses of it must see the new values
+        # (and send their gradient through the Function's backward).
+        tensors[k].copy_(outs[j])
     return outs[0] if call.single else tuple(outs)
 
 
 def _run_forward(call: _Call, tensors: list[torch.Tensor]):
+    """Run the Function's forward as autograd would: on copies that keep their inputs'
+    ``requires_grad``, with grad mode off. Returns its output and the copies."""
     args = list(call.args)
+    copies = []
     for index, pos in enumerate(call.tensor_positions):
-        args[pos] = tensors[index].clone()
+        t = tensors[index].detach().clone()
+        if call.requires_grad[index] and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        args[pos] = t
+        copies.append(t)
     cls = call.cls
+    ctx = torch.autograd.function.FunctionCtx()
     token = _in_fake.set(True)
     try:
         with torch.no_grad():
             if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
-                return cls.forward(*args)
-            return cls.forward(torch.autograd.function.FunctionCtx(), *args)
+                out = cls.forward(*args)
+                cls.setup_context(ctx, tuple(args), out)
+            else:
+                out = cls.forward(ctx, *args)
     finally:
         _in_fake.reset(token)
+    return out, copies, getattr(ctx, "dirty_tensors", ())
 
 
 def _fake_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.Tensor]:
@@ -133,10 +155,10 @@ def _fake_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.
     call = scope.calls[call_id] if scope is not None else None
     if call is None:
         raise RuntimeError("ortwrap::function_call runs only while ortwrap captures a module")
-    out = _run_forward(call, list(inputs))
+    out, copies, dirty = _run_forward(call, list(inputs))
     qualname = state.qualified_name(call.cls)
     single = isinstance(out, torch.Tensor)
-    outs = [out] if single else out
+    outs = (out,) if single else out
     if not isinstance(outs, tuple) or not all(isinstance(o, torch.Tensor) for o in outs):
         kinds = ", ".join(type(o).__name__ for o in outs) if isinstance(outs, (tuple, list)) else type(out).__name__
         raise BridgeExportError(
@@ -145,7 +167,10 @@ def _fake_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.
         )
     call.single = single
     call.n_outputs = len(outs)
-    return [o.clone() for o in outs]
+    call.dirty = [
+        (k, j) for k, c in enumerate(copies) if any(c is d for d in dirty) for j, o in enumerate(outs) if o is c
+    ]
+    return [o.detach().clone() for o in outs]
 
 
 def _real_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.Tensor]:
@@ -281,10 +306,7 @@ def _replace_placeholder(node: ir.Node, call: _Call, scope: CaptureScope) -> Non
         else:
             new.dtype = old.dtype
             result = new
-        ir.convenience.replace_all_uses_with(old, result)
-        for k, out in enumerate(graph.outputs):
-            if out is old:
-                graph.outputs[k] = result
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
     graph.remove(node, safe=True)
 
 
