@@ -129,7 +129,7 @@ class ORTWrap(nn.Module):
             structure = in_spec
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
-            self.module.training,
+            self._modules["module"].training,  # not self.module: nn.Module.__getattr__ costs ~1.5 us
             needs_grad,
             structure,
             tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),

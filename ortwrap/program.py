@@ -91,8 +91,9 @@ class _StateRef:
     attr: str
     is_param: bool
 
-    def get(self) -> torch.Tensor:
-        return (self.owner._parameters if self.is_param else self.owner._buffers)[self.attr]
+    def table(self) -> dict[str, torch.Tensor]:
+        """The owner's ``_parameters`` or ``_buffers``: the dict that ``table()[attr]`` reads."""
+        return self.owner._parameters if self.is_param else self.owner._buffers
 
 
 class Program:
@@ -109,13 +110,15 @@ class Program:
         self.out_spec = exported.out_spec
         index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
         refs = _state_refs(module)
-        # Each feed is ("input", flat index) or ("state", _StateRef).
-        self._plan: list[tuple[int, _StateRef | None]] = []
+        # Each feed is (flat index, None, None) for a user input, or (-1, table, attr) for module
+        # state: the owning submodule's _parameters or _buffers dict, read at ``attr`` every step.
+        self._plan: list[tuple[int, dict[str, torch.Tensor] | None, str | None]] = []
         for name in graph.feed_names:
             if name in index_of:
-                self._plan.append((index_of[name], None))
+                self._plan.append((index_of[name], None, None))
             else:
-                self._plan.append((-1, refs[exported.state_names[name]]))
+                ref = refs[exported.state_names[name]]
+                self._plan.append((-1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
         self.n_outputs = len(exported.output_names)
         if outputs[: self.n_outputs] != exported.output_names:
@@ -134,7 +137,7 @@ class Program:
         # as this program (and its session) can run.
         self.keepalive = exported.keepalive
         self.n_pythonops = len(exported.functions)
-        self._is_input = [ref is None for _, ref in self._plan]
+        self._is_input = [table is None for _, table, _ in self._plan]
 
     def forget_state_values(self) -> None:
         """Drop the cached OrtValues of parameters and buffers, and the memory they keep alive (DeepSpeed
@@ -143,7 +146,7 @@ class Program:
 
     def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors of every graph feed, in feed order: user inputs, parameters and buffers."""
-        return [leaves[i] if ref is None else ref.get() for i, ref in self._plan]
+        return [leaves[i] if table is None else table[attr] for i, table, attr in self._plan]
 
     def bind(self, feeds: Sequence[torch.Tensor]) -> C.OrtValueVector:
         """``feeds`` as an OrtValueVector; parameters and buffers reuse their cached OrtValues."""

@@ -11,6 +11,13 @@ NOTE: invariants.
   as zeros, full-shaped only where the backward needs the shape.
 - The backward is not differentiable: a double backward (``create_graph=True``) raises rather
   than silently returning gradients without a graph.
+
+NOTE: per-step cost. This runs on every training step, so it keeps Python work to a minimum: what
+depends only on the graph is precomputed by ``TrainingRunner`` (which outputs get gradients, which
+need full shapes, where each gradient goes), and ``apply`` enters autograd's C implementation
+directly. ``torch.autograd.Function.apply`` adds, per call, a Python frame, a closure, a
+``setup_context`` check and a generator over every feed (for functorch's dead wrappers); it is used
+only while a functorch transform is active, where it raises its own clear error.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import torch
 from ..bridge.runner import RunRecord
 from .session import TrainingRunner
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+
 
 class RunTrainingGraph(torch.autograd.Function):
     """``RunTrainingGraph.apply(program, *feeds) -> outputs``.
@@ -27,6 +37,12 @@ class RunTrainingGraph(torch.autograd.Function):
     ``program`` binds the feeds to OrtValues (``program.bind``), holds the ``TrainingRunner`` and
     knows which outputs are non-differentiable (``program.non_differentiable``).
     """
+
+    @classmethod
+    def apply(cls, *args):  # type: ignore[override]
+        if _functorch_active():
+            return super().apply(*args)
+        return _c_apply(*args)
 
     @staticmethod
     def forward(ctx, program, *feeds: torch.Tensor):  # type: ignore[override]
@@ -48,34 +64,30 @@ class RunTrainingGraph(torch.autograd.Function):
             ctx.record = None
         ctx.runner = runner
         ctx.state = state
-        ctx.n_feeds = len(feeds)
         ctx.set_materialize_grads(False)
-        ctx.shapes = [t.shape for t in outputs]
+        if runner.full_shape_outputs:
+            ctx.shapes = {i: outputs[i].shape for i in runner.full_shape_outputs}
         if program.non_differentiable:
             ctx.mark_non_differentiable(*[outputs[i] for i in program.non_differentiable])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor | None):  # type: ignore[override]
-        if torch.is_grad_enabled():
+        if _grad_enabled():
             raise RuntimeError(
                 "ortwrap: double backward (create_graph=True) through an ORTWrap module is not supported"
             )
         runner: TrainingRunner = ctx.runner
-        info = runner.graph.info
         state, ctx.state = ctx.state, None
         if state is None:
             raise RuntimeError(
                 "ortwrap: backward ran twice through the same ORT forward; retain_graph=True is not supported"
             )
         grads = []
-        non_diff = info.non_differentiable_outputs
-        for i in range(len(info.user_output_names)):
-            if i in non_diff:
-                continue
+        for i in runner.grad_outputs:
             g = grad_outputs[i]
             if g is None:
-                g = runner.zero_grad(i, ctx.shapes[i] if i in info.full_shape_grad_outputs else ())
+                g = runner.zero_grad(i, ctx.shapes[i] if i in runner.full_shape_outputs else ())
             grads.append(g)
         try:
             results = runner.backward(state, grads)
@@ -83,7 +95,8 @@ class RunTrainingGraph(torch.autograd.Function):
             if ctx.record is not None:
                 ctx.record.finish()  # ORT erased this run's contexts (or the run failed)
         del state
-        out: list[torch.Tensor | None] = [None] * ctx.n_feeds
-        for index, g in zip(info.grad_feed_index, results):
-            out[index] = g
-        return (None, *out)
+        return runner.place_grads(results)
+
+
+#: autograd's C ``apply`` bound to RunTrainingGraph (see the module's NOTE on per-step cost).
+_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, RunTrainingGraph)

@@ -9,24 +9,32 @@ from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..options import Options
-from .dlpack import to_ortvalues, to_tensors
+from .dlpack import from_dlpack, to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
 _pending = bridge_state._pending
+_State = C.PartialGraphExecutionState
+_OrtValueVector = C.OrtValueVector
 
 
 def _run(what: str, fn, *args) -> None:
     """Call an ORT run; an exception a Function or ATen op raised inside it is re-raised as itself
-    (an ATen op may also fail without failing the run), any other failure as RuntimeRunError."""
+    (an ATen op may also fail without failing the run), any other failure as RuntimeRunError.
+
+    ``TrainingRunner`` inlines these lines: they run twice a training step."""
     if _pending:
         _pending.clear()
     try:
         fn(*args)
     except Exception as e:
-        bridge_state.reraise_pending(e)
-        raise RuntimeRunError(f"{what} run failed: {e}") from e
+        _raise_run_error(what, e)
     if _pending:
         bridge_state.reraise_pending(None)
+
+
+def _raise_run_error(what: str, e: Exception) -> None:
+    bridge_state.reraise_pending(e)
+    raise RuntimeRunError(f"{what} run failed: {e}") from e
 
 
 def _has_bool_outputs(graph: TrainingGraph) -> bool:
@@ -99,13 +107,18 @@ class TrainingRunner:
     NOTE: ``forward`` returns a ``PartialGraphExecutionState`` that holds every activation the
     backward needs. The caller owns it: passing it to ``backward`` consumes it, and dropping it
     frees those activations.
+
+    Attributes:
+        grad_outputs: indices of the user outputs whose gradients the backward takes, in order.
+        full_shape_outputs: indices of outputs whose missing gradient must be zeros of full shape.
     """
 
     def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
         self.graph = graph
         sess, ort_device = _create_session(graph, device, options)
         self._session = sess
-        n_fw = len(graph.info.user_output_names) + graph.info.frontier_count
+        info = graph.info
+        n_fw = len(info.user_output_names) + info.frontier_count
         try:
             self._agent = C.TrainingAgent(
                 sess._sess,
@@ -120,6 +133,18 @@ class TrainingRunner:
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
         self._bool_outputs = _has_bool_outputs(graph)
+        self.grad_outputs = tuple(
+            i for i in range(len(info.user_output_names)) if i not in info.non_differentiable_outputs
+        )
+        self.full_shape_outputs = info.full_shape_grad_outputs
+        # Autograd wants one gradient (or None) per input of RunTrainingGraph.forward: the program,
+        # then every feed. When the gradients are those of the last feeds, in order (no user input
+        # requires grad), the result is a constant prefix of Nones plus ORT's list.
+        n_feeds, index = len(graph.feed_names), info.grad_feed_index
+        self._n_feeds = n_feeds
+        self._grad_index = index
+        tail = tuple(range(n_feeds - len(index), n_feeds))
+        self._grad_prefix: tuple[None, ...] | None = (None,) * (1 + n_feeds - len(index)) if index == tail else None
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -128,18 +153,50 @@ class TrainingRunner:
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, feeds: C.OrtValueVector) -> tuple[list[torch.Tensor], C.PartialGraphExecutionState]:
-        state = C.PartialGraphExecutionState()
-        fetches = C.OrtValueVector()
-        _run("forward", self._agent.run_forward, feeds, fetches, state, None)
-        outputs = to_tensors(fetches, self._bool_outputs)
+        state = _State()
+        fetches = _OrtValueVector()
+        if _pending:
+            _pending.clear()
+        try:
+            self._agent.run_forward(feeds, fetches, state, None)
+        except Exception as e:
+            _raise_run_error("forward", e)
+        if _pending:
+            bridge_state.reraise_pending(None)
+        outputs = fetches.to_dlpacks(from_dlpack)
+        if self._bool_outputs:
+            for i in fetches.bool_tensor_indices():
+                outputs[i] = outputs[i].view(torch.bool)
         if self._output_types is None:
             self._output_types = [(t.dtype, t.device) for t in outputs]
         return outputs, state
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        fetches = C.OrtValueVector()
-        _run("backward", self._agent.run_backward, to_ortvalues(grads), fetches, state)
-        return to_tensors(fetches, False)  # gradients are never bool
+        vec = _OrtValueVector()
+        push = vec.push_back
+        for g in grads:
+            # Gradients of reductions arrive expanded (stride 0); ORT reads dense memory.
+            push(to_dlpack(g if g.is_contiguous() else g.contiguous()), False)
+        fetches = _OrtValueVector()
+        if _pending:
+            _pending.clear()
+        try:
+            self._agent.run_backward(vec, fetches, state)
+        except Exception as e:
+            _raise_run_error("backward", e)
+        if _pending:
+            bridge_state.reraise_pending(None)
+        return fetches.to_dlpacks(from_dlpack)  # gradients are never bool
+
+    def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """``results`` (ORT's gradients) as autograd wants them from ``RunTrainingGraph.backward``:
+        ``None`` for the program, then one entry per feed."""
+        if self._grad_prefix is not None:
+            return self._grad_prefix + tuple(results)
+        out: list[torch.Tensor | None] = [None] * (1 + self._n_feeds)
+        for index, g in zip(self._grad_index, results):
+            out[1 + index] = g
+        return tuple(out)
 
 
 class InferenceRunner:
