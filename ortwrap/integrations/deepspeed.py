@@ -1,0 +1,299 @@
+"""DeepSpeed: ``deepspeed.initialize(model=ORTWrap(model), ...)`` with ZeRO stages 0 to 3.
+
+ZeRO 1 and 2 need nothing from ortwrap: parameters stay whole, ONNX Runtime's gradients reach
+``param.grad`` through autograd, and DeepSpeed's gradient hooks fire as in eager PyTorch.
+
+ZeRO 3 partitions every parameter (``param.data`` is empty between uses). In eager PyTorch,
+DeepSpeed's forward hooks gather a submodule's parameters before its forward and release them
+after; ONNX Runtime runs one graph instead of the submodules' forwards, so those hooks never fire.
+ortwrap therefore treats the whole wrapped module as the unit DeepSpeed gathers:
+
+- before each run, :func:`zero3_forward` all-gathers the wrapped module's partitioned parameters
+  (with DeepSpeed's own ``param.all_gather``; a collective, so every rank does it in the same order);
+- the export traces the module with its parameters whole and DeepSpeed's module hooks hidden
+  (:func:`export_guard`), so one graph serves every step;
+- the parameters stay gathered until the backward through that run has finished: ONNX Runtime reads
+  them during its backward, and autograd accumulates whole gradients into ``param.grad``, where
+  DeepSpeed's own gradient hooks reduce-scatter them as in eager ZeRO-3. At the end of the backward
+  (an autograd engine callback, queued after DeepSpeed's) they are partitioned again;
+- a run without a backward (``torch.no_grad()``, eval) releases them right after the forward.
+
+NOTE: peak parameter memory is therefore the whole wrapped module's parameters during a training
+step (eager ZeRO-3 holds one submodule's at a time); between steps they are partitioned.
+
+Nothing here imports DeepSpeed at module import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .._logging import logger
+from .._tree import flatten
+from ..errors import UnsupportedInputError
+
+if TYPE_CHECKING:
+    from ..api import ORTWrap
+
+__all__ = [
+    "ZERO3_MARK",
+    "export_guard",
+    "is_deepspeed_available",
+    "is_zero3_module",
+    "zero3_forward",
+]
+
+#: DeepSpeed's ZeRO-3 stage sets this attribute on every module it hooks (its module id).
+ZERO3_MARK = "ds_id"
+#: Set on an ORTWrap while :func:`zero3_forward` runs its forward (guards against re-entry).
+BUSY_MARK = "_ortwrap_zero3_busy"
+_STATE = "_ortwrap_zero3"
+
+
+def is_deepspeed_available() -> bool:
+    """Whether DeepSpeed can be imported (without importing it)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def is_zero3_module(module: nn.Module) -> bool:
+    """Whether DeepSpeed's ZeRO-3 stage hooked ``module`` (``deepspeed.initialize`` with stage 3)."""
+    return ZERO3_MARK in module.__dict__
+
+
+def _is_zero_param(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id") and hasattr(p, "ds_status")
+
+
+def _status(name: str) -> Any:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return getattr(ZeroParamStatus, name)
+
+
+# --------------------------------------------------------------------------- DeepSpeed's module hooks
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_HOOK_SIDE_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _is_deepspeed_hook(hook: Any) -> bool:
+    fn = getattr(hook, "func", hook)  # functools.partial
+    return (getattr(fn, "__module__", None) or "").startswith("deepspeed.")
+
+
+@contextlib.contextmanager
+def _deepspeed_hooks_hidden(root: nn.Module) -> Iterator[int]:
+    """Hide DeepSpeed's forward/backward hooks on ``root`` and its submodules; restore them in order."""
+    saved: list[tuple[dict, dict]] = []
+    hidden = 0
+    for m in root.modules():
+        for attr in _HOOK_DICTS:
+            hooks = m.__dict__.get(attr)
+            if not hooks:
+                continue
+            ids = [k for k, h in hooks.items() if _is_deepspeed_hook(h)]
+            if not ids:
+                continue
+            saved.append((hooks, dict(hooks)))
+            for k in ids:
+                del hooks[k]
+            hidden += len(ids)
+            for side in _HOOK_SIDE_DICTS:
+                extra = m.__dict__.get(side)
+                if extra and any(k in extra for k in ids):
+                    saved.append((extra, dict(extra)))
+                    for k in ids:
+                        extra.pop(k, None)
+    try:
+        yield hidden
+    finally:
+        for d, original in reversed(saved):
+            d.clear()
+            d.update(original)
+
+
+@contextlib.contextmanager
+def export_guard(wrapper: ORTWrap) -> Iterator[None]:
+    """While ORTWrap builds a program for a ZeRO-3 module: hide DeepSpeed's module hooks.
+
+    Tracing would otherwise run them: they fetch and release parameters with collectives (which the
+    export's collective stubs would turn into garbage) and add autograd Functions to the graph. The
+    parameters are already whole (:func:`zero3_forward`). A no-op for any other module.
+    """
+    if not is_zero3_module(wrapper):
+        yield
+        return
+    with _deepspeed_hooks_hidden(wrapper.module) as n:
+        logger.debug("ZeRO-3: %d DeepSpeed module hooks hidden while exporting", n)
+        yield
+
+
+# --------------------------------------------------------------------------- gathering around a run
+
+
+class _Zero3State:
+    """One ORTWrap's ZeRO-3 bookkeeping.
+
+    NOTE: ``gathered`` are the parameters this wrapper all-gathered and still has to partition;
+    ``pending`` are the autograd nodes of training runs whose backward has not run yet. Parameters
+    are partitioned when no run is pending: after the last pending backward, or at once after a run
+    without a backward. A run whose outputs are dropped without a backward stops being pending when
+    autograd frees its node.
+    """
+
+    def __init__(self) -> None:
+        self.gathered: list[nn.Parameter] = []
+        self.pending: weakref.WeakSet = weakref.WeakSet()
+        self.checked: set[int] = set()
+
+
+def _state(wrapper: ORTWrap) -> _Zero3State:
+    st = wrapper.__dict__.get(_STATE)
+    if st is None:
+        st = wrapper.__dict__[_STATE] = _Zero3State()
+    return st
+
+
+def _check_supported(wrapper: ORTWrap, st: _Zero3State) -> None:
+    """Refuse ZeRO-3 set-ups whose DeepSpeed hooks ORT would skip (checked once per module set)."""
+    key = id(wrapper.module)
+    if key in st.checked:
+        return
+    leaves = [
+        name or type(wrapper.module).__name__
+        for name, m in wrapper.module.named_modules()
+        if getattr(m, "_z3_leaf", False)
+    ]
+    if leaves:
+        raise UnsupportedInputError(
+            f"ORTWrap under DeepSpeed ZeRO-3: {', '.join(leaves)} are ZeRO-3 leaf modules "
+            "(deepspeed.utils.set_z3_leaf_modules): DeepSpeed reduces their gradients in a module backward hook, "
+            "which does not fire when ONNX Runtime runs the graph. Unset the leaf flag, or wrap a module that "
+            "contains no leaf module"
+        )
+    st.checked.add(key)
+
+
+def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict) -> Any:
+    """``wrapper(*args, **kwargs)`` for a module whose parameters DeepSpeed ZeRO-3 partitions.
+
+    Gathers the partitioned parameters, runs the wrapper's forward (which exports with
+    :func:`export_guard` on its first call), and arranges for the parameters to be partitioned
+    again after the backward, or at once when no backward will run.
+    """
+    st = _state(wrapper)
+    _check_supported(wrapper, st)
+    params = [p for p in wrapper.module.parameters() if _is_zero_param(p)]
+    not_available = _status("NOT_AVAILABLE")
+    inflight = [p for p in params if p.ds_status == _status("INFLIGHT")]
+    if inflight:
+        raise UnsupportedInputError(
+            f"ORTWrap under DeepSpeed ZeRO-3: {len(inflight)} parameters are being gathered by DeepSpeed's "
+            "prefetch when ORTWrap runs; ortwrap gathers the wrapped module's parameters itself"
+        )
+    to_gather = [p for p in params if p.ds_status == not_available]
+    if to_gather:
+        # NOTE: a collective: every rank gathers the same parameters in the same order.
+        with torch.no_grad():
+            to_gather[0].all_gather(param_list=to_gather)
+        known = {id(p) for p in st.gathered}
+        st.gathered.extend(p for p in to_gather if id(p) not in known)
+    wrapper.__dict__[BUSY_MARK] = True
+    try:
+        out = wrapper.forward(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
+    except BaseException:
+        _release_if_idle(wrapper, st)
+        raise
+    finally:
+        del wrapper.__dict__[BUSY_MARK]
+    if wrapper.fallback_reason is not None:
+        # The module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
+        _release_if_idle(wrapper, st)
+        return out
+    node = _backward_node(out)
+    if node is None:
+        _release_if_idle(wrapper, st)
+        return out
+    try:
+        st.pending.add(node)
+    except TypeError:  # a C++ node: no weak reference; it is simply not counted as pending
+        pass
+    node.register_hook(_on_backward(wrapper, node))
+    return out
+
+
+def _backward_node(out: Any) -> Any:
+    """The autograd node that runs the backward of this call's outputs, or ``None``."""
+    leaves: list[torch.Tensor] = []
+    flatten(out, "output", leaves, lambda path, value: ("O", None))
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            return t.grad_fn
+    return None
+
+
+def _on_backward(wrapper: ORTWrap, node: Any) -> Any:
+    ref = weakref.ref(wrapper)
+
+    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+        # NOTE: this node's backward just ran; the parameters' gradients are accumulated (and handed to
+        # DeepSpeed's hooks) later in this backward, and DeepSpeed queues its own epilogue then. Our
+        # callback runs at the end of the backward and re-queues itself once, so that it runs after
+        # every callback queued before it, DeepSpeed's included.
+        def release() -> None:
+            w = ref()
+            if w is not None:
+                st = _state(w)
+                st.pending.discard(node)
+                _release_if_idle(w, st)
+
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: torch.autograd.Variable._execution_engine.queue_callback(release)
+        )
+
+    return hook
+
+
+def _release_if_idle(wrapper: ORTWrap, st: _Zero3State) -> None:
+    """Partition what this wrapper gathered, unless a run still waits for its backward."""
+    if len(st.pending) or not st.gathered:
+        return
+    available = _status("AVAILABLE")
+    to_release = [
+        p
+        for p in st.gathered
+        if p.ds_status == available and not getattr(p, "ds_persist", False) and not p.ds_active_sub_modules
+    ]
+    st.gathered.clear()
+    if to_release:
+        with torch.no_grad():
+            to_release[0].partition(param_list=to_release)
+    # The programs' cached OrtValues would keep the whole parameters' memory alive.
+    for program in _programs(wrapper):
+        forget = getattr(program, "forget_state_values", None)
+        if forget is not None:
+            forget()
+
+
+def _programs(wrapper: ORTWrap) -> list[Any]:
+    out: list[Any] = []
+    for p in wrapper._programs.values():
+        if isinstance(p, dict):  # one program per static shape
+            out.extend(p.values())
+        elif isinstance(p, list):  # dynamo captures with shape guards
+            out.extend(p)
+        else:
+            out.append(p)
+    return out
