@@ -12,7 +12,7 @@ $(VENV)/.installed-$(ORT_EXTRA): pyproject.toml Makefile
 	@echo ">> creating $(VENV) and installing torch==2.13.0 first, then ortwrap[$(ORT_EXTRA),dev]"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[$(ORT_EXTRA),dev]'
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[$(ORT_EXTRA),dev]'
 	@touch $@
 
 demo: $(VENV)/.installed-$(ORT_EXTRA)

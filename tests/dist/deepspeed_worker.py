@@ -1,0 +1,197 @@
+"""One rank of the DeepSpeed tests (launched by tests/test_distributed.py with torchrun, 2 ranks, gloo).
+
+For each case, trains the same model with plain DeepSpeed and with ``deepspeed.initialize(model=
+ORTWrap(model))`` on per-rank data, and writes the losses, final parameters and ZeRO-3 observations
+of this rank to ``$ORTWRAP_DIST_OUT/<case>.rank<r>.json``; the test compares them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ortwrap import ORTWrap
+
+STEPS = 4
+BATCH = 4
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def config(stage: int, accumulation: int = 1) -> dict:
+    zero: dict = {"stage": stage}
+    if stage == 3:
+        # Partition every parameter, however small (the default keeps small ones whole).
+        zero.update(stage3_param_persistence_threshold=0, stage3_model_persistence_threshold=0)
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    return [(torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(n)]
+
+
+def full_params(engine) -> dict[str, list]:
+    """The engine's parameters, whole (gathered under ZeRO-3), by the wrapped module's names."""
+    out = {}
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+        for name, p in params.items():
+            out[name.removeprefix("module.")] = p.detach().clone().tolist()
+    return out
+
+
+def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> dict:
+    if wrap:
+        model = ORTWrap(model, fallback=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, accumulation))
+    rank = dist.get_rank()
+    losses, partitioned = [], []
+    for x, y in batches(rank, STEPS * accumulation):
+        out = engine(x)
+        loss = ((out - y) ** 2).mean()
+        engine.backward(loss)
+        if stage == 3:
+            # Between backward and step every parameter is partitioned again (empty data).
+            partitioned.append(all(p.data.numel() == 0 for p in engine.module.parameters()))
+        engine.step()
+        losses.append(loss.item())
+    result = {"losses": losses, "params": full_params(engine), "partitioned_after_backward": partitioned}
+    if wrap:
+        ortwrap = engine.module
+        result["export_count"] = ortwrap.export_count  # one graph for every training step
+        result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
+        if stage == 3:
+            with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
+                engine.eval()
+                out = engine(batches(rank, 1)[0][0])
+                engine.train()
+            result["eval_out_shape"] = list(out.shape)
+            result["partitioned_after_no_grad"] = all(p.data.numel() == 0 for p in engine.module.parameters())
+    engine.destroy()
+    return result
+
+
+def build(init: bool, stage: int) -> nn.Module:
+    torch.manual_seed(0)
+    if init:
+        with deepspeed.zero.Init(config_dict_or_path=config(stage)):
+            return Net()
+    return Net()
+
+
+class GatherRows(torch.autograd.Function):
+    """All-gathers rows with ``deepspeed.comm``; the backward all-reduces the gradient with it and keeps
+    this rank's rows (not the forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        world = deepspeed.comm.get_world_size()
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+        deepspeed.comm.allgather_fn(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        deepspeed.comm.all_reduce(grad)
+        return grad.chunk(deepspeed.comm.get_world_size())[deepspeed.comm.get_rank()].contiguous()
+
+
+class CommNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(GatherRows.apply(torch.tanh(self.fc1(x))))
+
+
+def case_deepspeed_comm() -> dict:
+    """A Function that calls deepspeed.comm collectives trains under ORTWrap like in eager PyTorch."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from parity import check_parity
+
+    rank = dist.get_rank()
+
+    def make_inputs(batch: int, gen: torch.Generator) -> tuple[tuple, dict]:
+        for _ in range(rank + 1):
+            x = torch.randn(batch, 6, generator=gen)
+        return (x,), {}
+
+    wrapped = check_parity(CommNet, make_inputs, batch_sizes=(4, 4, 3))
+    return {"export_count": wrapped.export_count}
+
+
+def case_zero3_leaf() -> dict:
+    """A ZeRO-3 leaf module inside ORTWrap is refused with a clear error (its gradients would not be reduced)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = build(False, 3)
+    set_z3_leaf_modules(model, [nn.LayerNorm])
+    wrapped = ORTWrap(model, fallback=False)
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(model=wrapped, optimizer=opt, config=config(3))
+    try:
+        engine(batches(dist.get_rank(), 1)[0][0])
+    except Exception as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    finally:
+        engine.destroy()
+    return {"raised": None}
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    out_dir = os.environ["ORTWRAP_DIST_OUT"]
+    cases = sys.argv[1:]
+    for case in cases:
+        stage = int(case[4]) if case.startswith("zero") else 0  # zero1, zero2, zero3, zero3_init, zero3_accum
+        accumulation = 2 if case.endswith("_accum") else 1
+        init = case.endswith("_init")
+        result: dict = {"case": case, "rank": rank}
+        try:
+            if case == "deepspeed_comm":
+                result.update(case_deepspeed_comm())
+            elif case == "zero3_leaf":
+                result.update(case_zero3_leaf())
+            else:
+                result["plain"] = train(build(init, stage), stage, wrap=False, accumulation=accumulation)
+                result["ortwrap"] = train(build(init, stage), stage, wrap=True, accumulation=accumulation)
+        except Exception:
+            result["error"] = traceback.format_exc()
+        with open(os.path.join(out_dir, f"{case}.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
