@@ -547,6 +547,13 @@ def test_llama_block_dynamo_capture_with_the_flag() -> None:
     )
     split = w.last_artifacts.host_shapes
     assert split is not None and split.moved, split.summary() if split else "no split"
+    assert w.export_count == 1, "a new sequence length must not re-export"
+    # The capture reads the dims as Shape slices of x; the Reshape/Expand shapes built from them
+    # move into the shape program.
+    moved = _moved_ops(w)
+    assert moved.get("Shape", 0) >= 1 and moved.get("Concat", 0) >= 1, moved
+    assert any(f.kind == "shape" and f.source == "input:x" for f in (*split.feeds, *split.program_inputs))
+    assert not any(n.op_type == "Shape" and n.input[0] == "input:x" for n in w.last_artifacts.pre_grad.graph.node)
 
 
 @pytest.mark.gpu
