@@ -18,12 +18,20 @@ from torch import nn
 from . import _tree
 from ._logging import configure, logger
 from .bridge import state as bridge_state
-from .errors import FALLBACK_PHASES, ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError
+from .errors import (
+    FALLBACK_PHASES,
+    ExportError,
+    ORTWrapError,
+    UnsupportedFunctionError,
+    UnsupportedInputError,
+    VerificationError,
+)
 from .integrations import deepspeed as _deepspeed
 from .integrations.distributed import check_wrappable
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
 from .runtime.function import RunTrainingGraph
+from .verify import verify_program
 
 __all__ = ["FallbackWarning", "ORTWrap"]
 
@@ -144,7 +152,7 @@ class ORTWrap(nn.Module):
             shape_key = tuple(tuple(t.shape[1:]) for t in leaves)
             table, program = program, program.get(shape_key)
         elif type(program) is list:  # dynamo captures with shape guards: the first that holds
-            table, program = program, next((p for p in program if p.shape_guards.check(leaves)), None)
+            table, program = program, next((p for p in program if _guards_hold(p, leaves)), None)
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
@@ -154,6 +162,12 @@ class ORTWrap(nn.Module):
                 return self._run_eagerly_once(miss.error, args, kwargs)
             if program is None:
                 return self.module(*args, **kwargs)
+            if self._options.verify:
+                try:
+                    verify_program(self.module, program, args, kwargs, leaves, _run_program)
+                except VerificationError:
+                    self._evict(key, program)
+                    raise
         feeds = program.feeds(leaves)
         if program.n_pythonops:
             bridge_state.collect_abandoned()  # a safe point: no ORT run is in progress
@@ -189,6 +203,19 @@ class ORTWrap(nn.Module):
             stacklevel=5,
         )
         logger.warning("falling back to PyTorch: %s", error)
+
+    def _evict(self, key: tuple, program: Program) -> None:
+        """Forget ``program`` (it failed verification), so that no later call runs it."""
+        entry = self._programs.get(key)
+        if entry is program:
+            del self._programs[key]
+        elif isinstance(entry, list):
+            entry.remove(program)
+            if not entry:
+                del self._programs[key]
+        elif isinstance(entry, dict):
+            for k in [k for k, p in entry.items() if p is program]:
+                del entry[k]
 
     def _run_eagerly_once(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
         """Shapes outside a dynamo capture's assumptions that do not export either: most often an
@@ -250,7 +277,7 @@ class ORTWrap(nn.Module):
             if table is None:
                 table = self._programs[key] = {}
             table[tuple(tuple(t.shape[1:]) for t in leaves)] = program
-        elif program.shape_guards:
+        elif program.shape_guards or isinstance(table, list):
             if table is None:
                 table = self._programs[key] = []
             table.append(program)
@@ -261,6 +288,21 @@ class ORTWrap(nn.Module):
             paths_saved = artifacts.save(self._options.debug_dir, self._export_count)
             logger.info("saved build artifacts: %s", ", ".join(paths_saved))
         return program
+
+
+def _guards_hold(program: Program, leaves: list[torch.Tensor]) -> bool:
+    return program.shape_guards is None or program.shape_guards.check(leaves)
+
+
+def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``program`` on ``leaves`` (for verification): its outputs, buffers not copied back."""
+    feeds = program.feeds(leaves)
+    if program.with_backward:
+        return RunTrainingGraph.apply(program, *feeds)
+    outputs = program.runner.forward(program.bind(feeds))
+    if program.n_pythonops:
+        bridge_state.entries_left(program.n_pythonops)
+    return outputs
 
 
 class _GuardMiss(Exception):

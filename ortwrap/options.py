@@ -63,6 +63,13 @@ class Options:
         "Names of aten ops (e.g. 'gelu', 'embedding') to run with PyTorch's own kernels and gradients inside the "
         "ONNX Runtime graph (ATen nodes). Ops without an ONNX export always run that way. Environment: comma-separated.",
     )
+    verify: bool = _opt(
+        False,
+        "ORTWRAP_VERIFY",
+        "Check the first step of every new build against eager PyTorch (outputs, updated buffers, the gradients of "
+        "every trainable parameter and input) and raise VerificationError on a mismatch. Costs one eager and one "
+        "extra ORT forward+backward per build; skipped, with a warning, for graphs with random ops (dropout).",
+    )
     allow_spinning: bool = _opt(
         False,
         "ORTWRAP_ALLOW_SPINNING",

@@ -76,11 +76,11 @@ def test_state_dict_round_trip_through_a_parent_module():
     assert all(torch.equal(sd[k], v) for k, v in q.state_dict().items())
 
 
-def test_train_eval_and_no_grad_follow_eager():
+def test_train_eval_and_no_grad_follow_eager(exporter):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
     ref = copy.deepcopy(m)
-    w = ORTWrap(m, fallback=False)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
     x = torch.randn(8, 6)
     # eval + no_grad: running stats are used and stay unchanged; dropout off.
     w.eval()
@@ -103,8 +103,8 @@ def test_train_eval_and_no_grad_follow_eager():
     assert w.export_count == 2  # the mode change re-exports (and p is a constant of the graph)
 
 
-def test_dropout_is_active_in_training():
-    w = ORTWrap(nn.Dropout(0.5), fallback=False)
+def test_dropout_is_active_in_training(exporter):
+    w = ORTWrap(nn.Dropout(0.5), fallback=False, exporter=exporter)
     x = torch.ones(1000, requires_grad=True)
     y = w(x)
     zeros = (y == 0).float().mean().item()
@@ -115,7 +115,7 @@ def test_dropout_is_active_in_training():
     assert torch.equal(x.grad != 0, kept)  # the gradient uses the same mask as the forward
 
 
-def test_reexport_rules():
+def test_reexport_rules(exporter):
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -129,7 +129,7 @@ def test_reexport_rules():
                 y = y + extra
             return y
 
-    w = ORTWrap(M(), fallback=False)
+    w = ORTWrap(M(), fallback=False, exporter=exporter)
     w(torch.randn(2, 4))
     w(torch.randn(9, 4))  # batch size: no re-export
     assert w.export_count == 1
@@ -222,9 +222,9 @@ def test_fallback_env_var_raises(monkeypatch):
         w(torch.randn(3, 4))
 
 
-def test_wrong_feature_size_raises_like_eager_and_wrapper_keeps_working():
+def test_wrong_feature_size_raises_like_eager_and_wrapper_keeps_working(exporter):
     m = mlp()
-    w = ORTWrap(m, fallback=False)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
     x = torch.randn(4, 8)
     w(x).sum().backward()
     with pytest.raises(RuntimeError):

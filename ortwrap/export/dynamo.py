@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,7 +155,13 @@ def export_dynamo(
             )
             ir_model = onnx_program.model
     except Exception as e:
-        text = str(e)
+        missing = _missing_translation(e)
+        if missing is not None:
+            raise ExportError(
+                f"the dynamo exporter has no ONNX translation for {missing}, used by {type(module).__name__}. "
+                "Use exporter='torchscript' (which can run such ops as ATen nodes), or run the module without ORTWrap"
+            ) from e
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
         if len(text) > 700:
             text = text[:700] + " ... (full message in the chained exception)"
         raise ExportError(
@@ -171,7 +178,7 @@ def export_dynamo(
             f"the dynamo export has {len(graph.inputs)} user inputs, expected {len(flat_inputs)} "
             f"({', '.join(input_paths)})"
         )
-    guards = _shape_guards(graph.inputs)
+    guards = _shape_guards(program)
     for value, name in zip(graph.inputs, input_names):
         value.name = name
     named_state = dict(adapter.named_parameters(remove_duplicate=False))
@@ -228,6 +235,18 @@ def export_dynamo(
     )
 
 
+def _missing_translation(error: BaseException) -> str | None:
+    """The ATen op the exporter found no translation for, from its error chain (or None)."""
+    seen = 0
+    while error is not None and seen < 10:
+        match = re.search(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", str(error))
+        if match:
+            return f"{match.group(1)}.{match.group(2)}"
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
 def _all_values(graph: ir.Graph) -> list[ir.Value]:
     values = list(graph.inputs)
     for node in graph:
@@ -235,18 +254,24 @@ def _all_values(graph: ir.Graph) -> list[ir.Value]:
     return values
 
 
-def _shape_guards(inputs: list[ir.Value]) -> ShapeGuards:
+def _shape_guards(program: torch.export.ExportedProgram) -> ShapeGuards:
+    """The dims of the user inputs that the capture fixed to a size, or tied to another dim.
+
+    Read from the capture's fake inputs (the ONNX graph's dims are symbols either way).
+    """
+    user = set(program.graph_signature.user_inputs)
     static: list[tuple[int, int, int]] = []
     symbols: dict[str, list[tuple[int, int]]] = {}
-    for i, value in enumerate(inputs):
-        shape = value.shape
-        if shape is None:
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
             continue
-        for d, dim in enumerate(shape):
+        for d, dim in enumerate(val.shape):
             if isinstance(dim, int):
                 static.append((i, d, dim))
-            elif isinstance(dim, ir.SymbolicDim) and dim.value is not None:
-                symbols.setdefault(dim.value, []).append((i, d))
+            else:
+                symbols.setdefault(str(dim), []).append((i, d))
     equal = tuple(tuple(g) for g in symbols.values() if len(g) > 1)
     return ShapeGuards(tuple(static), equal)
 

@@ -22,6 +22,7 @@ from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
+from .sequence_ops import RefuseSequenceOpsPass
 from .stop_gradient import ResolveStopGradientPass
 
 
@@ -58,6 +59,7 @@ def default_passes(*, with_backward: bool) -> list[ir.passes.PassBase]:
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
             RefuseControlFlowPass(),
+            RefuseSequenceOpsPass(),
         ]
     return passes
 

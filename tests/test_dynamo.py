@@ -1,0 +1,230 @@
+"""exporter="dynamo": selection, dynamic shapes and guards, the training-correct translations,
+refusals, unsupported ops, and ``verify=True`` for both exporters.
+
+The core parity tests (test_models, test_io, test_ops, parts of test_wrapper) and the Function zoo
+(test_functions) already run with both exporters through the ``exporter`` fixture.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import assert_close, check_parity
+from tiny_gpt import GPTConfig, TinyGPT
+from torch import nn
+
+from ortwrap import ORTWrap
+from ortwrap.api import FallbackWarning
+from ortwrap.errors import ExportError, PassError, VerificationError
+from ortwrap.passes import run_passes
+from ortwrap.passes.sequence_ops import RefuseSequenceOpsPass
+from ortwrap.verify import VerificationSkipped
+
+
+def _ops(model: onnx.ModelProto) -> set[str]:
+    return {n.op_type for n in model.graph.node}
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def test_environment_selects_the_dynamo_exporter(monkeypatch):
+    monkeypatch.setenv("ORTWRAP_EXPORTER", "dynamo")
+    w = ORTWrap(nn.Linear(4, 3), fallback=False)
+    assert w.options.exporter == "dynamo"
+    w(torch.randn(2, 4)).sum().backward()
+    assert _opset(w.last_artifacts.exported) >= 18  # the dynamo exporter's opset; TorchScript's is 17
+    monkeypatch.delenv("ORTWRAP_EXPORTER")
+    assert ORTWrap(nn.Linear(4, 3)).options.exporter == "torchscript"  # the default
+    with pytest.raises(ValueError, match="exporter='fx'"):
+        ORTWrap(nn.Linear(4, 3), exporter="fx")
+
+
+def test_lm_with_new_batch_and_sequence_lengths_exports_once():
+    cfg = GPTConfig(vocab=64, d=32, heads=2, layers=2, max_len=32)
+
+    def inputs(b, g):
+        t = {4: 16, 7: 9, 3: 23}[b]
+        ids = torch.randint(0, cfg.vocab, (b, t), generator=g)
+        return (ids, torch.roll(ids, -1, 1)), {}
+
+    w = check_parity(lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out, wrap_options={"exporter": "dynamo"})
+    assert w.export_count == 1
+    assert "Gather" in _ops(w.last_artifacts.pre_grad)
+
+
+def test_a_dim_the_capture_fixed_is_guarded_and_reexported():
+    """torch.export specializes a size-1 dimension: a later size gets its own, correct, program."""
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(m)
+    w = ORTWrap(m, exporter="dynamo", fallback=False)
+    for b in (1, 6, 1, 3):
+        x = torch.randn(b, 5)
+        assert_close(w(x), ref(x), f"batch {b}")
+    guards = w._programs[next(iter(w._programs))]
+    assert isinstance(guards, list) and len(guards) == 2
+    assert w.export_count == 2  # batch 1, then one dynamic program for 6 and 3
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6, momentum=0.3)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.out(torch.relu(self.bn(self.l(x)))), y, label_smoothing=0.2)
+
+
+def _bn_inputs(b, g):
+    return (torch.randn(b, 5, generator=g), torch.randint(0, 3, (b,), generator=g)), {}
+
+
+def test_training_batchnorm_and_label_smoothing_are_exported_for_training():
+    """torchlib exports BatchNorm in inference mode and ignores label_smoothing: ortwrap's
+    translations keep training semantics (check_parity compares the running statistics too)."""
+    w = check_parity(BatchNormNet, _bn_inputs, loss_fn=lambda out: out, wrap_options={"exporter": "dynamo"})
+    bn = [n for n in w.last_artifacts.pre_grad.graph.node if n.op_type == "BatchNormalization"]
+    assert bn and onnx.helper.get_attribute_value(next(a for a in bn[0].attribute if a.name == "training_mode")) == 1
+
+
+def test_verify_passes_for_a_correct_build_with_both_exporters(exporter):
+    w = ORTWrap(BatchNormNet(), exporter=exporter, verify=True, fallback=False)
+    ref = copy.deepcopy(w.module)
+    (x, y), _ = _bn_inputs(8, torch.Generator().manual_seed(0))
+    loss = w(x, y)
+    loss.backward()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    # Verification ran an extra eager and ORT step, but restored buffers and left .grad alone.
+    assert_close(loss.detach(), ref_loss.detach(), "loss")
+    assert_close(w.module.bn.running_mean, ref.bn.running_mean, "running_mean")
+    assert_close(w.module.l.weight.grad, ref.l.weight.grad, "l.weight grad")
+
+
+def test_verify_catches_a_silently_wrong_dynamo_translation(monkeypatch):
+    """Without ortwrap's translations the dynamo export trains BatchNorm in inference mode and drops
+    label smoothing, with no error: verify=True must raise, naming what differs."""
+    from ortwrap.export import dynamo, translations
+
+    real = translations.training_translations
+
+    def torchlib_only():
+        table = real()
+        del table[torch.ops.aten._native_batch_norm_legit_functional.default]
+        del table[torch.ops.aten.cross_entropy_loss.default]
+        return table
+
+    monkeypatch.setattr(dynamo, "training_translations", torchlib_only)
+    w = ORTWrap(BatchNormNet(), exporter="dynamo", verify=True, fallback=False)
+    (x, y), _ = _bn_inputs(8, torch.Generator().manual_seed(0))
+    with pytest.raises(VerificationError, match=r"output 0: max \|ORT - eager\|") as info:
+        w(x, y)
+    assert "running_mean" in str(info.value) and "gradient of parameter 'l.weight'" in str(info.value)
+    assert not w._programs  # the wrong program is not kept for later calls
+    with pytest.raises(VerificationError):
+        w(x, y)
+
+
+def test_verify_catches_a_broken_pass_with_the_torchscript_exporter(monkeypatch):
+    from ortwrap.passes import batchnorm_running_stats
+
+    monkeypatch.setattr(
+        batchnorm_running_stats.BatchNormRunningStatsPass,
+        "call",
+        lambda self, model: batchnorm_running_stats.ir.passes.PassResult(model, modified=False),
+    )
+    w = ORTWrap(BatchNormNet(), verify=True, fallback=False)
+    (x, y), _ = _bn_inputs(8, torch.Generator().manual_seed(0))
+    with pytest.raises(VerificationError, match=r"buffer 'bn\.running_mean' after the step"):
+        w(x, y)
+
+
+def test_verify_skips_graphs_with_dropout_and_says_so():
+    w = ORTWrap(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3)), verify=True, exporter="dynamo")
+    with pytest.warns(VerificationSkipped, match="Dropout"):
+        w(torch.randn(3, 4)).sum().backward()
+
+
+def test_verify_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ORTWRAP_VERIFY", "1")
+    assert ORTWrap(nn.Linear(2, 2)).options.verify is True
+
+
+def _sequence_model() -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("SplitToSequence", ["h"], ["seq"], axis=1, name="split_seq"),
+        helper.make_node("SequenceAt", ["seq", "zero"], ["first"], name="at0"),
+        # integer-only sequence use (shape computation): allowed
+        helper.make_node("Shape", ["x"], ["shape"], name="shape"),
+        helper.make_node("SequenceConstruct", ["shape"], ["shapes"], name="shape_seq"),
+        helper.make_node("SequenceAt", ["shapes", "zero"], ["shape0"], name="shape_at"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4]),
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("first", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("shape0", TensorProto.INT64, None),
+        ],
+        [onnx.numpy_helper.from_array(np.array(0, dtype=np.int64), "zero")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_sequence_ops_on_the_gradient_path_are_refused():
+    with pytest.raises(PassError, match=r"'split_seq' is a SplitToSequence on the gradient path"):
+        run_passes(_sequence_model(), [RefuseSequenceOpsPass()])
+    model = _sequence_model()
+    del model.graph.node[:3]
+    del model.graph.output[0]
+    run_passes(model, [RefuseSequenceOpsPass()])  # integer-only sequence ops pass
+
+
+def test_an_op_without_translation_falls_back_naming_it():
+    class MatrixExp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 16)
+
+        def forward(self, x):
+            return torch.linalg.matrix_exp(self.l(x).view(-1, 4, 4)).sum()
+
+    w = ORTWrap(MatrixExp(), exporter="dynamo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w(torch.randn(3, 4)).backward()
+    messages = [str(c.message) for c in caught if issubclass(c.category, FallbackWarning)]
+    assert len(messages) == 1 and "aten.linalg_matrix_exp" in messages[0], messages
+    with pytest.raises(ExportError, match=r"aten\.linalg_matrix_exp"):
+        ORTWrap(MatrixExp(), exporter="dynamo", fallback=False)(torch.randn(3, 4))
+
+
+def test_aten_ops_option_is_refused_with_dynamo():
+    with pytest.raises(ExportError, match=r"aten_ops=.*exporter='torchscript'"):
+        ORTWrap(nn.Linear(3, 3), exporter="dynamo", aten_ops=("gelu",), fallback=False)(torch.randn(2, 3))
+
+
+def test_parameters_keep_their_identity():
+    """The exporter's optimizer would merge equal initializers (two fresh LayerNorm weights are both
+    ones): ortwrap exports with optimize=False and feeds every parameter as its own input."""
+    m = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4), nn.LayerNorm(4))
+    w = check_parity(lambda: copy.deepcopy(m), lambda b, g: ((torch.randn(b, 4, generator=g),), {}),
+                     wrap_options={"exporter": "dynamo"})  # fmt: skip
+    inputs = {i.name for i in w.last_artifacts.pre_grad.graph.input}
+    assert {"module.0.weight", "module.2.weight", "module.0.bias", "module.2.bias"} <= inputs
