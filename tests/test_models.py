@@ -72,3 +72,25 @@ def test_gpt_lm_with_loss_inside():
 
     w = check_parity(lambda: TinyGPT(cfg), inputs, batch_sizes=(2, 3, 2), loss_fn=lambda out: out[0])
     assert w.export_count == 1
+
+
+class ScaledByBuffers(nn.Module):
+    """A non-persistent buffer (as rotary tables are) next to a persistent one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4), persistent=False)
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 4))
+
+    def forward(self, x):
+        return self.l(x) * self.scale + self.shift
+
+
+def test_non_persistent_buffers_are_fed_and_changes_are_seen(exporter):
+    w = check_parity(ScaledByBuffers, lambda b, g: ((torch.randn(b, 4, generator=g),), {}))
+    assert "scale" not in w.state_dict()  # still non-persistent after export
+    x = torch.randn(3, 4)
+    w.module.scale.mul_(3.0)  # an in-place change of the buffer is seen by the next step
+    expected = w.module.l(x) * w.module.scale + w.module.shift
+    torch.testing.assert_close(w(x), expected, atol=1e-5, rtol=1e-4)

@@ -79,6 +79,21 @@ def _opaque_output(path: str, value: Any) -> tuple:
 
 
 @contextlib.contextmanager
+def _buffers_as_inputs(module: nn.Module) -> Iterator[None]:
+    """The TorchScript exporter feeds only ``state_dict()`` entries as inputs and bakes the rest in:
+    a non-persistent buffer (rotary tables, masks) would become a constant, stale once the module
+    changes it. During export every buffer is persistent, so each one is a graph input."""
+    saved = [(m, set(m._non_persistent_buffers_set)) for m in module.modules() if m._non_persistent_buffers_set]
+    for m, _ in saved:
+        m._non_persistent_buffers_set.clear()
+    try:
+        yield
+    finally:
+        for m, names in saved:
+            m._non_persistent_buffers_set.update(names)
+
+
+@contextlib.contextmanager
 def _preserved_state(module: nn.Module) -> Iterator[None]:
     """Tracing runs the forward once: undo its buffer updates and its use of the RNG."""
     saved = [(b, b.detach().clone()) for b in module.buffers()]
@@ -132,6 +147,7 @@ def export_torchscript(
     try:
         with (
             _preserved_state(module),
+            _buffers_as_inputs(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
             ortwrap_symbolics(opset, aten_ops) as symbolic_reasons,
             collective_stubs(),
