@@ -295,7 +295,7 @@ def torch_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
-    cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "deepspeed_comm", "zero3_leaf"]
+    cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "zero3_partial", "deepspeed_comm", "zero3_leaf"]
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
 
 
@@ -330,6 +330,9 @@ def _assert_deepspeed_parity(ranks: list[dict], stage: int) -> None:
         plain, ours = r["plain"], r["ortwrap"]
         assert ours["fallback"] is None
         assert ours["export_count"] == 1, "ORTWrap exported more than once for the training steps"
+        before, after = ours["deepspeed_hooks"]
+        assert before == after, "DeepSpeed's module hooks were not restored after the export"
+        assert stage < 3 or before > 0
         torch.testing.assert_close(
             torch.tensor(ours["losses"]),
             torch.tensor(plain["losses"]),
@@ -349,7 +352,8 @@ def _assert_deepspeed_parity(ranks: list[dict], stage: int) -> None:
             n = len(plain["losses"])
             assert plain["partitioned_after_backward"] == [True] * n, "the ZeRO-3 test config does not partition"
             assert ours["partitioned_after_backward"] == [True] * n, "ORTWrap left ZeRO-3 parameters gathered"
-            assert ours["partitioned_after_no_grad"] and ours["eval_out_shape"] == [4, 3]
+            assert ours["gathered_after_no_grad"] == [], "ORTWrap left parameters gathered after a no-grad run"
+            assert ours["eval_out_shape"] == [4, 3]
     assert ranks[0]["ortwrap"]["losses"] != ranks[1]["ortwrap"]["losses"], "the ranks saw the same data"
 
 
@@ -357,8 +361,8 @@ def _assert_deepspeed_parity(ranks: list[dict], stage: int) -> None:
 @needs_deepspeed
 @pytest.mark.parametrize(
     "case,stage",
-    [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_init", 3), ("zero3_accum", 3)],
-    ids=["zero1", "zero2", "zero3", "zero3-zero.Init", "zero3-grad-accumulation"],
+    [("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_init", 3), ("zero3_accum", 3), ("zero3_partial", 3)],
+    ids=["zero1", "zero2", "zero3", "zero3-zero.Init", "zero3-grad-accumulation", "zero3-ortwrap-submodule"],
 )
 def test_deepspeed_zero_matches_plain_deepspeed(deepspeed_runs, case, stage):
     _assert_deepspeed_parity(deepspeed_runs[case], stage)
@@ -373,7 +377,8 @@ def test_function_calling_deepspeed_comm_trains_like_eager(deepspeed_runs):
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_zero3_leaf_module_is_refused(deepspeed_runs):
+def test_zero3_leaf_module_and_engine_inside_ortwrap_are_refused(deepspeed_runs):
     for r in _ok(deepspeed_runs["zero3_leaf"]):
         assert r["raised"] == UnsupportedInputError.__name__
         assert "ZeRO-3 leaf modules" in r["message"] and "norm" in r["message"]
+        assert "deepspeed.initialize(model=ORTWrap(model)" in r["engine_inside"]

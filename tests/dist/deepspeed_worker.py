@@ -36,6 +36,22 @@ class Net(nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
+class Outer(nn.Module):
+    """ZeRO-3 with ORTWrap around one submodule only: DeepSpeed's hooks manage ``pre`` and ``post``,
+    ortwrap manages ``body`` (one of whose parameters is frozen)."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(6, 6)
+        body = Net()
+        body.fc1.bias.requires_grad_(False)
+        self.body = ORTWrap(body, fallback=False) if wrap else body
+        self.post = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.relu(self.body(self.pre(x))))
+
+
 def config(stage: int, accumulation: int = 1) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
@@ -62,16 +78,27 @@ def full_params(engine) -> dict[str, list]:
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
         for name, p in params.items():
-            out[name.removeprefix("module.")] = p.detach().clone().tolist()
+            out[name.removeprefix("module.").replace("body.module.", "body.")] = p.detach().clone().tolist()
     return out
 
 
+def deepspeed_hooks(module: nn.Module) -> int:
+    """How many forward/backward hooks DeepSpeed registered on ``module`` and its submodules."""
+    n = 0
+    for m in module.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks):
+            n += sum((getattr(h, "__module__", None) or "").startswith("deepspeed.") for h in hooks.values())
+    return n
+
+
 def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> dict:
-    if wrap:
+    if wrap and not isinstance(model, Outer):
         model = ORTWrap(model, fallback=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, accumulation))
     rank = dist.get_rank()
+    ortwrap = engine.module if isinstance(engine.module, ORTWrap) else getattr(engine.module, "body", None)
+    hooks_before = deepspeed_hooks(ortwrap.module) if wrap else 0
     losses, partitioned = [], []
     for x, y in batches(rank, STEPS * accumulation):
         out = engine(x)
@@ -84,22 +111,26 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> di
         losses.append(loss.item())
     result = {"losses": losses, "params": full_params(engine), "partitioned_after_backward": partitioned}
     if wrap:
-        ortwrap = engine.module
+        # ortwrap hid DeepSpeed's hooks on the wrapped module's submodules while exporting: restored.
+        result["deepspeed_hooks"] = [hooks_before, deepspeed_hooks(ortwrap.module)]
         result["export_count"] = ortwrap.export_count  # one graph for every training step
         result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
-        if stage == 3:
-            with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
-                engine.eval()
-                out = engine(batches(rank, 1)[0][0])
-                engine.train()
-            result["eval_out_shape"] = list(out.shape)
-            result["partitioned_after_no_grad"] = all(p.data.numel() == 0 for p in engine.module.parameters())
+    if stage == 3:
+        with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
+            engine.eval()
+            out = engine(batches(rank, 1)[0][0])
+            engine.train()
+        result["eval_out_shape"] = list(out.shape)
+        if wrap:  # ortwrap partitions its parameters right after a run without backward
+            result["gathered_after_no_grad"] = [n for n, p in ortwrap.named_parameters() if p.data.numel()]
     engine.destroy()
     return result
 
 
-def build(init: bool, stage: int) -> nn.Module:
+def build(init: bool, stage: int, partial: bool = False, wrap: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if partial:
+        return Outer(wrap)
     if init:
         with deepspeed.zero.Init(config_dict_or_path=config(stage)):
             return Net()
@@ -159,13 +190,17 @@ def case_zero3_leaf() -> dict:
     wrapped = ORTWrap(model, fallback=False)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=opt, config=config(3))
+    result: dict = {"raised": None}
     try:
         engine(batches(dist.get_rank(), 1)[0][0])
     except Exception as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    finally:
-        engine.destroy()
-    return {"raised": None}
+        result = {"raised": type(e).__name__, "message": str(e)}
+    try:  # the wrong wrap order
+        ORTWrap(engine)
+    except TypeError as e:
+        result["engine_inside"] = str(e)
+    engine.destroy()
+    return result
 
 
 def main() -> None:
@@ -177,6 +212,7 @@ def main() -> None:
         stage = int(case[4]) if case.startswith("zero") else 0  # zero1, zero2, zero3, zero3_init, zero3_accum
         accumulation = 2 if case.endswith("_accum") else 1
         init = case.endswith("_init")
+        partial = case.endswith("_partial")
         result: dict = {"case": case, "rank": rank}
         try:
             if case == "deepspeed_comm":
@@ -184,8 +220,9 @@ def main() -> None:
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
             else:
-                result["plain"] = train(build(init, stage), stage, wrap=False, accumulation=accumulation)
-                result["ortwrap"] = train(build(init, stage), stage, wrap=True, accumulation=accumulation)
+                plain_model, our_model = build(init, stage, partial), build(init, stage, partial, wrap=True)
+                result["plain"] = train(plain_model, stage, wrap=False, accumulation=accumulation)
+                result["ortwrap"] = train(our_model, stage, wrap=True, accumulation=accumulation)
         except Exception:
             result["error"] = traceback.format_exc()
         with open(os.path.join(out_dir, f"{case}.rank{rank}.json"), "w") as f:
