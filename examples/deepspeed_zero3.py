@@ -85,6 +85,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compare", action="store_true", help="also train with plain DeepSpeed and compare losses")
     args = parser.parse_args()
+    # DeepSpeed's CPU accelerator would JIT-compile a shared-memory all-reduce kernel here (a minute or
+    # more the first time); gloo is enough for this example.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     losses = train(args.steps, wrap=True)
     if args.compare:

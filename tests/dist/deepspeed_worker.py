@@ -204,6 +204,9 @@ def case_zero3_leaf() -> dict:
 
 
 def main() -> None:
+    # DeepSpeed's CPU accelerator would JIT-compile its shared-memory all-reduce kernel here (a minute or
+    # more on a fresh machine, cached in ~/.cache/torch_extensions); gloo does all these tests need.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     out_dir = os.environ["ORTWRAP_DIST_OUT"]
