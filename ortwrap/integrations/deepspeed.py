@@ -228,9 +228,10 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict) -> Any:
         return out
     try:
         st.pending.add(node)
+        node_ref: weakref.ref | None = weakref.ref(node)
     except TypeError:  # a C++ node: no weak reference; it is simply not counted as pending
-        pass
-    node.register_hook(_on_backward(wrapper, node))
+        node_ref = None
+    node.register_hook(_on_backward(wrapper, node_ref))
     return out
 
 
@@ -244,7 +245,9 @@ def _backward_node(out: Any) -> Any:
     return None
 
 
-def _on_backward(wrapper: ORTWrap, node: Any) -> Any:
+def _on_backward(wrapper: ORTWrap, node_ref: weakref.ref | None) -> Any:
+    # NOTE: weak references only: the hook lives on the node, and a strong reference to the node (or to
+    # the wrapper) would keep an abandoned run pending forever.
     ref = weakref.ref(wrapper)
 
     def hook(grad_inputs: Any, grad_outputs: Any) -> None:
@@ -256,7 +259,9 @@ def _on_backward(wrapper: ORTWrap, node: Any) -> Any:
             w = ref()
             if w is not None:
                 st = _state(w)
-                st.pending.discard(node)
+                node = node_ref() if node_ref is not None else None
+                if node is not None:
+                    st.pending.discard(node)
                 _release_if_idle(w, st)
 
         torch.autograd.Variable._execution_engine.queue_callback(
