@@ -246,10 +246,11 @@ def test_collective_in_an_inlined_function_is_refused(one_rank_group):
 
 @needs_gloo
 def test_data_parallel_inside_ortwrap_is_refused(one_rank_group):
-    with pytest.raises(TypeError, match=r"DistributedDataParallel\(ORTWrap\(model\)"):
+    with pytest.raises(UnsupportedInputError, match=r"DistributedDataParallel\(ORTWrap\(model\)"):
         ORTWrap(nn.parallel.DistributedDataParallel(nn.Linear(2, 2)))
-    with pytest.raises(TypeError, match="DataParallel"):
+    with pytest.raises(UnsupportedInputError, match="DataParallel"):
         ORTWrap(nn.DataParallel(nn.Linear(2, 2)))
+    assert issubclass(UnsupportedInputError, TypeError)
 
 
 # ------------------------------------------------------------------------------------ two real ranks

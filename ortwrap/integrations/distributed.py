@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ExportError
+from ..errors import ExportError, UnsupportedInputError
 
 __all__ = [
     "DEEPSPEED_COLLECTIVES",
@@ -338,21 +338,26 @@ def check_wrappable(module: torch.nn.Module) -> None:
     which an export cannot contain. The working order is the other way round.
 
     Raises:
-        TypeError: ``module`` is a ``DistributedDataParallel``, ``DataParallel`` or DeepSpeed engine.
+        UnsupportedInputError: ``module`` is a ``DistributedDataParallel``, ``DataParallel``,
+            ``FullyShardedDataParallel`` or a DeepSpeed engine (a ``TypeError`` too).
     """
-    kind = type(module)
-    names = {f"{c.__module__}.{c.__qualname__}" for c in kind.__mro__}
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
+        raise UnsupportedInputError(
             "ORTWrap(DistributedDataParallel(model)) is not supported: DDP communicates in its own forward. "
             "Wrap the other way round: DistributedDataParallel(ORTWrap(model), ...)"
         )
     if isinstance(module, torch.nn.DataParallel):
-        raise TypeError(
+        raise UnsupportedInputError(
             "ORTWrap(DataParallel(model)) is not supported: use DistributedDataParallel(ORTWrap(model)) instead"
         )
+    if any(n.startswith("torch.distributed.fsdp.") and n.endswith("FullyShardedDataParallel") for n in names):
+        raise UnsupportedInputError(
+            "ORTWrap(FullyShardedDataParallel(model)) is not supported: FSDP gathers parameters in its own forward. "
+            "Use DeepSpeed ZeRO-3 with deepspeed.initialize(model=ORTWrap(model)) instead (docs/distributed.md)"
+        )
     if any(n.startswith("deepspeed.") and n.endswith(".DeepSpeedEngine") for n in names):
-        raise TypeError(
+        raise UnsupportedInputError(
             "ORTWrap(deepspeed engine) is not supported: wrap the model first and give the wrapper to DeepSpeed: "
             "engine, *_ = deepspeed.initialize(model=ORTWrap(model), ...)"
         )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ortwrap import ORTWrap
+from ortwrap import ORTWrap, UnsupportedInputError
 
 STEPS = 4
 BATCH = 4
@@ -199,7 +199,7 @@ def case_zero3_leaf() -> dict:
         result = {"raised": type(e).__name__, "message": str(e)}
     try:  # the wrong wrap order
         ORTWrap(engine)
-    except TypeError as e:
+    except UnsupportedInputError as e:
         result["engine_inside"] = str(e)
     engine.destroy()
     return result
