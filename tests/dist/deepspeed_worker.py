@@ -52,6 +52,23 @@ class Outer(nn.Module):
         return self.post(torch.relu(self.body(self.pre(x))))
 
 
+class ScaleAndCount(torch.autograd.Function):
+    """Returns a tensor and an int: ortwrap cannot bridge it, so the export fails and ORTWrap falls back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor):
+        return x * 2, 1
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
+        return grad * 2
+
+
+class Unexportable(Net):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ScaleAndCount.apply(super().forward(x))[0]
+
+
 def config(stage: int, accumulation: int = 1) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
@@ -93,7 +110,7 @@ def deepspeed_hooks(module: nn.Module) -> int:
 
 def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> dict:
     if wrap and not isinstance(model, Outer):
-        model = ORTWrap(model, fallback=False)
+        model = ORTWrap(model, fallback=isinstance(model, Unexportable))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, accumulation))
     rank = dist.get_rank()
@@ -129,10 +146,12 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> di
     return result
 
 
-def build(init: bool, stage: int, partial: bool = False, wrap: bool = False) -> nn.Module:
+def build(init: bool, stage: int, partial: bool = False, wrap: bool = False, fallback: bool = False) -> nn.Module:
     torch.manual_seed(0)
     if partial:
         return Outer(wrap)
+    if fallback:
+        return Unexportable()
     if init:
         with deepspeed.zero.Init(config_dict_or_path=config(stage)):
             return Net()
@@ -218,6 +237,7 @@ def main() -> None:
         accumulation = 2 if case.endswith("_accum") else 1
         init = case.endswith("_init")
         partial = case.endswith("_partial")
+        fallback = case.endswith("_fallback")
         result: dict = {"case": case, "rank": rank}
         try:
             if case == "deepspeed_comm":
@@ -225,7 +245,8 @@ def main() -> None:
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
             else:
-                plain_model, our_model = build(init, stage, partial), build(init, stage, partial, wrap=True)
+                plain_model = build(init, stage, partial, fallback=fallback)
+                our_model = build(init, stage, partial, wrap=True, fallback=fallback)
                 result["plain"] = train(plain_model, stage, wrap=False, accumulation=accumulation)
                 result["ortwrap"] = train(our_model, stage, wrap=True, accumulation=accumulation)
         except Exception:
