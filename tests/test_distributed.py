@@ -203,6 +203,22 @@ def test_export_runs_stubs_and_run_time_runs_real_collective(one_rank_group):
     torch.testing.assert_close(model.fc.weight.grad, grad_w, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.slow
+@needs_gloo
+def test_dynamo_exporter_runs_stubs_too(one_rank_group):
+    SEEN.clear()
+    torch.manual_seed(0)
+    model = GatherNet()
+    wrapped = ORTWrap(model, fallback=False, exporter="dynamo")
+    x = torch.randn(5, 3)
+    out = wrapped(x)
+    out.sum().backward()
+    assert SEEN and all(seen == (True, True) for seen in SEEN[:-1]), SEEN  # the capture ran it with stubs
+    assert SEEN[-1] == (False, False)  # ORT's run: the real collective
+    torch.testing.assert_close(out, model.fc(x).detach(), atol=ATOL, rtol=RTOL)
+    assert not stubs_active()
+
+
 @needs_gloo
 def test_stubs_restored_when_export_fails(one_rank_group):
     before = _collectives()

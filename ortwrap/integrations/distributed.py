@@ -156,6 +156,8 @@ _installed: list[tuple[object, str, object]] = []  # (namespace, name, original)
 
 _APPLY_FILE = os.path.normcase(os.path.abspath(inspect.getfile(torch.autograd.function)))
 _BRIDGE_MODULE = "ortwrap.bridge.symbolic"
+#: (module, function) of the frames in which ortwrap's dynamo capture runs a Function's forward.
+_BRIDGED_FORWARD_FRAMES = frozenset({("ortwrap.bridge.dynamo", "_run_forward")})
 
 
 def stubs_active() -> bool:
@@ -196,7 +198,10 @@ def _enclosing_function_call() -> tuple[bool, str | None]:
         code = frame.f_code
         if code.co_name == "apply" and os.path.normcase(code.co_filename) == _APPLY_FILE:
             return True, None  # Function.apply itself: the call becomes a PythonOp
-        if frame.f_globals.get("__name__") == _BRIDGE_MODULE:
+        module = frame.f_globals.get("__name__")
+        if (module, code.co_name) in _BRIDGED_FORWARD_FRAMES:
+            return True, None  # the dynamo capture runs the forward of a Function it bridges
+        if module == _BRIDGE_MODULE:
             if code.co_name == "_inline_call":
                 pending_inline = True
                 if inlined is None:
