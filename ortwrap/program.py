@@ -21,8 +21,7 @@ from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN
 from .errors import ExportError, GradientBuildError
-from .export import ExportedModel, export_torchscript
-from .export.dynamo import export_dynamo
+from .export import ExportedModel, export_dynamo, export_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
 from .passes import PassRecord, default_passes, run_passes

@@ -37,9 +37,8 @@ from torch import nn
 
 from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError
-from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from .adapter import Adapter, finish_export, preserved_state, state_tensors
 from .model import ExportedModel
-from .torchscript import _PREFIX, _Adapter, _graph_static_reasons, _name_outputs, _preserved_state
 from .translations import training_translations
 
 #: Opset of the dynamo exporter's output; ORT 1.19.2 loads up to 21.
@@ -125,8 +124,7 @@ def export_dynamo(
         )
     from torch.export import Dim
 
-    buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
-    adapter = _Adapter(module, in_spec, buffer_names)
+    adapter = Adapter(module, in_spec)
     input_names = [f"input:{p}" for p in input_paths]
     dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
     dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
@@ -136,7 +134,7 @@ def export_dynamo(
         module.train(training)
         with (
             _quiet_exporter(),
-            _preserved_state(module),
+            preserved_state(module),
             _collective_stubs(),
             bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
         ):
@@ -171,7 +169,6 @@ def export_dynamo(
     finally:
         module.train(was_training)
 
-    n_out = adapter.n_outputs
     graph = ir_model.graph
     if len(graph.inputs) != len(flat_inputs):
         raise ExportError(
@@ -181,8 +178,7 @@ def export_dynamo(
     guards = _shape_guards(program)
     for value, name in zip(graph.inputs, input_names):
         value.name = name
-    named_state = dict(adapter.named_parameters(remove_duplicate=False))
-    named_state.update(adapter.named_buffers(remove_duplicate=False))
+    named_state = state_tensors(adapter)
     state_values: list[tuple[ir.Value, str]] = []
     for name, value in list(graph.initializers.items()):
         if name not in named_state:
@@ -209,28 +205,15 @@ def export_dynamo(
             if other is not None and other is not value:
                 other.name = f"{name}/value"
             value.name = name
-    state_inputs: dict[str, torch.Tensor] = {}
-    state_names: dict[str, str] = {}
-    for value, name in state_values:
-        state_inputs[value.name] = named_state[name]
-        state_names[value.name] = name[len(_PREFIX) :] if name.startswith(_PREFIX) else name
-    output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
-    model = _name_outputs(ir.serde.serialize_model(ir_model), output_names)
-    present = {i.name for i in model.graph.input}
-    assert adapter.out_spec is not None
-    buffers = dict(module.named_buffers())
-    return ExportedModel(
-        model=model,
-        user_input_names=[n if n in present else None for n in input_names],
-        state_inputs=state_inputs,
-        output_names=output_names[:n_out],
-        out_spec=adapter.out_spec,
-        buffer_outputs={o: buffers[b] for o, b in zip(output_names[n_out:], buffer_names)},
-        state_names=state_names,
-        static_reasons=_graph_static_reasons(model),
+    state_inputs = {value.name: named_state[name] for value, name in state_values}
+    return finish_export(
+        adapter,
+        ir.serde.serialize_model(ir_model),
+        input_names,
+        state_inputs,
+        static_reasons=[],
         static_spatial=static_spatial,
-        keepalive=bridge.keepalive,
-        functions=bridge.functions,
+        bridge=bridge,
         shape_guards=guards,
     )
 

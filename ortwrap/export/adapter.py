@@ -1,0 +1,176 @@
+"""What both exporters share: the adapter module they capture, and turning a capture into an
+:class:`ExportedModel`.
+
+The adapter's forward takes the flat tensor inputs, rebuilds the user's ``args``/``kwargs``
+(non-tensor values are baked in as constants), calls the module, and returns the flat tensor
+outputs followed by every buffer. Its parameters and buffers are named ``module.<name>`` in the
+exported graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+import torch
+from torch import nn
+
+from .. import _tree
+from ..errors import ExportError
+from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from .model import ExportedModel
+
+#: Graph names of the module's parameters and buffers start with this (the adapter's attribute).
+STATE_PREFIX = "module."
+
+
+class _Traced:
+    """What tracing the adapter found out: the output tree spec and the number of tensor outputs."""
+
+    __slots__ = ("n_outputs", "out_spec")
+
+    def __init__(self) -> None:
+        self.out_spec: tuple | None = None
+        self.n_outputs = 0
+
+
+class Adapter(nn.Module):
+    """Calls ``module`` with inputs rebuilt from flat tensors; returns flat tensor outputs + buffers."""
+
+    def __init__(self, module: nn.Module, in_spec: tuple) -> None:
+        super().__init__()
+        self.module = module
+        self._in_spec = in_spec
+        #: the buffers returned after the outputs (floating point and int64 ones)
+        self.buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
+        # torch.export (non-strict) restores the module's attributes, containers included, after
+        # tracing: the trace's findings go to an object it does not look into.
+        self._traced = _Traced()
+
+    @property
+    def out_spec(self) -> tuple | None:
+        return self._traced.out_spec
+
+    @property
+    def n_outputs(self) -> int:
+        return self._traced.n_outputs
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = _tree.unflatten(self._in_spec, flat)
+        out = self.module(*args, **kwargs)
+        leaves: list[torch.Tensor] = []
+        self._traced.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
+        self._traced.n_outputs = len(leaves)
+        buffers = dict(self.module.named_buffers())
+        return (*leaves, *(buffers[n] for n in self.buffer_names))
+
+
+def _opaque_output(path: str, value: Any) -> tuple:
+    return ("O", value)
+
+
+def state_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """Graph name -> tensor of every parameter and buffer of the adapted module."""
+    named = dict(adapter.named_parameters(remove_duplicate=False))
+    named.update(adapter.named_buffers(remove_duplicate=False))
+    return named
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Tracing runs the forward once: undo its buffer updates and its use of the RNG."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+
+
+def finish_export(
+    adapter: Adapter,
+    model: onnx.ModelProto,
+    input_names: list[str],
+    state_inputs: dict[str, torch.Tensor],
+    *,
+    static_reasons: list[str],
+    static_spatial: bool,
+    bridge: Any,
+    shape_guards: Any = None,
+) -> ExportedModel:
+    """Name the outputs of a captured ``model`` and describe how it maps to the module.
+
+    Args:
+        adapter: the adapter that was captured (its trace found the output structure).
+        model: the captured graph; its inputs are ``input_names`` then state inputs.
+        input_names: graph input name of each flat user input.
+        state_inputs: graph input name -> parameter or buffer tensor.
+        static_reasons: the exporter's own reasons for static spatial shapes.
+        static_spatial: the capture fixed every non-batch dimension.
+        bridge: the export scope of the bridged Functions (``keepalive``, ``functions``).
+        shape_guards: the capture's shape assumptions (dynamo).
+    """
+    assert adapter.out_spec is not None
+    module = adapter.module
+    n_out = adapter.n_outputs
+    buffer_names = adapter.buffer_names
+    output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
+    model = name_outputs(model, output_names)
+    present = {i.name for i in model.graph.input}
+    buffers = dict(module.named_buffers())
+    return ExportedModel(
+        model=model,
+        user_input_names=[n if n in present else None for n in input_names],
+        state_inputs=state_inputs,
+        output_names=output_names[:n_out],
+        out_spec=adapter.out_spec,
+        buffer_outputs={o: buffers[b] for o, b in zip(output_names[n_out:], buffer_names)},
+        state_names={n: n[len(STATE_PREFIX) :] if n.startswith(STATE_PREFIX) else n for n in state_inputs},
+        static_reasons=list(static_reasons) + graph_static_reasons(model),
+        static_spatial=static_spatial,
+        keepalive=bridge.keepalive,
+        functions=bridge.functions,
+        shape_guards=shape_guards,
+    )
+
+
+#: Ops whose ORT 1.19.2 gradient (or its rewrite) needs static non-batch dimensions: pooling grads
+#: size their result from statically inferred shapes (MaxPoolGrad crashes with dynamic H/W), and
+#: the Resize rewrite tabulates fixed interpolation matrices.
+STATIC_SPATIAL_OPS = frozenset({"MaxPool", "AveragePool", "Resize", "Upsample", "LpPool", "MaxUnpool"})
+
+
+def graph_static_reasons(model: onnx.ModelProto) -> list[str]:
+    nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
+    found = sorted({n.op_type for n in nodes if n.op_type in STATIC_SPATIAL_OPS})
+    reasons = [f"{op} needs static spatial shapes for its gradient" for op in found]
+    if any(n.op_type == "If" for n in nodes):
+        # The exporter writes shape-dependent ops (squeeze of a dynamic dim, ...) as If nodes, on
+        # which ORT 1.19.2's gradient builder aborts the process; static dims make them plain ops.
+        reasons.append("an If node (a shape-dependent op such as squeeze on a dynamic dimension)")
+    return reasons
+
+
+def name_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Rename the graph outputs to ``names``; an output that is a graph input or repeats an earlier
+    output first gets its own Identity node, so every output is a distinct value."""
+    ir_model = ir.serde.deserialize_model(model)
+    graph = ir_model.graph
+    if len(graph.outputs) != len(names):
+        raise ExportError(f"the exported graph has {len(graph.outputs)} outputs, expected {len(names)}")
+    inputs = {id(v) for v in graph.inputs}
+    seen: set[int] = set()
+    for i, value in enumerate(list(graph.outputs)):
+        if id(value) in inputs or id(value) in seen:
+            node = ir.node("Identity", [value], name=f"ortwrap/output_copy/{i}")
+            graph.append(node)
+            value = node.outputs[0]
+            graph.outputs[i] = value
+        seen.add(id(value))
+        value.name = names[i]
+    return ir.serde.serialize_model(ir_model)
