@@ -21,14 +21,23 @@ def test_cnn_batchnorm_on_cuda():
     check_parity(SmallCNN, lambda b, g: ((torch.randn(b, 3, 10, 10, generator=g),), {}), device="cuda", atol=1e-4)
 
 
-def test_gpt_on_cuda():
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_gpt_on_cuda(exporter):
     cfg = GPTConfig(vocab=97, d=32, heads=4, layers=2, max_len=16)
 
     def inputs(b, g):
         data = torch.randint(0, cfg.vocab, (b, 13), generator=g)
         return (data[:, :-1], data[:, 1:]), {}
 
-    check_parity(lambda: TinyGPT(cfg), inputs, batch_sizes=(2, 3), loss_fn=lambda out: out[0], device="cuda", atol=1e-4)
+    check_parity(
+        lambda: TinyGPT(cfg),
+        inputs,
+        batch_sizes=(2, 3),
+        loss_fn=lambda out: out[0],
+        device="cuda",
+        atol=1e-4,
+        wrap_options={"exporter": exporter},
+    )
 
 
 def test_mixed_devices_are_refused():
