@@ -12,6 +12,8 @@ embedding                      ``padding_idx``: ONNX ``Gather`` would send gradi
                                the weight (``ortwrap::StopGradient``, resolved by a pass).
 cross_entropy_loss             ``label_smoothing`` is refused by torch's symbolic; emitted as
                                ``SoftmaxCrossEntropyLoss`` (both outputs) plus the smoothing term.
+scaled_dot_product_attention   ``enable_gqa=True`` (Llama's grouped-query attention) is refused by
+                               torch's symbolic; key/value heads are repeated for their query group.
 adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size into a fixed
                                pooling kernel; ortwrap records that the graph needs static spatial
                                shapes (see ``export.torchscript``).
@@ -121,6 +123,41 @@ def _adaptive_pool(name: str, default: Callable) -> Callable:
 _ADAPTIVE = [f"aten::adaptive_{kind}_pool{d}d" for kind in ("avg", "max") for d in (1, 2, 3)]
 
 
+def _sdpa(default: Callable) -> Callable:
+    """``enable_gqa=True`` (grouped-query attention: fewer key/value heads than query heads, as in
+    Llama) is refused by torch's symbolic. Each key/value head is repeated for its group of query
+    heads (``repeat_interleave`` on the head dimension, written as Unsqueeze/Expand/Reshape), then
+    torch's symbolic runs on the expanded tensors."""
+
+    def symbolic(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        sh = _helper()
+        if not sh._maybe_get_const(enable_gqa, "b"):
+            return default(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if sh._get_tensor_rank(query) != 4 or sh._get_tensor_rank(key) != 4:
+            raise RuntimeError("ortwrap: scaled_dot_product_attention(enable_gqa=True) needs 4-D (B, H, T, D) inputs")
+
+        def const(values):
+            return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+        def dim(shape, i):
+            return g.op("Gather", shape, const([i]), axis_i=0)
+
+        q_heads = dim(g.op("Shape", query), 1)
+
+        def repeat(t):
+            shape = g.op("Shape", t)
+            batch, heads, length, depth = (dim(shape, i) for i in range(4))
+            group = g.op("Div", q_heads, heads)
+            expanded = g.op(
+                "Expand", g.op("Unsqueeze", t, const([2])), g.op("Concat", batch, heads, group, length, depth, axis_i=0)
+            )
+            return g.op("Reshape", expanded, g.op("Concat", batch, q_heads, length, depth, axis_i=0))
+
+        return default(g, query, repeat(key), repeat(value), attn_mask, dropout_p, is_causal, scale, False)
+
+    return symbolic
+
+
 def _aten_symbolic(name: str) -> Callable:
     """Export ``aten::<name>`` as an ATen node running PyTorch's own kernel (``Options.aten_ops``)."""
 
@@ -151,6 +188,12 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[li
     }
     for op in aten_ops:
         symbolics[f"aten::{op}"] = _aten_symbolic(op)
+    if opset >= 14:  # registers torch's symbolics of that opset (imported lazily otherwise)
+        import torch.onnx._internal.torchscript_exporter.symbolic_opset14  # noqa: F401
+    group = registry.get_function_group("aten::scaled_dot_product_attention")
+    default_sdpa = group.get(opset) if group is not None else None
+    if default_sdpa is not None:
+        symbolics["aten::scaled_dot_product_attention"] = _sdpa(default_sdpa)
     for name in _ADAPTIVE:
         group = registry.get_function_group(name)
         default = group.get(opset) if group is not None else None

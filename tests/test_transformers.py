@@ -1,0 +1,70 @@
+"""Hugging Face transformers models, built from small configs with random weights, train through
+ORTWrap like eager with both exporters: Llama (grouped-query SDPA attention, rotary embeddings
+from a non-persistent buffer, RMSNorm, SwiGLU), GPT-2 (Conv1D projections, tanh GELU, tied LM
+head) and BERT for classification (padding attention mask, pooler, cross-entropy on labels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import check_parity
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.usefixtures("exporter")
+
+VOCAB = 64
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def lm_inputs(b, g):
+    t = {4: 10, 7: 13, 3: 9}[b]  # the sequence length changes with the batch size
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def classification_inputs(b, g):
+    ids = torch.randint(0, VOCAB, (b, 12), generator=g)
+    mask = torch.ones(b, 12, dtype=torch.long)
+    mask[1:, -3:] = 0  # padded rows
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (b,), generator=g)}
+
+
+@pytest.mark.parametrize(
+    "make_model, make_inputs",
+    [(llama, lm_inputs), (gpt2, lm_inputs), (bert, classification_inputs)],
+    ids=["llama", "gpt2", "bert"],
+)
+def test_transformers_model_trains_like_eager(make_model, make_inputs):
+    w = check_parity(make_model, make_inputs, loss_fn=lambda out: out.loss)
+    assert w.export_count == 1  # new batch sizes and sequence lengths reuse the graph
+    assert w.fallback_reason is None
