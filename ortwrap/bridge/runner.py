@@ -1,15 +1,18 @@
 """The Python half of ortwrap's PythonOp / PythonOpGrad runners.
 
-``_runner.c`` is registered with ONNX Runtime as the forward and backward runner. For every
-PythonOp (PythonOpGrad) kernel call it calls :func:`_forward` (:func:`_backward`) with ORT's
-arguments as Python objects::
+``_runner.c`` is registered with ONNX Runtime as the forward and backward runner. The first time a
+PythonOp node (ORT kernel) runs, the native runner calls :func:`_forward` with ORT's arguments::
 
     (func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args)
 
-and expects a list back: forward ``[handle, capsule | None, ...]``, backward ``[capsule | None, ...]``
-(one entry per argument of ``Function.apply``). The handlers never raise: an exception is parked
-(``state.park``) and the C side returns an empty vector, which fails the node; the caller of the
-ORT run then re-raises the original exception.
+which learns the node's constants, runs it and generates the node's forward and backward
+(:func:`_generate_forward`, :func:`_generate_backward`). Every later call of the node goes straight
+to its generated forward, ``run(*args)`` (the native runner caches it per node); every PythonOpGrad
+call goes to the generated backward that the call's Handle carries, ``run(handle, *grads)``, or to
+:func:`_backward`. Results are lists: forward ``[handle, capsule | None, ...]``, backward
+``[capsule | None, ...]`` (one entry per argument of ``Function.apply``). The handlers never raise:
+an exception is parked (``state.park``) and the C side returns an empty vector, which fails the
+node; the caller of the ORT run then re-raises the original exception.
 
 NOTE: ownership and lifetime.
 - ORT stores the forward's :class:`Handle` in its context map (it is the only owner: unsafe run
@@ -45,7 +48,7 @@ _from_dlpack = torch._C._from_dlpack
 _to_dlpack = torch._C._to_dlpack
 _Tensor = torch.Tensor
 _set_grad_enabled = torch._C._set_grad_enabled
-_is_grad_enabled = torch.is_grad_enabled
+_is_grad_enabled = torch._C.is_grad_enabled
 _zeros = torch.zeros
 
 BOOL_MARK = "|bool="
@@ -57,7 +60,7 @@ def install() -> None:
     lib = load("_runner")
     lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 5
     lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
-    if lib.ortwrap_bridge_set_handlers(_forward, _backward, state.park, _forward_fast, _backward_fast) != 0:
+    if lib.ortwrap_bridge_set_handlers(_forward, _backward, _lookup, state.park, Handle) != 0:
         raise RuntimeError("ortwrap: initializing the PythonOp runners failed")
     C.register_forward_runner(ctypes.cast(lib.ortwrap_forward_runner, ctypes.c_void_p).value)
     C.register_backward_runner(ctypes.cast(lib.ortwrap_backward_runner, ctypes.c_void_p).value)
@@ -80,7 +83,7 @@ class RunRecord:
     def __init__(self) -> None:
         # Weak: ORT must be the only owner of a Handle (unsafe run mode checks the refcount).
         self.handles: list[weakref.ref[Handle]] = []
-        self.context_ids: list = []  # int64 tensors: this run's keys in ORT's context map
+        self.context_ids: list = []  # int64 tensors holding this run's keys in ORT's context map
         self.done = False
         state.forward_started()
 
@@ -115,19 +118,25 @@ class RunRecord:
             if left and self.context_ids:
                 # No backward will erase these entries: queue them for the janitor (run later, at a
                 # safe point: this may be called by the garbage collector inside an ORT run).
-                state.abandon([int(t) for t in self.context_ids])
+                state.abandon([i for t in self.context_ids for i in t.reshape(-1).tolist()])
                 left = 0
             state.forward_finished(left)
 
 
 class Handle:
-    """What ORT stores as a PythonOp's context (its output 0 is an int64 key to it)."""
+    """What ORT stores as a PythonOp's context (its output 0 is an int64 key to it).
 
-    __slots__ = ("__weakref__", "alive", "ctx", "in_meta", "kernel", "out_meta")
+    ``out_shapes``: per output its shape (None for a None output); ``out_diff``: None when every
+    output is differentiable, else a flag per output; ``in_shapes``: input position -> shape, for
+    the inputs that require grad. Per call only shapes: dtypes and devices are per node.
+    ``backward``: the node's generated backward (the native runner calls it), or None.
+    """
+
+    __slots__ = ("__weakref__", "alive", "backward", "ctx", "in_shapes", "kernel", "out_diff", "out_shapes")
 
     def release(self) -> None:
         self.alive = False
-        self.ctx = self.out_meta = self.in_meta = None
+        self.ctx = self.out_shapes = self.in_shapes = self.backward = None
 
 
 class FunctionContext:
@@ -176,15 +185,17 @@ class _Kernel:
     __slots__ = (
         "backward",
         "bool_inputs",
+        "bool_outputs",
         "clone",
         "cls",
-        "first",
         "forward",
         "in_types",
         "n_args",
         "needs_input_grad",
         "out_types",
         "rg_pos",
+        "run",
+        "run_backward",
         "setup_context",
         "tensor_pos",
         "want_grad",
@@ -209,25 +220,41 @@ class _Kernel:
         self.needs_input_grad = tuple(i in self.rg_pos for i in range(self.n_args))
         self.bool_inputs = frozenset(int(i) for i in bools.split(",")) if bools else frozenset()
         self.clone: frozenset[int] = frozenset()  # inputs saved in ctx or made dirty
-        self.first = True
+        self.bool_outputs = True  # until the first call showed none
         self.out_types: list | None = None  # per output: (dtype, device, floating) or None
         self.in_types: dict[int, tuple] = {}  # per input that requires grad: (dtype, device)
+        # Made by the first call (the node's generated forward and backward, see _generate_*).
+        self.run = None
+        self.run_backward = None
 
 
 _kernels: dict[str, _Kernel] = {}
+_bool = torch.bool
+_uint8 = torch.uint8
+_contiguous = torch.contiguous_format
+_weakref = weakref.ref
+_new_context = object.__new__
 
 
 def _export(t: _Tensor, foreign: list[int]) -> object:
     """DLPack capsule for an output: contiguous, not in an ORT input buffer, bool as uint8.
 
     (Bridged Functions run with grad mode off: their outputs never require grad.)"""
-    if foreign and t.numel() and t.untyped_storage().data_ptr() in foreign:
-        t = t.clone(memory_format=torch.contiguous_format)
+    if t.untyped_storage().data_ptr() in foreign and t.numel():
+        t = t.clone(memory_format=_contiguous)
     elif not t.is_contiguous():
         t = t.contiguous()
-    if t.dtype is torch.bool:
-        t = t.view(torch.uint8)
+    if t.dtype is _bool:
+        t = t.view(_uint8)
     return _to_dlpack(t)
+
+
+def _non_tensor_output(k: _Kernel, o: object) -> UnsupportedFunctionError:
+    return UnsupportedFunctionError(
+        f"torch.autograd.Function {state.qualified_name(k.cls)} returned a non-tensor output "
+        f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors "
+        "inside ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
+    )
 
 
 def _tensors_in(values: list, depth: int = 3) -> list[_Tensor]:
@@ -265,11 +292,71 @@ def _learn(k: _Kernel, ctx: FunctionContext, outs: tuple, passed: dict[int, _Ten
             if o is t:
                 keep.add(i)
     k.clone = frozenset(keep)
-    k.first = False
+    k.bool_outputs = any(o is not None and o.dtype is _bool for o in outs)
+    if k.want_grad and k.out_types is None:
+        k.out_types = [(o.dtype, o.device, o.is_floating_point()) if o is not None else None for o in outs]
+        k.in_types = {i: (passed[i].dtype, passed[i].device) for i in k.rg_pos if i in passed}
+
+
+def _call(k: _Kernel, ctx: FunctionContext, call: list) -> object:
+    """The Function's forward, with grad mode off (as in ``Function.apply``)."""
+    prev = _is_grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        if k.setup_context is None:
+            return k.forward(ctx, *call)
+        outs = k.forward(*call)
+        k.setup_context(ctx, tuple(call), outs)
+        return outs
+    finally:
+        _set_grad_enabled(prev)
+
+
+def _call_backward(k: _Kernel, ctx: FunctionContext, grads: list) -> object:
+    """The Function's backward, with grad mode off (a double backward is not supported)."""
+    prev = _is_grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        return k.backward(ctx, *grads)
+    finally:
+        _set_grad_enabled(prev)
+
+
+def _grad_count(k: _Kernel, r: tuple) -> tuple:
+    """The backward's result trimmed to one entry per argument of ``apply``, as autograd checks it."""
+    n_in = k.n_args
+    if len(r) > n_in and all(x is None for x in r[n_in:]):  # autograd accepts extra Nones
+        return r[:n_in]
+    raise RuntimeError(
+        f"function {k.cls.__name__}Backward returned an incorrect number of gradients (expected {n_in}, got {len(r)})"
+    )
+
+
+def _non_variable_grad(k: _Kernel, i: int) -> RuntimeError:
+    return RuntimeError(
+        f"function {k.cls.__name__}Backward returned a gradient different than None at position {i + 1}, but the "
+        "corresponding forward input was not a Variable"
+    )
+
+
+def _sum_to(k: _Kernel, i: int, g: _Tensor, shape) -> _Tensor:
+    """A gradient of another shape than its input: reduced like autograd does, or refused."""
+    try:
+        return g.sum_to_size(shape)
+    except RuntimeError:
+        raise RuntimeError(
+            f"Function {k.cls.__name__}Backward returned an invalid gradient at index {i} - got "
+            f"{list(g.shape)} but expected shape compatible with {list(shape)}"
+        ) from None
+
+
+# ------------------------------------------------------------------------------ generic forward
 
 
 def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
-    """First call of a PythonOp node: learn its constants, then run it."""
+    """A node's first call, with ORT's full argument list: learn its constants, then run it.
+
+    Later calls take ``_lookup(invoke_id)``, the node's generated forward."""
     try:
         k = _kernels.get(invoke_id)
         if k is None:
@@ -277,17 +364,21 @@ def _forward(func_name, callback, requires_grad, tensor_flags, training, inplace
     except BaseException as e:
         state.park(e)
         return None
-    return _run_forward(k, args)
+    if k.run is not None:  # a known node (the native cache evicted it)
+        return k.run(*args)
+    return _run_forward(k, args, first=True)
 
 
-def _forward_fast(invoke_id, args):
-    """Later calls: the C runner passes only the node's id and its arguments."""
-    return _run_forward(_kernels[invoke_id], args)
+def _lookup(invoke_id: str):
+    """The native runner's per-node entry point: the node's generated forward, once it exists."""
+    k = _kernels.get(invoke_id)
+    return None if k is None else k.run
 
 
-def _run_forward(k: _Kernel, args: tuple):
+def _run_forward(k: _Kernel, args: tuple, first: bool = False):
+    """The reference forward: a node's first call (which learns what the Function keeps: every
+    input is cloned until then) and the calls the generated forward does not handle."""
     try:
-        first, clone, rg_pos = k.first, k.clone, k.rg_pos
         call = list(args)
         foreign: list[int] = []  # ORT-owned input buffers
         passed: dict[int, _Tensor] = {}
@@ -298,140 +389,110 @@ def _run_forward(k: _Kernel, args: tuple):
             t = _from_dlpack(a)
             foreign.append(t.untyped_storage().data_ptr())
             if i in k.bool_inputs:
-                t = t.view(torch.bool)
-            if first or i in clone:
+                t = t.view(_bool)
+            if first or i in k.clone:
                 t = t.clone()  # kept by the Function: must not live in a buffer ORT may reuse
-            if i in rg_pos:
+            if i in k.rg_pos:
                 t.requires_grad_(True)  # as in eager: forward may branch on it (grad mode stays off)
             call[i] = t
             passed[i] = t
-
         ctx = _new_context(FunctionContext)
         ctx.needs_input_grad = k.needs_input_grad
-        prev = _is_grad_enabled()
-        _set_grad_enabled(False)
-        try:
-            if k.setup_context is None:
-                outs = k.forward(ctx, *call)
-            else:
-                outs = k.forward(*call)
-                k.setup_context(ctx, tuple(call), outs)
-        finally:
-            _set_grad_enabled(prev)
+        outs = _call(k, ctx, call)
         if type(outs) is not tuple:
             outs = (outs,)
-        for o in outs:
-            if o is not None and not isinstance(o, _Tensor):
-                raise UnsupportedFunctionError(
-                    f"torch.autograd.Function {state.qualified_name(k.cls)} returned a non-tensor output "
-                    f"({type(o).__name__}); ortwrap can only run Functions whose outputs are all tensors "
-                    "inside ONNX Runtime. Return tensors, or keep this module out of ORTWrap."
-                )
         if first:
+            for o in outs:
+                if o is not None and not isinstance(o, _Tensor):
+                    raise _non_tensor_output(k, o)
             _learn(k, ctx, outs, passed)
-
-        if not k.want_grad:
-            result: list = [None]  # ORT requires None when training_mode == 0
-        else:
-            h = Handle()
-            h.alive = True
-            h.ctx = ctx
-            h.kernel = k
-            frozen = ctx.non_differentiable
-            # Per call only shapes; dtypes and devices are per node (kernel.types).
-            h.out_meta = [
-                (o.shape, not frozen or not any(o is f for f in frozen)) if o is not None else None for o in outs
-            ]
-            h.in_meta = {i: passed[i].shape for i in rg_pos if i in passed}
-            if k.out_types is None:
-                k.out_types = [(o.dtype, o.device, o.is_floating_point()) if o is not None else None for o in outs]
-                k.in_types = {i: (passed[i].dtype, passed[i].device) for i in rg_pos if i in passed}
-            record = getattr(_current, "record", None)
-            if record is not None:
-                record.handles.append(weakref.ref(h))
-            result = [h]
-        for o in outs:
-            result.append(None if o is None else _export(o, foreign))
+            k.run_backward = _generate_backward(k)
+        result = _forward_outputs(k, ctx, outs, foreign, {i: passed[i].shape for i in k.rg_pos if i in passed})
+        if first:
+            k.run = _generate_forward(k, len(outs))
         return result
     except BaseException as e:
         state.park(e)
         return None
 
 
-_new_context = object.__new__
+def _forward_outputs(k: _Kernel, ctx: FunctionContext, outs: tuple, foreign: list[int], in_shapes: dict) -> list:
+    """ORT's result list: the Handle (None without grad), then each output's capsule (or None)."""
+    for o in outs:
+        if o is not None and not isinstance(o, _Tensor):
+            raise _non_tensor_output(k, o)
+    if k.want_grad:
+        h = Handle()
+        h.alive = True
+        h.ctx = ctx
+        h.kernel = k
+        h.backward = k.run_backward
+        h.in_shapes = in_shapes
+        h.out_shapes = [None if o is None else o.shape for o in outs]
+        frozen = ctx.non_differentiable
+        h.out_diff = [not any(o is f for f in frozen) for o in outs] if frozen else None
+        record = getattr(_current, "record", None)
+        if record is not None:
+            record.handles.append(_weakref(h))
+        result: list = [h]
+    else:
+        result = [None]  # ORT requires None when training_mode == 0
+    for o in outs:
+        result.append(None if o is None else _export(o, foreign))
+    return result
 
 
-def _backward(func_name, callback, requires_grad, tensor_flags, training, inplace_map, invoke_id, safe_mode, args):
-    return _backward_fast(invoke_id, args)
+# ------------------------------------------------------------------------------ generic backward
 
 
-def _backward_fast(invoke_id, args):
+def _backward(*args):
+    """The reference backward (PythonOpGrad): ``args`` is the context ORT kept for the call, then
+    one gradient per output. The native runner calls it when the Handle has no generated backward
+    (or is no Handle: a forward without grad, a released context)."""
     h = args[0]
     try:
         if type(h) is not Handle:
-            raise RuntimeError(f"PythonOpGrad {invoke_id}: the forward produced no context")
+            raise RuntimeError("PythonOpGrad: the forward produced no context")
         if not h.alive:
             raise RuntimeError(
                 f"PythonOpGrad of {state.qualified_name(h.kernel.cls)}: its context was released before backward ran"
             )
         k: _Kernel = h.kernel
-        in_meta, ctx = h.in_meta, h.ctx
-        materialize = ctx.materialize_grads
+        ctx = h.ctx
+        out_diff = h.out_diff
         foreign: list[int] = []
         grads = []
-        for meta, types, a in zip(h.out_meta, k.out_types, args[1:]):
-            if meta is None:
+        for j, (shape, out_type, a) in enumerate(zip(h.out_shapes, k.out_types, args[1:])):
+            if shape is None:
                 grads.append(None)
-                continue
-            g = None
-            if a is not None and meta[1] and types[2]:  # a differentiable (floating) output
+            elif a is not None and out_type[2] and (out_diff is None or out_diff[j]):  # a differentiable output
                 g = _from_dlpack(a)
                 foreign.append(g.untyped_storage().data_ptr())
-            elif materialize:
-                g = _zeros(meta[0], dtype=types[0], device=types[1])
-            grads.append(g)
-        prev = _is_grad_enabled()
-        _set_grad_enabled(False)
-        try:
-            r = k.backward(ctx, *grads)
-        finally:
-            _set_grad_enabled(prev)
+                grads.append(g)
+            elif ctx.materialize_grads:
+                grads.append(_zeros(shape, dtype=out_type[0], device=out_type[1]))
+            else:
+                grads.append(None)
+        r = _call_backward(k, ctx, grads)
         if type(r) is not tuple:
             r = (r,)
-        n_in = k.n_args
-        if len(r) != n_in:
-            if len(r) > n_in and all(x is None for x in r[n_in:]):  # autograd accepts extra Nones
-                r = r[:n_in]
-            else:
-                raise RuntimeError(
-                    f"function {k.cls.__name__}Backward returned an incorrect number of gradients "
-                    f"(expected {n_in}, got {len(r)})"
-                )
+        if len(r) != k.n_args:
+            r = _grad_count(k, r)
         out = []
         for i, g in enumerate(r):
-            meta = in_meta.get(i)
-            if meta is None:
+            shape = h.in_shapes.get(i)
+            if shape is None:
                 if g is not None and i not in k.tensor_pos:
-                    raise RuntimeError(
-                        f"function {k.cls.__name__}Backward returned a gradient different than None at position "
-                        f"{i + 1}, but the corresponding forward input was not a Variable"
-                    )
+                    raise _non_variable_grad(k, i)
                 out.append(None)
                 continue
-            shape = meta
             dtype, device = k.in_types[i]
             if g is None:
                 g = _zeros(shape, dtype=dtype, device=device)
             else:
                 if g.shape != shape:
-                    try:
-                        g = g.sum_to_size(shape)
-                    except RuntimeError:
-                        raise RuntimeError(
-                            f"Function {k.cls.__name__}Backward returned an invalid gradient at index {i} - got "
-                            f"{list(g.shape)} but expected shape compatible with {list(shape)}"
-                        ) from None
-                if g.dtype != dtype:
+                    g = _sum_to(k, i, g, shape)
+                if g.dtype is not dtype:
                     g = g.to(dtype)
             out.append(_export(g, foreign))
         return out
@@ -441,3 +502,244 @@ def _backward_fast(invoke_id, args):
     finally:
         if type(h) is Handle:
             h.release()  # ORT drops its reference right after this call returns
+
+
+# ------------------------------------------------------------------------------ generated code
+#
+# A node's calls after its first run the same steps with the same constants every time (which
+# arguments are tensors, which require grad or are kept by the Function, how many outputs, their
+# dtypes), so after the first call ortwrap generates a forward and a backward for the node with
+# those decisions taken: straight-line code, one local per argument and output, no loops. This is
+# the per-call hot path (about 40% less Python work than the reference functions above, which
+# remain the specification and handle every call the generated code does not: a missing input,
+# another output count, a released context).
+
+_GENERATED_GLOBALS = {
+    "FunctionContext": FunctionContext,
+    "Handle": Handle,
+    "Tensor": _Tensor,
+    "bool_": _bool,
+    "call": _call,
+    "call_backward": _call_backward,
+    "current": _current,
+    "forward_outputs": _forward_outputs,
+    "from_dlpack": _from_dlpack,
+    "generic_backward": _backward,
+    "grad_count": _grad_count,
+    "is_grad_enabled": _is_grad_enabled,
+    "new_context": _new_context,
+    "non_tensor": _non_tensor_output,
+    "non_variable": _non_variable_grad,
+    "park": state.park,
+    "run_forward": _run_forward,
+    "sum_to": _sum_to,
+    "to_dlpack": _to_dlpack,
+    "uint8": _uint8,
+    "weak": _weakref,
+    "zeros": _zeros,
+}
+
+
+def _compile(k: _Kernel, lines: list[str], name: str, **constants):
+    namespace = dict(_GENERATED_GLOBALS, k=k, **constants)
+    exec(compile("\n".join(lines), f"<ortwrap {name} of {state.qualified_name(k.cls)}>", "exec"), namespace)
+    return namespace["run"]
+
+
+def _in_buffer(buffers: list[str]) -> str:
+    """Python test: is address ``q`` in one of the ORT input buffers ``buffers`` (``[p<i>, e<i>)``)?
+
+    A tensor from DLPack spans its whole buffer, and anything sharing that memory (a view, a
+    detached alias) starts inside it: one ``data_ptr()`` per tensor, no storage objects."""
+    return " or ".join(f"p{b} <= q < e{b}" for b in buffers)
+
+
+def _generate_forward(k: _Kernel, n_out: int):
+    """The node's forward for its later calls: ``run(*ORT's arguments) -> ORT's result list``."""
+    if n_out == 0:
+        return lambda *args: _run_forward(k, args)
+    args = [f"a{i}" for i in range(k.n_args)]
+    tensors = [i for i in k.tensor_pos]
+    call = ", ".join(f"t{i}" if i in tensors else f"a{i}" for i in range(k.n_args))
+    buffers = [str(i) for i in tensors]
+    foreign = ", ".join(f"p{i}" for i in tensors)  # the reference's list of ORT buffers
+    in_shapes = "{" + ", ".join(f"{i}: t{i}.shape" for i in tensors if i in k.rg_pos) + "}"
+    outs = [f"o{j}" for j in range(n_out)]
+    L = [f"def run({', '.join(args)}):", "    try:"]
+    if tensors:  # ORT passes None for a missing input: the reference handles it
+        L += [
+            f"        if {' or '.join(f'a{i} is None' for i in tensors)}:",
+            f"            return run_forward(k, ({', '.join(args)},))",
+        ]
+    for i in tensors:
+        L += [
+            f"        t{i} = from_dlpack(a{i})",
+            f"        p{i} = t{i}.data_ptr()",
+            f"        e{i} = p{i} + t{i}.nbytes",
+        ]
+        if i in k.bool_inputs:
+            L.append(f"        t{i} = t{i}.view(bool_)")
+        if i in k.clone:  # kept by the Function: must not live in a buffer ORT may reuse
+            L.append(f"        t{i} = t{i}.clone()")
+        if i in k.rg_pos:  # as in eager: forward may branch on it (grad mode stays off)
+            L.append(f"        t{i}.requires_grad_(True)")
+    L.append("        ctx = new_context(NodeContext)")
+    if k.setup_context is None:  # ORT's training runs are inside an autograd.Function: grad is off
+        L += [
+            "        if is_grad_enabled():",
+            f"            outs = call(k, ctx, [{call}])",
+            "        else:",
+            f"            outs = forward(ctx, {call})",
+        ]
+    else:
+        L.append(f"        outs = call(k, ctx, [{call}])")
+    L += [
+        "        if type(outs) is not tuple:",
+        "            outs = (outs,)",
+        f"        if len(outs) != {n_out}:",
+        f"            return forward_outputs(k, ctx, outs, [{foreign}], {in_shapes})",
+        f"        {', '.join(outs)}, = outs",
+    ]
+    for o in outs:
+        L += [f"        if {o} is not None and not isinstance({o}, Tensor):", f"            raise non_tensor(k, {o})"]
+    if k.want_grad:
+        L += [
+            "        h = Handle()",
+            "        h.alive = True",
+            "        h.ctx = ctx",
+            "        h.kernel = k",
+            "        h.backward = node_backward",
+            f"        h.in_shapes = {in_shapes}",
+            "        frozen = ctx.non_differentiable",
+            "        h.out_diff = [not any(o is f for f in frozen) for o in outs] if frozen else None",
+            "        record = getattr(current, 'record', None)",
+            "        if record is not None:",
+            "            record.handles.append(weak(h))",
+        ]
+    for j, o in enumerate(outs):
+        L += [f"        if {o} is None:", f"            c{j} = None"]
+        if k.want_grad:
+            L += [f"            s{j} = None", "        else:", f"            s{j} = {o}.shape"]
+        else:
+            L.append("        else:")
+        contiguous = f"{o}.clone() if {o}.is_contiguous() else {o}.contiguous()"
+        if buffers:  # an output in an ORT input buffer, which ORT may reuse, is copied
+            L += [
+                f"            q = {o}.data_ptr()",
+                f"            if {_in_buffer(buffers)}:",
+                f"                {o} = {contiguous}",
+                f"            elif not {o}.is_contiguous():",
+            ]
+        else:
+            L.append(f"            if not {o}.is_contiguous():")
+        L.append(f"                {o} = {o}.contiguous()")
+        if k.bool_outputs:
+            L += [f"            if {o}.dtype is bool_:", f"                {o} = {o}.view(uint8)"]
+        L.append(f"            c{j} = to_dlpack({o})")
+    capsules = ", ".join(f"c{j}" for j in range(n_out))
+    if k.want_grad:
+        L += [f"        h.out_shapes = [{', '.join(f's{j}' for j in range(n_out))}]", f"        return [h, {capsules}]"]
+    else:
+        L.append(f"        return [None, {capsules}]")  # ORT requires None when training_mode == 0
+    L += ["    except BaseException as e:", "        park(e)", "        return None"]
+    # The node's context class: needs_input_grad is a class attribute, so a context costs no
+    # attribute set (no instance dict) until the Function stores something on it.
+    context = type(FunctionContext.__name__, (FunctionContext,), {"needs_input_grad": k.needs_input_grad})
+    context.__module__ = FunctionContext.__module__
+    return _compile(k, L, "forward", forward=k.forward, NodeContext=context, node_backward=k.run_backward)
+
+
+def _generate_backward(k: _Kernel):
+    """The node's backward: ``run(handle, *grads) -> ORT's result list``, or None (the reference)."""
+    if not k.want_grad or k.out_types is None or any(i not in k.in_types for i in k.rg_pos):
+        return None
+    n_out = len(k.out_types)
+    grads = [f"g{j}" for j in range(n_out)]
+    constants: dict[str, object] = {"backward": k.backward}
+    L = [
+        "def run(h, *grads):",
+        "    try:",
+        f"        if len(grads) != {n_out}:",
+        "            return generic_backward(h, *grads)",
+        f"        {', '.join(grads)}, = grads",
+        "        ctx = h.ctx",
+        "        shapes = h.out_shapes",
+        "        out_diff = h.out_diff",
+    ]
+    buffers = []
+    for j, out_type in enumerate(k.out_types):
+        if out_type is None:  # the output was None: so is its gradient
+            L.append(f"        x{j} = None")
+            continue
+        constants[f"odt{j}"], constants[f"odev{j}"], floating = out_type
+        if floating:
+            buffers.append(str(j))
+            L.append(f"        p{j} = e{j} = -1")  # not an ORT buffer
+        L += [f"        s{j} = shapes[{j}]", f"        if s{j} is None:", f"            x{j} = None"]
+        if floating:  # a differentiable output
+            L += [
+                f"        elif g{j} is not None and (out_diff is None or out_diff[{j}]):",
+                f"            x{j} = from_dlpack(g{j})",
+                f"            p{j} = x{j}.data_ptr()",
+                f"            e{j} = p{j} + x{j}.nbytes",
+            ]
+        L += [
+            "        elif ctx.materialize_grads:",
+            f"            x{j} = zeros(s{j}, dtype=odt{j}, device=odev{j})",
+            "        else:",
+            f"            x{j} = None",
+        ]
+    xs = ", ".join(f"x{j}" for j in range(n_out))
+    L += [
+        "        if is_grad_enabled():",
+        f"            r = call_backward(k, ctx, [{xs}])",
+        "        else:",  # ORT's backward runs inside RunTrainingGraph.backward: grad mode is off
+        f"            r = backward(ctx, {xs})",
+        "        if type(r) is not tuple:",
+        "            r = (r,)",
+        f"        if len(r) != {k.n_args}:",
+        "            r = grad_count(k, r)",
+        f"        {', '.join(f'r{i}' for i in range(k.n_args))}, = r",
+        "        in_shapes = h.in_shapes",
+    ]
+    for i in range(k.n_args):
+        r = f"r{i}"
+        if i not in k.tensor_pos:
+            L += [f"        if {r} is not None:", f"            raise non_variable(k, {i})", f"        c{i} = None"]
+        elif i not in k.rg_pos:
+            L.append(f"        c{i} = None")
+        else:
+            constants[f"idt{i}"], constants[f"idev{i}"] = k.in_types[i]
+            L += [
+                f"        s = in_shapes.get({i})",
+                "        if s is None:",
+                f"            c{i} = None",
+                "        else:",
+                f"            if {r} is None:",
+                f"                {r} = zeros(s, dtype=idt{i}, device=idev{i})",
+                "            else:",
+                f"                if {r}.shape != s:",
+                f"                    {r} = sum_to(k, {i}, {r}, s)",
+                f"                if {r}.dtype is not idt{i}:",
+                f"                    {r} = {r}.to(idt{i})",
+            ]
+            contiguous = f"{r}.clone() if {r}.is_contiguous() else {r}.contiguous()"
+            if buffers:  # a gradient in an ORT input buffer, which ORT may reuse, is copied
+                L += [
+                    f"                q = {r}.data_ptr()",
+                    f"                if {_in_buffer(buffers)}:",
+                    f"                    {r} = {contiguous}",
+                    f"                elif not {r}.is_contiguous():",
+                ]
+            else:
+                L.append(f"                if not {r}.is_contiguous():")
+            L += [f"                    {r} = {r}.contiguous()", f"            c{i} = to_dlpack({r})"]
+    L += [
+        "        h.alive = False",  # ORT drops its reference (the last one) right after this call
+        f"        return [{', '.join(f'c{i}' for i in range(k.n_args))}]",
+        "    except BaseException as e:",
+        "        park(e)",
+        "        h.release()",
+        "        return None",
+    ]
+    return _compile(k, L, "backward", **constants)
