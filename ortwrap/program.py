@@ -229,7 +229,7 @@ def compile_program(
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
     seconds["export"] = t1 - t0
-    passes = default_passes(with_backward=with_backward)
+    passes = default_passes(with_backward=with_backward, device_type=device.type)
     host_pass = None
     if options.aggressive_cpu_fallback:  # last: it splits the final forward graph
         host_pass = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})

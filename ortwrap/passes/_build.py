@@ -44,6 +44,12 @@ def constant_value(value: ir.Value | None) -> np.ndarray | None:
         return None
     if node.op_type == "Constant" and "value" in node.attributes:
         return node.attributes["value"].as_tensor().numpy()
+    if node.op_type == "Constant" and "value_float" in node.attributes:
+        return np.array(node.attributes["value_float"].as_float(), dtype=np.float32)
+    if node.op_type == "Constant" and "value_int" in node.attributes:
+        return np.array(node.attributes["value_int"].as_int(), dtype=np.int64)
+    if node.op_type not in ("Concat", "Identity", "Cast"):
+        return None  # before recursing: walking every producer up a deep graph takes exponential time
     args = [constant_value(v) for v in node.inputs]
     if any(a is None for a in args):
         return None

@@ -1,0 +1,150 @@
+"""Passes that give ORT's CPU kernels faster forms of the same function (passes/gather_to_gathernd.py,
+passes/gelu_unfuse.py): parity with eager through both exporters, the ops ORT ends up running, and
+what each pass leaves alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx.parser
+import onnx_ir as ir
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import check_parity
+from torch import nn
+
+from ortwrap.passes.gather_to_gathernd import GatherToGatherNDPass
+from ortwrap.passes.gelu_unfuse import UnfuseErfGeluPass
+
+
+def built_ops(wrapped) -> Counter:
+    return Counter(n.op_type for n in wrapped.last_artifacts.graph.model().graph.node)
+
+
+def run_pass(pass_, body: str) -> tuple[bool, onnx.ModelProto]:
+    model = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}'))
+    result = pass_(ir.serde.deserialize_model(model))
+    return result.modified, ir.serde.serialize_model(result.model)
+
+
+# ------------------------------------------------------------------------------ Gather -> GatherND
+class Embed(nn.Module):
+    def __init__(self, padding_idx: int | None = None, rank3: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, padding_idx=padding_idx)
+        self.table = nn.Parameter(torch.randn(20, 2, 4)) if rank3 else None
+        self.head = nn.Linear(8, 20)
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        if self.table is not None:  # a lookup into a rank-3 table, and one by a scalar index
+            h = h + self.table[ids].reshape(*ids.shape, 8) + self.table[3].reshape(8)
+        return self.head(h)
+
+
+def repeated_ids(b, g):
+    ids = torch.randint(0, 20, (b, 6), generator=g)
+    ids[:, -2:] = 0  # repeated rows: their gradients must add up
+    ids[0, :3] = 7
+    return (ids,), {}
+
+
+@pytest.mark.usefixtures("exporter")
+@pytest.mark.parametrize("padding_idx,rank3", [(None, False), (0, False), (None, True)], ids=["plain", "padding", "rank3"])
+def test_embedding_gathernd_parity(padding_idx, rank3):
+    wrapped = check_parity(lambda: Embed(padding_idx, rank3), repeated_ids)
+    ops = built_ops(wrapped)
+    assert ops["GatherNDGrad"] >= 1 and ops["GatherGrad"] == 0, ops
+
+
+def test_gathernd_pass_rewrites_parameter_lookups_only():
+    body = """
+    agraph (float[20, 8] w, int64[2, 3] ids, int32[2, 3] ids32, float[4, 20, 8] x) => (float[2, 3, 8] a, float[2, 3, 8] b, float[8] c, float[4, 2, 3, 8] d) {
+        a = Gather <axis = 0> (w, ids)
+        b = Gather <axis = 0> (w, ids32)
+        zero = Constant <value = int64 {0}> ()
+        c = Gather <axis = 0> (w, zero)
+        d = Gather <axis = 1> (x, ids)
+    }
+    """
+    modified, model = run_pass(GatherToGatherNDPass(), body)
+    assert modified
+    ops = [n.op_type for n in model.graph.node]
+    # int64 indices on axis 0 of a graph input (a and c) become GatherND; int32 indices and axis 1 stay.
+    assert ops.count("GatherND") == 2 and ops.count("Gather") == 2, ops
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((20, 8), dtype=np.float32)
+    ids = np.array([[1, 5, 5], [-1, 0, 19]], dtype=np.int64)  # negative index counts from the end
+    x = rng.standard_normal((4, 20, 8), dtype=np.float32)
+    a, b, c, d = sess.run(None, {"w": w, "ids": ids, "ids32": ids.astype(np.int32), "x": x})
+    np.testing.assert_array_equal(a, w[ids])
+    np.testing.assert_array_equal(b, w[ids])
+    np.testing.assert_array_equal(c, w[0])
+    np.testing.assert_array_equal(d, x[:, ids])
+
+
+def test_gathernd_pass_keeps_range_lookups():
+    """Position embeddings (indices from Range) stay Gather: ORT turns them into a Slice itself."""
+    body = """
+    agraph (float[20, 8] w, int64 n) => (float[N, 8] y) {
+        zero = Constant <value = int64 {0}> ()
+        one = Constant <value = int64 {1}> ()
+        pos = Range (zero, n, one)
+        y = Gather <axis = 0> (w, pos)
+    }
+    """
+    modified, _ = run_pass(GatherToGatherNDPass(), body)
+    assert not modified
+
+
+# ------------------------------------------------------------------------------ erf GELU
+class GeluMLP(nn.Module):
+    """F.gelu and nn.GELU, each between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act = nn.GELU()
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.c(self.act(self.b(F.gelu(self.a(x)))))
+
+
+@pytest.mark.usefixtures("exporter")
+def test_erf_gelu_parity_without_gelugrad():
+    wrapped = check_parity(GeluMLP, lambda b, g: ((torch.randn(b, 5, 8, generator=g),), {}))
+    ops = built_ops(wrapped)
+    assert ops["Gelu"] == 0 and ops["GeluGrad"] == 0 and ops["Erf"] == 2, ops
+
+
+def test_gelu_pass_rewrites_only_div_by_sqrt2_into_erf():
+    body = """
+    agraph (float[4] x) => (float[4] y, float[4] z, float[4] w) {
+        s = Constant <value = float {1.4142135}> ()
+        t = Constant <value = float {2.0}> ()
+        d = Div (x, s)
+        y = Erf (d)
+        e = Div (x, t)
+        z = Erf (e)
+        w = Div (x, s)
+    }
+    """
+    modified, model = run_pass(UnfuseErfGeluPass(), body)
+    assert modified
+    ops = [n.op_type for n in model.graph.node if n.op_type in ("Div", "Mul")]
+    # Only the Div by sqrt(2) that feeds Erf becomes a Mul; the graph output w keeps its Div.
+    assert sorted(ops) == ["Div", "Div", "Mul"], ops
+    import onnxruntime as ort
+
+    x = np.linspace(-3, 3, 4, dtype=np.float32)
+    y, z, w = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y, torch.erf(torch.from_numpy(x) / 2**0.5).numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(z, torch.erf(torch.from_numpy(x) / 2).numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(w, x / np.float32(1.4142135), rtol=1e-7)
