@@ -4,7 +4,7 @@ ORT 1.19.2's CPU ``GatherGrad`` (the gradient of ``Gather``, so of every ``nn.Em
 each element of the incoming gradient under one shared ``std::mutex``, from every intra-op thread:
 for a 8x128 batch into a 512x256 table it took ~9 ms of a ~180 ms GPT step, the threads mostly
 waiting on the lock. ``GatherNDGrad`` scatters the same sums in one plain loop (~2 ms; forward
-cost unchanged). On a row lookup the two ops are the same function::
+cost unchanged; measured with ``benchmarks/profile_lm.py``). On a row lookup the two ops are the same function::
 
     Gather(data, indices, axis=0)  ==  GatherND(data, Unsqueeze(indices, -1))
 
