@@ -8,12 +8,14 @@ import bench_mlp
 import bench_overhead
 import bench_pythonop
 import bench_threads
+import profile_lm
 import torch
 
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     bench_mlp.main()
     bench_lm.main()
+    profile_lm.main()
     bench_overhead.main()
     bench_pythonop.main()
     bench_threads.main()
