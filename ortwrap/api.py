@@ -9,6 +9,7 @@ Shapes are not part of it: every dimension is dynamic.
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 from typing import Any
 
@@ -123,10 +124,12 @@ class ORTWrap(nn.Module):
         if "ds_id" in self.__dict__ and _deepspeed.BUSY_MARK not in self.__dict__:
             # DeepSpeed ZeRO-3 hooked this module: gather its partitioned parameters around the run.
             return _deepspeed.zero3_forward(self, args, kwargs)
-        params_rg = tuple([p.requires_grad for p in self._params])
-        grad_on = torch.is_grad_enabled()
+        params_rg = tuple(map(_requires_grad, self._params))
+        grad_on = _grad_enabled()
         in_spec: tuple | None = None
-        if not kwargs and all(type(a) is torch.Tensor for a in args):
+        if not kwargs and (
+            (len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)
+        ):
             # Fast path: only plain positional tensors. Its key is the argument count; the tree
             # spec is built only if a build is needed.
             leaves = list(args)
@@ -288,6 +291,11 @@ class ORTWrap(nn.Module):
             paths_saved = artifacts.save(self._options.debug_dir, self._export_count)
             logger.info("saved build artifacts: %s", ", ".join(paths_saved))
         return program
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 
 def _guards_hold(program: Program, leaves: list[torch.Tensor]) -> bool:
