@@ -1,6 +1,6 @@
 """Passes that give ORT's CPU kernels faster forms of the same function (passes/gather_to_gathernd.py,
-passes/gelu_unfuse.py): parity with eager through both exporters, the ops ORT ends up running, and
-what each pass leaves alone."""
+passes/gelu_unfuse.py, passes/linear_to_gemm.py): parity with eager through both exporters, the ops
+ORT ends up running, and what each pass leaves alone."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from ortwrap.passes.gather_to_gathernd import GatherToGatherNDPass
 from ortwrap.passes.gelu_unfuse import UnfuseErfGeluPass
+from ortwrap.passes.linear_to_gemm import LinearToGemmPass
 
 
 def built_ops(wrapped) -> Counter:
@@ -25,7 +26,9 @@ def built_ops(wrapped) -> Counter:
 
 
 def run_pass(pass_, body: str) -> tuple[bool, onnx.ModelProto]:
-    model = onnx.shape_inference.infer_shapes(onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}'))
+    model = onnx.shape_inference.infer_shapes(
+        onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}')
+    )
     result = pass_(ir.serde.deserialize_model(model))
     return result.modified, ir.serde.serialize_model(result.model)
 
@@ -53,7 +56,9 @@ def repeated_ids(b, g):
 
 
 @pytest.mark.usefixtures("exporter")
-@pytest.mark.parametrize("padding_idx,rank3", [(None, False), (0, False), (None, True)], ids=["plain", "padding", "rank3"])
+@pytest.mark.parametrize(
+    "padding_idx,rank3", [(None, False), (0, False), (None, True)], ids=["plain", "padding", "rank3"]
+)
 def test_embedding_gathernd_parity(padding_idx, rank3):
     wrapped = check_parity(lambda: Embed(padding_idx, rank3), repeated_ids)
     ops = built_ops(wrapped)
@@ -148,3 +153,86 @@ def test_gelu_pass_rewrites_only_div_by_sqrt2_into_erf():
     np.testing.assert_allclose(y, torch.erf(torch.from_numpy(x) / 2**0.5).numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(z, torch.erf(torch.from_numpy(x) / 2).numpy(), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(w, x / np.float32(1.4142135), rtol=1e-7)
+
+
+# ------------------------------------------------------------------------------ Linear -> Gemm
+class Linears(nn.Module):
+    """Linear layers on 3-D and 4-D activations, with and without bias, and a tied ``x @ W.t()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        nn.init.normal_(self.emb.weight, std=0.3)  # unit-scale tables make the tied gradient cancel
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 8, bias=False)
+        self.c = nn.Linear(8, 6)
+
+    def forward(self, ids, x4):
+        h = self.emb(ids)  # (B, T, 8)
+        h = self.b(torch.tanh(self.a(h))) + h
+        y4 = self.c(x4) * 1.5  # (B, 2, T, 6)
+        # A tied head whose result is a graph output: left as MatMul (see the pass's docstring).
+        return h @ self.emb.weight.t(), y4
+
+
+def linear_inputs(b, g):
+    return (torch.randint(0, 11, (b, 5), generator=g), torch.randn(b, 2, 5, 8, generator=g)), {}
+
+
+@pytest.mark.usefixtures("exporter")
+def test_linear_gemm_parity():
+    wrapped = check_parity(Linears, linear_inputs)
+    pre_grad = Counter(n.op_type for n in wrapped.last_artifacts.pre_grad.graph.node)
+    assert pre_grad["MatMul"] == 1 and pre_grad["Gemm"] == 3, pre_grad
+    ops = built_ops(wrapped)
+    # Bias gradients reduce one axis of the 2-D dY, statically (no shape-generic broadcast subgraph).
+    assert ops["BroadcastGradientArgs"] == 0, ops
+
+
+def test_linear_gemm_pass_rewrites():
+    body = """
+    agraph (float[2, 3, 4] x, float[5, 4] w, float[5] b, float[4, 5] v, float[3, 5] c, float[2, 4] x2, int64[3] shape) =>
+           (float[2, 3, 5] y1, float[2, 3, 5] y2, float[2, 3, 5] y3, float[2, 3, 5] y4, float[2, 5] y5,
+            float[2, 3, 5] y6) {
+        wt = Transpose <perm = [1, 0]> (w)
+        m1 = MatMul (x, wt)
+        a1 = Add (b, m1)
+        y1 = Neg (a1)
+        a2 = MatMul (x, wt)
+        y2 = Neg (a2)
+        m3 = MatMul (x, v)
+        a3 = Add (m3, b)
+        y3 = Neg (a3)
+        m4 = MatMul (x, v)
+        a4 = Add (m4, c)
+        y4 = Neg (a4)
+        y5 = MatMul (x2, wt)
+        m6 = MatMul (x, wt)
+        a6 = Add (m6, b)
+        y6 = Reshape (a6, shape)
+    }
+    """
+    modified, model = run_pass(LinearToGemmPass(), body)
+    assert modified
+    ops = Counter(n.op_type for n in model.graph.node)
+    # a1 (bias and transpose), a2 (transpose only), a3 (bias only) and y5 (2-D, no reshape) become
+    # Gemm. a4's addend is not a bias of shape [N] and its MatMul has nothing to gain; a6 reaches a
+    # graph output through a Reshape (ORT would overwrite the Gemm buffer both alias): both stay.
+    assert ops["Gemm"] == 4 and ops["MatMul"] == 2 and ops["Add"] == 2 and ops["Transpose"] == 1, ops
+    gemm = [n for n in model.graph.node if n.op_type == "Gemm"]
+    assert [len(n.input) for n in gemm] == [3, 2, 3, 2], [list(n.input) for n in gemm]
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    shapes = {"x": (2, 3, 4), "w": (5, 4), "b": (5,), "v": (4, 5), "c": (3, 5), "x2": (2, 4)}
+    feeds = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    feeds["shape"] = np.array([2, 3, 5], dtype=np.int64)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    y1, y2, y3, y4, y5, y6 = sess.run(None, feeds)
+    x, w, b, v, c = (feeds[k] for k in "xwbvc")
+    np.testing.assert_allclose(-y1, x @ w.T + b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(-y2, x @ w.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(-y3, x @ v + b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(-y4, x @ v + c, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y5, feeds["x2"] @ w.T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y6, x @ w.T + b, rtol=1e-6, atol=1e-6)

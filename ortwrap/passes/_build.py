@@ -26,6 +26,12 @@ class NodeBuilder:
         ``new_outputs`` (graph outputs included) and remove it."""
         graph.insert_before(node, self.nodes)
         for old, new in zip(node.outputs, new_outputs):
+            # The same value: keep its inferred type and shape (ORT's gradient builder falls back
+            # to shape-generic subgraphs downstream of values without them).
+            if new.dtype is None and old.dtype is not None:
+                new.dtype = old.dtype
+            if new.shape is None and old.shape is not None:
+                new.shape = old.shape
             name = old.name
             old.replace_all_uses_with(new, replace_graph_outputs=True)
             old.name = None

@@ -19,6 +19,7 @@ from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .instance_norm import DecomposeInstanceNormPass
+from .linear_to_gemm import LinearToGemmPass
 from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
@@ -66,7 +67,7 @@ def default_passes(*, with_backward: bool, device_type: str = "cpu") -> list[ir.
         ]
         if device_type == "cpu":
             # Forms whose gradients ORT 1.19.2's CPU kernels compute faster (same values).
-            passes += [GatherToGatherNDPass(), UnfuseErfGeluPass()]
+            passes += [GatherToGatherNDPass(), UnfuseErfGeluPass(), LinearToGemmPass()]
     return passes
 
 
