@@ -441,9 +441,11 @@ def test_llama_block_training_parity_with_changing_batch_and_sequence(tmp_path) 
     # are computed by the shape program.
     moved = _moved_ops(w)
     assert moved.get("Shape") == 3 and moved.get("Concat", 0) >= 4 and moved.get("Gather", 0) >= 3, moved
-    main_ops = [n.op_type for n in art.pre_grad.graph.node]
     assert not any(n.op_type == "Shape" and n.input[0] == "input:x" for n in art.pre_grad.graph.node)
-    assert main_ops.count("Shape") == 2  # rotate_half's q.shape/k.shape: intermediate values, kept
+    # rotate_half's q.shape/k.shape: intermediate values, kept (LinearToGemmPass's reshapes of
+    # intermediate activations add their own Shape nodes on CPU, not counted here)
+    kept = [n for n in art.pre_grad.graph.node if n.op_type == "Shape" and "/ortwrap/" not in n.name]
+    assert len(kept) == 2, [n.name for n in kept]
     reasons = {r for p in split.moved.values() for r in p.reasons}
     assert any("ConstantOfShape input 0 (input)" in r for r in reasons)
     assert any("Slice input 2 (ends)" in r for r in reasons)

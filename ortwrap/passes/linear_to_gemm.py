@@ -88,6 +88,7 @@ class LinearToGemmPass(ir.passes.InPlacePass):
         graph = model.graph
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 17))
         modified = False
+        count = 0
         for node in list(graph):
             if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
                 continue
@@ -133,7 +134,8 @@ class LinearToGemmPass(ir.passes.InPlacePass):
             if rank > 2:
                 # A named row count: ORT's Gemm gradient reduces the bias statically only when every
                 # dimension of dY has a value or a name.
-                rows = ir.SymbolicDim(f"{gemm.name or b.prefix}_rows")
+                rows = ir.SymbolicDim(f"ortwrap_gemm_rows_{count}")
+                count += 1
                 x2.dtype, x2.shape = x.dtype, ir.Shape([rows, k])
                 gemm.dtype, gemm.shape = old.dtype, ir.Shape([rows, n])
                 lead.dtype, lead.shape = ir.DataType.INT64, ir.Shape([rank - 1])
