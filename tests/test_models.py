@@ -94,3 +94,24 @@ def test_non_persistent_buffers_are_fed_and_changes_are_seen(exporter):
     w.module.scale.mul_(3.0)  # an in-place change of the buffer is seen by the next step
     expected = w.module.l(x) * w.module.scale + w.module.shift
     torch.testing.assert_close(w(x), expected, atol=1e-5, rtol=1e-4)
+
+
+class LogitsViewAndLoss(nn.Module):
+    """Returns logits that are a view (Reshape) of a MatMul also fed to cross-entropy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 6)
+        self.w = nn.Parameter(torch.randn(6, 5))
+
+    def forward(self, x):
+        y = self.l(x).reshape(-1, 6) @ self.w
+        logits = y.reshape(x.shape[0], x.shape[1], 5)
+        target = torch.zeros(logits.shape[0] * logits.shape[1], dtype=torch.long)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 5), target), logits.float()
+
+
+def test_returned_view_outputs_survive_the_backward(exporter):
+    """ORT may reuse the buffer behind a view output during the backward: the output the user holds
+    must keep its forward values (check_parity compares outputs again after backward)."""
+    check_parity(LogitsViewAndLoss, lambda b, g: ((torch.randn(b, 3, 8, generator=g),), {}), loss_fn=lambda o: o[0])

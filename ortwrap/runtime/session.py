@@ -101,6 +101,34 @@ def _create_session(
     return sess, ort_device
 
 
+#: Ops whose ORT kernels may return their input's buffer instead of a new one.
+_ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
+
+
+def _aliased_outputs(graph: TrainingGraph) -> tuple[int, ...]:
+    """Forward outputs that ORT may hand over as a view of an intermediate buffer.
+
+    NOTE: such a buffer is not protected like a graph output's own: ORT 1.19.2's planner can
+    write backward values into it after the YieldOp (seen with logits returned as
+    ``Reshape(MatMul)`` and also fed to cross-entropy: the returned logits changed during
+    ``loss.backward()``). These outputs are copied once after the forward, before the backward
+    can run; other outputs are ORT's own buffers and cross without a copy.
+    """
+    model = graph.model()
+    producers = {o: n for n in model.graph.node for o in n.output}
+    inputs = {i.name for i in model.graph.input}
+    found = []
+    for i, name in enumerate(graph.info.user_output_names):
+        node = producers.get(name)
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _ALIASING_OPS:
+            continue
+        source = node.input[0] if node.input else ""
+        if source in inputs:
+            continue  # a graph input's buffer belongs to the caller
+        found.append(i)
+    return tuple(found)
+
+
 class TrainingRunner:
     """Runs the forward of a training graph, then, given output gradients, its backward.
 
@@ -145,6 +173,8 @@ class TrainingRunner:
         self._grad_index = index
         tail = tuple(range(n_feeds - len(index), n_feeds))
         self._grad_prefix: tuple[None, ...] | None = (None,) * (1 + n_feeds - len(index)) if index == tail else None
+        #: outputs that may share memory with a value the backward reuses (see _aliased_outputs)
+        self._copy_outputs = _aliased_outputs(graph)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -169,6 +199,8 @@ class TrainingRunner:
                 outputs[i] = outputs[i].view(torch.bool)
         if self._output_types is None:
             self._output_types = [(t.dtype, t.device) for t in outputs]
+        for i in self._copy_outputs:
+            outputs[i] = outputs[i].clone()
         return outputs, state
 
     def backward(self, state: C.PartialGraphExecutionState, grads: list[torch.Tensor]) -> list[torch.Tensor]:
