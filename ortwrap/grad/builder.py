@@ -71,7 +71,9 @@ def _ort_severity(level: int):
         return C.Severity.VERBOSE
     if level <= logging.INFO:
         return C.Severity.INFO
-    return C.Severity.WARNING if level <= logging.WARNING else C.Severity.ERROR
+    # ORT's own warnings while it loads and transforms our graphs ("Removing initializer ... not
+    # used by any node") are not actionable for users: they show from log_level="INFO" on.
+    return C.Severity.ERROR
 
 
 def build_graph(

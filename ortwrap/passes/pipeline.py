@@ -68,7 +68,26 @@ def default_passes(*, with_backward: bool, device_type: str = "cpu") -> list[ir.
         if device_type == "cpu":
             # Forms whose gradients ORT 1.19.2's CPU kernels compute faster (same values).
             passes += [GatherToGatherNDPass(), UnfuseErfGeluPass(), LinearToGemmPass()]
+    # Constants the rewrites left without consumers (ORT would warn about each when it loads them).
+    # Not onnx_ir's RemoveUnusedNodesPass: it also trims the optional outputs the gradient builders need.
+    passes.append(RemoveUnusedConstantsPass())
     return passes
+
+
+class RemoveUnusedConstantsPass(ir.passes.InPlacePass):
+    """Remove ``Constant`` nodes whose output nothing reads."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        outputs = {id(v) for v in graph.outputs}
+        unused = [
+            n
+            for n in graph
+            if n.op_type == "Constant" and n.domain == "" and not n.outputs[0].uses() and id(n.outputs[0]) not in outputs
+        ]
+        for node in unused:
+            graph.remove(node, safe=True)
+        return ir.passes.PassResult(model, modified=bool(unused))
 
 
 def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:
