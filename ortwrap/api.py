@@ -127,9 +127,7 @@ class ORTWrap(nn.Module):
         params_rg = tuple(map(_requires_grad, self._params))
         grad_on = _grad_enabled()
         in_spec: tuple | None = None
-        if not kwargs and (
-            (len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)
-        ):
+        if not kwargs and ((len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)):
             # Fast path: only plain positional tensors. Its key is the argument count; the tree
             # spec is built only if a build is needed.
             leaves = list(args)
@@ -171,17 +169,11 @@ class ORTWrap(nn.Module):
                 except VerificationError:
                     self._evict(key, program)
                     raise
-        feeds = program.feeds(leaves)
         if program.n_pythonops:
             bridge_state.collect_abandoned()  # a safe point: no ORT run is in progress
             bridge_state.maybe_purge()
         try:
-            if program.with_backward:
-                outputs = RunTrainingGraph.apply(program, *feeds)
-            else:
-                outputs = program.runner.forward(program.bind(feeds))
-                if program.n_pythonops:
-                    bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
+            outputs = _run_program(program, leaves)
         except UnsupportedFunctionError as e:
             # Found only when the Function first runs: treated like a build failure.
             if not self._options.fallback:
@@ -303,13 +295,14 @@ def _guards_hold(program: Program, leaves: list[torch.Tensor]) -> bool:
 
 
 def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run ``program`` on ``leaves`` (for verification): its outputs, buffers not copied back."""
+    """Run ``program`` on ``leaves``: its flat outputs (user outputs, then buffer outputs, which the
+    caller copies back). Used by every call and by verification."""
     feeds = program.feeds(leaves)
     if program.with_backward:
         return RunTrainingGraph.apply(program, *feeds)
     outputs = program.runner.forward(program.bind(feeds))
     if program.n_pythonops:
-        bridge_state.entries_left(program.n_pythonops)
+        bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
     return outputs
 
 

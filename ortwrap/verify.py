@@ -44,16 +44,7 @@ class VerificationSkipped(UserWarning):
 
 
 def _random_nodes(program) -> list[str]:
-    import onnx
-
-    model = onnx.load_model_from_string(program.graph.model_bytes) if hasattr(program.graph, "model_bytes") else None
-    if model is None:
-        return []
-    found = []
-    for node in model.graph.node:
-        if node.op_type in _RANDOM_OPS:
-            found.append(f"{node.op_type} {node.name!r}")
-    return found
+    return [f"{n.op_type} {n.name!r}" for n in program.graph.model().graph.node if n.op_type in _RANDOM_OPS]
 
 
 def _flat_outputs(out: Any) -> list[torch.Tensor]:

@@ -29,7 +29,16 @@ import onnx_ir as ir
 import torch
 
 from . import state
-from .symbolic import _BOOL, _UINT8, NOT_HANDLED, BridgeExportError, ExportScope, encode_call, function_scope
+from .symbolic import (
+    _BOOL,
+    _ONNX_TYPES,
+    _UINT8,
+    NOT_HANDLED,
+    BridgeExportError,
+    ExportScope,
+    encode_call,
+    function_scope,
+)
 
 PLACEHOLDER_DOMAIN = "ortwrap.dynamo"
 _ids = itertools.count(1)
@@ -242,20 +251,17 @@ def _translate(inputs, call_id: int):
     return [outs] if call.n_outputs == 1 else list(outs)
 
 
-_ELEM = {
-    ir.DataType.FLOAT: 1, ir.DataType.UINT8: 2, ir.DataType.INT8: 3, ir.DataType.INT16: 5, ir.DataType.INT32: 6,
-    ir.DataType.INT64: 7, ir.DataType.BOOL: _BOOL, ir.DataType.FLOAT16: 10, ir.DataType.DOUBLE: 11,
-    ir.DataType.BFLOAT16: 16,
-}  # fmt: skip
+#: ONNX element types a PythonOp can take (ir.DataType values are ONNX's).
+_ELEM = frozenset(_ONNX_TYPES.values())
 
 
 def _elem_and_rank(value: ir.Value, what: str, qualname: str) -> tuple[int, int]:
-    if value.dtype not in _ELEM or value.shape is None:
+    if value.dtype is None or int(value.dtype) not in _ELEM or value.shape is None:
         raise BridgeExportError(
             f"torch.autograd.Function {qualname}: {what} has type {value.type} and shape {value.shape}, which "
             "ortwrap cannot bridge"
         )
-    return _ELEM[value.dtype], len(value.shape)
+    return int(value.dtype), len(value.shape)
 
 
 def _replace_placeholder(node: ir.Node, call: _Call, scope: CaptureScope) -> None:

@@ -622,17 +622,7 @@ def _generate_forward(k: _Kernel, n_out: int):
             L += [f"            s{j} = None", "        else:", f"            s{j} = {o}.shape"]
         else:
             L.append("        else:")
-        contiguous = f"{o}.clone() if {o}.is_contiguous() else {o}.contiguous()"
-        if buffers:  # an output in an ORT input buffer, which ORT may reuse, is copied
-            L += [
-                f"            q = {o}.data_ptr()",
-                f"            if {_in_buffer(buffers)}:",
-                f"                {o} = {contiguous}",
-                f"            elif not {o}.is_contiguous():",
-            ]
-        else:
-            L.append(f"            if not {o}.is_contiguous():")
-        L.append(f"                {o} = {o}.contiguous()")
+        L += _dense_lines(o, buffers, "            ")  # outputs ORT may reuse are copied
         if k.bool_outputs:
             L += [f"            if {o}.dtype is bool_:", f"                {o} = {o}.view(uint8)"]
         L.append(f"            c{j} = to_dlpack({o})")
@@ -647,6 +637,22 @@ def _generate_forward(k: _Kernel, n_out: int):
     context = type(FunctionContext.__name__, (FunctionContext,), {"needs_input_grad": k.needs_input_grad})
     context.__module__ = FunctionContext.__module__
     return _compile(k, L, "forward", forward=k.forward, NodeContext=context, node_backward=k.run_backward)
+
+
+def _dense_lines(var: str, buffers, indent: str) -> list[str]:
+    """Generated lines that make ``var`` a dense tensor ORT may keep: a copy if it lies in one of
+    ``buffers`` (an ORT input buffer, which ORT may reuse), else contiguous."""
+    contiguous = f"{var}.clone() if {var}.is_contiguous() else {var}.contiguous()"
+    if buffers:
+        lines = [
+            f"{indent}q = {var}.data_ptr()",
+            f"{indent}if {_in_buffer(buffers)}:",
+            f"{indent}    {var} = {contiguous}",
+            f"{indent}elif not {var}.is_contiguous():",
+        ]
+    else:
+        lines = [f"{indent}if not {var}.is_contiguous():"]
+    return [*lines, f"{indent}    {var} = {var}.contiguous()"]
 
 
 def _generate_backward(k: _Kernel):
@@ -723,17 +729,8 @@ def _generate_backward(k: _Kernel):
                 f"                if {r}.dtype is not idt{i}:",
                 f"                    {r} = {r}.to(idt{i})",
             ]
-            contiguous = f"{r}.clone() if {r}.is_contiguous() else {r}.contiguous()"
-            if buffers:  # a gradient in an ORT input buffer, which ORT may reuse, is copied
-                L += [
-                    f"                q = {r}.data_ptr()",
-                    f"                if {_in_buffer(buffers)}:",
-                    f"                    {r} = {contiguous}",
-                    f"                elif not {r}.is_contiguous():",
-                ]
-            else:
-                L.append(f"                if not {r}.is_contiguous():")
-            L += [f"                    {r} = {r}.contiguous()", f"            c{i} = to_dlpack({r})"]
+            L += _dense_lines(r, buffers, "                ")  # gradients ORT may reuse are copied
+            L.append(f"            c{i} = to_dlpack({r})")
     L += [
         "        h.alive = False",  # ORT drops its reference (the last one) right after this call
         f"        return [{', '.join(f'c{i}' for i in range(k.n_args))}]",

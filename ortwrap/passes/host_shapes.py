@@ -61,7 +61,7 @@ import onnx
 import onnx_ir as ir
 
 from ..errors import PassError
-from .shape_related import SCOPE_SEPARATOR, ShapeRelatedNode, _Analysis, _domain
+from .shape_related import SCOPE_SEPARATOR, ShapeRelatedNode, _Analysis, _domain, node_subgraphs
 
 __all__ = ["HostFeed", "HostPlacement", "HostShapeSplit", "HostShapeSplitPass", "split_host_shapes"]
 
@@ -295,19 +295,7 @@ def split_host_shapes(
 
 
 def _subgraph_nodes(node: ir.Node) -> list[ir.Node]:
-    out: list[ir.Node] = []
-    for attr in node.attributes.values():
-        if not isinstance(attr, ir.Attr):
-            continue
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs = list(attr.value)
-        else:
-            continue
-        for g in graphs:
-            out.extend(g.all_nodes())
-    return out
+    return [n for _, g in node_subgraphs(node) for n in g.all_nodes()]
 
 
 def _shape_slice(node: ir.Node) -> tuple[int, int | None]:

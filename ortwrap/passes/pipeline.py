@@ -83,7 +83,10 @@ class RemoveUnusedConstantsPass(ir.passes.InPlacePass):
         unused = [
             n
             for n in graph
-            if n.op_type == "Constant" and n.domain == "" and not n.outputs[0].uses() and id(n.outputs[0]) not in outputs
+            if n.op_type == "Constant"
+            and n.domain == ""
+            and not n.outputs[0].uses()
+            and id(n.outputs[0]) not in outputs
         ]
         for node in unused:
             graph.remove(node, safe=True)

@@ -265,6 +265,19 @@ def explain_shape_related_nodes(model: onnx.ModelProto) -> dict[str, ShapeRelate
     return _Analysis(ir.serde.deserialize_model(model)).run()
 
 
+def node_subgraphs(node: ir.Node) -> list[tuple[str, ir.Graph]]:
+    """``(attribute name, graph)`` for every subgraph attribute of ``node`` (If/Loop/Scan bodies)."""
+    found: list[tuple[str, ir.Graph]] = []
+    for attr in node.attributes.values():
+        if not isinstance(attr, ir.Attr):
+            continue
+        if attr.type == ir.AttributeType.GRAPH:
+            found.append((attr.name, attr.value))
+        elif attr.type == ir.AttributeType.GRAPHS:
+            found.extend((attr.name, g) for g in attr.value)
+    return found
+
+
 class _Analysis:
     def __init__(self, model: ir.Model) -> None:
         self.model = model
@@ -278,18 +291,9 @@ class _Analysis:
             name = prefix + (node.name or f"<{node.op_type}>#{position}")
             self.names[id(node)] = name
             self.nodes.append(node)
-            for attr in node.attributes.values():
-                if not isinstance(attr, ir.Attr):
-                    continue
-                if attr.type == ir.AttributeType.GRAPH:
-                    subgraphs = [attr.value]
-                elif attr.type == ir.AttributeType.GRAPHS:
-                    subgraphs = list(attr.value)
-                else:
-                    continue
-                for subgraph in subgraphs:
-                    self.owners[id(subgraph)] = (node, attr.name)
-                    self._index(subgraph, f"{name}{SCOPE_SEPARATOR}{attr.name}{SCOPE_SEPARATOR}")
+            for attr_name, subgraph in node_subgraphs(node):
+                self.owners[id(subgraph)] = (node, attr_name)
+                self._index(subgraph, f"{name}{SCOPE_SEPARATOR}{attr_name}{SCOPE_SEPARATOR}")
 
     def spec(self, node: ir.Node) -> HostInputs:
         domain = _domain(node.domain)

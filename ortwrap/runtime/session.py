@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import onnx
 import torch
 
 from .._ort import C, ort
@@ -37,9 +38,8 @@ def _raise_run_error(what: str, e: Exception) -> None:
     raise RuntimeRunError(f"{what} run failed: {e}") from e
 
 
-def _has_bool_outputs(graph: TrainingGraph) -> bool:
-    """Whether any forward output is bool (ORT hands those over as uint8)."""
-    model = graph.model()
+def _has_bool_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> bool:
+    """Whether any forward output of ``graph`` (parsed as ``model``) is bool (ORT hands those over as uint8)."""
     types = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.output, *model.graph.value_info)}
     return any(types.get(name, 9) == 9 for name in graph.info.user_output_names)
 
@@ -105,7 +105,7 @@ def _create_session(
 _ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
 
 
-def _aliased_outputs(graph: TrainingGraph) -> tuple[int, ...]:
+def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int, ...]:
     """Forward outputs that ORT may hand over as a view of an intermediate buffer.
 
     NOTE: such a buffer is not protected like a graph output's own: ORT 1.19.2's planner can
@@ -114,7 +114,6 @@ def _aliased_outputs(graph: TrainingGraph) -> tuple[int, ...]:
     ``loss.backward()``). These outputs are copied once after the forward, before the backward
     can run; other outputs are ORT's own buffers and cross without a copy.
     """
-    model = graph.model()
     producers = {o: n for n in model.graph.node for o in n.output}
     inputs = {i.name for i in model.graph.input}
     found = []
@@ -160,7 +159,8 @@ class TrainingRunner:
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
-        self._bool_outputs = _has_bool_outputs(graph)
+        model = graph.model()
+        self._bool_outputs = _has_bool_outputs(graph, model)
         self.grad_outputs = tuple(
             i for i in range(len(info.user_output_names)) if i not in info.non_differentiable_outputs
         )
@@ -174,7 +174,7 @@ class TrainingRunner:
         tail = tuple(range(n_feeds - len(index), n_feeds))
         self._grad_prefix: tuple[None, ...] | None = (None,) * (1 + n_feeds - len(index)) if index == tail else None
         #: outputs that may share memory with a value the backward reuses (see _aliased_outputs)
-        self._copy_outputs = _aliased_outputs(graph)
+        self._copy_outputs = _aliased_outputs(graph, model)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -242,7 +242,7 @@ class InferenceRunner:
         self._fetch_names = list(graph.info.user_output_names)
         self._devices = [ort_device] * len(self._fetch_names)
         self._run_options = ort.RunOptions()
-        self._bool_outputs = _has_bool_outputs(graph)
+        self._bool_outputs = _has_bool_outputs(graph, graph.model())
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
