@@ -76,6 +76,12 @@ class Options:
         "Let ORT's idle threads spin. Off by default: spinning threads fight PyTorch's OpenMP threads "
         "between ORT runs and make training steps several times slower on small machines.",
     )
+    native_kernels: bool = _opt(
+        True,
+        "ORTWRAP_NATIVE_KERNELS",
+        "On CPU, train the erf GELU, LayerNorm and embedding lookups with ortwrap's own kernels (compiled for this "
+        "machine on first use) instead of ONNX Runtime's much slower CPU kernels for them (docs/performance.md).",
+    )
     aggressive_cpu_fallback: bool = _opt(
         False,
         "ORTWRAP_AGGRESSIVE_CPU_FALLBACK",

@@ -16,6 +16,7 @@ import onnx
 import torch
 from torch import nn
 
+from . import kernels
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
@@ -229,7 +230,13 @@ def compile_program(
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
     seconds["export"] = t1 - t0
-    passes = default_passes(with_backward=with_backward, device_type=device.type)
+    native = (
+        options.native_kernels
+        and with_backward
+        and device.type == "cpu"
+        and kernels.available(options.intra_op_threads or torch.get_num_threads())
+    )
+    passes = default_passes(with_backward=with_backward, device_type=device.type, native_kernels=native)
     host_pass = None
     if options.aggressive_cpu_fallback:  # last: it splits the final forward graph
         host_pass = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})

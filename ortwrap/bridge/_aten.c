@@ -27,6 +27,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* ---- DLPack ABI (dlpack.h v0.x layout) ---- */
 typedef struct {
@@ -86,6 +87,44 @@ static void release_inputs(size_t n, DLManagedTensor** in, size_t from) {
   }
 }
 
+/* ortwrap's own CPU kernels (kernels/_cpu.c): ops named "ortwrap_cpu::<name>" run there, without the GIL.
+ * int run(const char* name, const char* overload, size_t n_in, DLManagedTensor** in, size_t n_out,
+ *         DLManagedTensor** out, char* err, size_t err_len): 0, or -1 with a message. Inputs stay ours to release.
+ * (The overload name says which outputs the graph uses; see kernels.mark_used_outputs.) */
+typedef int (*native_run_fn)(const char*, const char*, size_t, DLManagedTensor**, size_t, DLManagedTensor**, char*,
+                             size_t);
+static native_run_fn g_native_run = NULL;
+static PyObject* g_native_error = NULL; /* native_error(op:str, message:str): parks the error for the caller */
+static const char kNativePrefix[] = "ortwrap_cpu::";
+
+/* Called once from Python with the kernels' entry point (an address) and the error callback. */
+int ortwrap_aten_set_native(void* run, PyObject* on_error) {
+  if (run == NULL || !PyCallable_Check(on_error)) return -1;
+  Py_INCREF(on_error);
+  Py_XDECREF(g_native_error);
+  g_native_error = on_error;
+  g_native_run = (native_run_fn)run;
+  return 0;
+}
+
+static void run_native(const char* op_name, const char* overload_name, size_t n_in, DLManagedTensor** in, size_t n_out,
+                       DLManagedTensor** out) {
+  char err[512];
+  err[0] = 0;
+  int rc = g_native_run(op_name + sizeof kNativePrefix - 1, overload_name ? overload_name : "", n_in, in, n_out, out,
+                        err, sizeof err);
+  release_inputs(n_in, in, 0);
+  if (rc == 0) return;
+  for (size_t i = 0; i < n_out; ++i) out[i] = NULL;
+  if (n_out > 0) out[0] = &g_poison;
+  if (!Py_IsInitialized()) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* r = PyObject_CallFunction(g_native_error, "ss", op_name, err);
+  if (r == NULL) PyErr_WriteUnraisable(g_native_error);
+  Py_XDECREF(r);
+  PyGILState_Release(gil);
+}
+
 /* Called once from Python (through ctypes.PyDLL, so the GIL is held). Returns 0 on success. */
 int ortwrap_aten_init(PyObject* execute, PyObject* is_tensor) {
   if (!PyCallable_Check(execute) || !PyCallable_Check(is_tensor)) return -1;
@@ -121,6 +160,10 @@ bool ortwrap_is_tensor_argument(const char* op_name, const char* overload_name, 
 void ortwrap_execute(const char* op_name, const char* overload_name, size_t n_in, DLManagedTensor** in,
                      size_t n_out, DLManagedTensor** out) {
   for (size_t i = 0; i < n_out; ++i) out[i] = NULL;
+  if (g_native_run != NULL && strncmp(op_name, kNativePrefix, sizeof kNativePrefix - 1) == 0) {
+    run_native(op_name, overload_name, n_in, in, n_out, out);
+    return;
+  }
   if (!Py_IsInitialized() || g_execute == NULL) {
     release_inputs(n_in, in, 0);
     if (n_out > 0) out[0] = &g_poison;

@@ -2,7 +2,7 @@
 
 ONNX Runtime 1.19.2 calls its PythonOp runners and its ATen executor through raw function
 pointers, so they must be native code. They are a few hundred lines of C that use only the Python
-C API and are compiled on first use (about 0.2 s) into a cache keyed by the source, the Python
+C API (and ``kernels/_cpu.c``, ortwrap's CPU kernels, plain C) and are compiled on first use (about 0.2 s) into a cache keyed by the source, the Python
 version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its builds take
 about a minute and were a common source of ORTModule install failures.
 
@@ -52,26 +52,41 @@ def _compiler() -> str:
     )
 
 
+def _cpu_signature() -> bytes:
+    """What ``-march=native`` code depends on: the CPU's model and feature flags (Linux), else the platform."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [ln for ln in f.read().splitlines() if ln.startswith((b"flags", b"model name", b"Features"))]
+        return b"\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor().encode()
+
+
 @cache
-def load(name: str) -> ctypes.PyDLL:
-    """Compile ``<name>.c`` from this package (once, cached on disk) and load it.
+def load(name: str, directory: str = _HERE, native_code: bool = False) -> ctypes.PyDLL:
+    """Compile ``<directory>/<name>.c`` (once, cached on disk) and load it.
+
+    ``native_code``: compile with ``-O3 -march=native`` for the CPU it runs on (the cache key then
+    includes the CPU's model and feature flags, so a shared cache never serves another CPU's code).
 
     Raises:
         NativeBuildError: no compiler, or the compilation failed (the compiler's output is included).
     """
-    src = os.path.join(_HERE, f"{name}.c")
+    src = os.path.join(directory, f"{name}.c")
     with open(src, "rb") as f:
         source = f.read()
     include = sysconfig.get_paths()["include"]
+    flags = ["-O3", "-march=native", "-fno-math-errno"] if native_code else ["-O2"]
     key = hashlib.sha256(source + sys.version.encode() + platform.platform().encode() + include.encode())
-    directory = cache_dir()
-    os.makedirs(directory, exist_ok=True)
-    lib = os.path.join(directory, f"{name}-{key.hexdigest()[:16]}.so")
+    key.update(" ".join(flags).encode() + (_cpu_signature() if native_code else b""))
+    cache = cache_dir()
+    os.makedirs(cache, exist_ok=True)
+    lib = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(lib):
         cc = _compiler()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-shared", "-fPIC", "-O2", "-Wall", f"-I{include}", src, "-o", tmp, "-ldl"]
+        cmd = [cc, "-shared", "-fPIC", *flags, "-Wall", f"-I{include}", src, "-o", tmp, "-ldl", "-lpthread", "-lm"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

@@ -40,6 +40,8 @@ from ._native import load
 
 ATEN_DOMAIN = "org.pytorch.aten"
 VJP_PREFIX = "ortwrap_vjp::"
+#: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
+NATIVE_PREFIX = "ortwrap_cpu::"
 
 _from_dlpack = torch._C._from_dlpack
 _to_dlpack = torch._C._to_dlpack
@@ -197,6 +199,8 @@ def _vjp(op: str, overload: str, tensors: list, n_out: int) -> list:
 def _execute(op: str, overload: str, capsules: tuple, n_out: int):
     """Called from C for every ATen node. Never raises: parks the exception and returns None."""
     try:
+        if op.startswith(NATIVE_PREFIX):
+            raise RuntimeError(f"{op}: ortwrap's CPU kernels are not loaded in this process")
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
         if op.startswith(VJP_PREFIX):
             return _encode(_vjp(op[len(VJP_PREFIX) :], overload, tensors, n_out), n_out, op)
@@ -210,6 +214,8 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
 
 
 def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
+    if op.startswith(NATIVE_PREFIX):
+        return True
     try:
         plan = resolve(op.removeprefix(VJP_PREFIX), overload)
         schema = plan.fn._schema
@@ -232,6 +238,21 @@ def install() -> None:
     is_tensor = ctypes.cast(lib.ortwrap_is_tensor_argument, ctypes.c_void_p).value
     execute = ctypes.cast(lib.ortwrap_execute, ctypes.c_void_p).value
     C.register_aten_op_executor(str(is_tensor), str(execute))  # decimal strings
+
+
+def _native_error(op: str, message: str) -> None:
+    kind = IndexError if "out of range" in message else RuntimeError  # as eager PyTorch raises
+    state.park(kind(f"{message} (ONNX Runtime ran {op} through ortwrap's CPU kernels)"))
+
+
+def set_native(run_address: int) -> None:
+    """Route ``ortwrap_cpu::*`` ATen nodes to the native entry point at ``run_address`` (kernels/_cpu.c)."""
+    install()
+    lib = load("_aten")
+    lib.ortwrap_aten_set_native.argtypes = [ctypes.c_void_p, ctypes.py_object]
+    lib.ortwrap_aten_set_native.restype = ctypes.c_int
+    if lib.ortwrap_aten_set_native(run_address, _native_error) != 0:
+        raise RuntimeError("ortwrap: connecting the CPU kernels to the ATen executor failed")
 
 
 def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
@@ -276,7 +297,7 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
                 continue
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
-            if op.startswith(VJP_PREFIX):
+            if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):
                 continue
             inputs = []
             for name in node.input:
@@ -345,7 +366,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         op = attrs["operator"].decode()
         overload = attrs.get("overload_name", b"").decode()
-        if op.startswith(VJP_PREFIX):
+        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):  # native kernels register their own (kernels.install)
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import onnx
 
+from .. import kernels
 from .._ort import C
 from ..errors import GradientBuildError
 
@@ -119,6 +120,8 @@ def build_graph(
     gi = builder.get_graph_info()
     built = builder.get_gradient_model() if build_gradient else builder.get_forward_model()
     proto = onnx.load_model_from_string(built)
+    if kernels.mark_used_outputs(proto):
+        built = proto.SerializeToString()
     feed_names = tuple(i.name for i in proto.graph.input)
     grad_names = tuple(o.name for o in proto.graph.output) if build_gradient else ()
     grad_of = {g: n for n, g in dict(gi.user_input_grad_names).items()}

@@ -18,6 +18,21 @@ class NodeBuilder:
         self.nodes.append(n)
         return n.outputs[0]
 
+    def node(
+        self, op_type: str, inputs: list[ir.Value | None], *, domain: str = "", outputs: int = 1, **attrs
+    ) -> ir.Node:
+        """A new node with ``outputs`` outputs (in ``domain``), added like :meth:`op`."""
+        n = ir.node(
+            op_type,
+            inputs,
+            attributes=attrs,
+            domain=domain,
+            num_outputs=outputs,
+            name=f"{self.prefix}/ortwrap/{op_type}_{len(self.nodes)}",
+        )
+        self.nodes.append(n)
+        return n
+
     def const(self, value: np.ndarray) -> ir.Value:
         return self.op("Constant", value=ir.tensor(value))
 

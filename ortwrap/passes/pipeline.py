@@ -20,6 +20,7 @@ from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
+from .native_cpu_kernels import NativeCPUKernelsPass
 from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
@@ -38,12 +39,16 @@ class PassRecord:
     seconds: float
 
 
-def default_passes(*, with_backward: bool, device_type: str = "cpu") -> list[ir.passes.PassBase]:
-    """The passes every TorchScript export goes through, in order.
+def default_passes(
+    *, with_backward: bool, device_type: str = "cpu", native_kernels: bool = False
+) -> list[ir.passes.PassBase]:
+    """The passes every export goes through, in order.
 
     Args:
         with_backward: the graph will get a backward; adds the rewrites only gradients need.
         device_type: where the graph runs (``torch.device.type``); some rewrites are for CPU kernels.
+        native_kernels: use ortwrap's CPU kernels (``ortwrap.kernels``, loaded by the caller) for the
+            ops they cover; CPU training graphs only.
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
@@ -67,7 +72,10 @@ def default_passes(*, with_backward: bool, device_type: str = "cpu") -> list[ir.
         ]
         if device_type == "cpu":
             # Forms whose gradients ORT 1.19.2's CPU kernels compute faster (same values).
-            passes += [GatherToGatherNDPass(), UnfuseErfGeluPass(), LinearToGemmPass()]
+            passes.append(UnfuseErfGeluPass())
+            if native_kernels:
+                passes.append(NativeCPUKernelsPass())
+            passes += [GatherToGatherNDPass(), LinearToGemmPass()]
     # Constants the rewrites left without consumers (ORT would warn about each when it loads them).
     # Not onnx_ir's RemoveUnusedNodesPass: it also trims the optional outputs the gradient builders need.
     passes.append(RemoveUnusedConstantsPass())
@@ -75,7 +83,7 @@ def default_passes(*, with_backward: bool, device_type: str = "cpu") -> list[ir.
 
 
 class RemoveUnusedConstantsPass(ir.passes.InPlacePass):
-    """Remove ``Constant`` nodes whose output nothing reads."""
+    """Remove ``Constant`` nodes and initializers (not graph inputs) whose value nothing reads."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -90,7 +98,15 @@ class RemoveUnusedConstantsPass(ir.passes.InPlacePass):
         ]
         for node in unused:
             graph.remove(node, safe=True)
-        return ir.passes.PassResult(model, modified=bool(unused))
+        inputs = {id(v) for v in graph.inputs}
+        dead = [
+            name
+            for name, v in graph.initializers.items()
+            if not v.uses() and id(v) not in outputs and id(v) not in inputs
+        ]
+        for name in dead:
+            del graph.initializers[name]
+        return ir.passes.PassResult(model, modified=bool(unused or dead))
 
 
 def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:

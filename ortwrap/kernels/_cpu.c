@@ -1,0 +1,835 @@
+/*
+ * ortwrap's own CPU kernels, run inside ONNX Runtime graphs as `org.pytorch.aten::ATen` nodes whose operator is
+ * "ortwrap_cpu::<name>" (see kernels/__init__.py for why, and passes/native_cpu_kernels.py for the rewrite).
+ *
+ * ORT 1.19.2's CPU kernels for a few ops that every transformer has are single-threaded, scalar, or split into many
+ * memory-bound passes: LayerNormalizationGrad (one Eigen expression with four temporaries on one thread), the erf
+ * GELU (a dozen elementwise kernels forward and backward), GatherNDGrad (a scalar loop with a 64-bit division per
+ * element).  These kernels compute the same functions in one pass over the data, vectorized by the compiler
+ * (built with -O3 -march=native on the machine that runs them) and split over a small fork-join thread pool.
+ *
+ * Entry point: ortwrap_cpu_run(op, n_in, in, n_out, out, err, err_len), called by the ATen executor (_aten.c) without
+ * the GIL.  Inputs are ORT's tensors (borrowed: the caller releases them); outputs are allocated here and handed
+ * over as DLManagedTensors whose deleter frees them.  Returns 0, or -1 with a message in `err`.
+ *
+ * Only float32 tensors are computed here (the pass rewrites nothing else); every input is checked.
+ * Results are deterministic: the thread pool splits work statically, and reductions across rows are summed per
+ * thread and then in thread order.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- DLPack ABI (dlpack.h v0.x layout), as in _aten.c ---- */
+typedef struct {
+  int32_t device_type;
+  int32_t device_id;
+} DLDevice;
+typedef struct {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+} DLDataType;
+typedef struct {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(struct DLManagedTensor* self);
+} DLManagedTensor;
+
+enum { kDLCPU = 1, kDLInt = 0, kDLFloat = 2 };
+#define MAX_DIMS 16
+
+/* ------------------------------------------------------------------------------------------ memory */
+/* Output buffers come from a small cache of freed blocks (exact sizes, most recent first). Fresh pages cost a
+ * page fault each on first touch: measured inside a training process, ~11 ms to fill a new 4 MB GELU output,
+ * 20x the kernel itself (ORT's own buffers come from its arena and do not pay this). The cache holds at most
+ * CACHE_BYTES; blocks beyond that are freed. */
+#define CACHE_SLOTS 256
+#define CACHE_BYTES ((size_t)1 << 30)
+static struct {
+  pthread_mutex_t mu;
+  size_t bytes;
+  int count;
+  void* ptr[CACHE_SLOTS];
+  size_t size[CACHE_SLOTS];
+} g_cache = {PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, {0}};
+
+static void* block_get(size_t size) {
+  pthread_mutex_lock(&g_cache.mu);
+  for (int i = g_cache.count - 1; i >= 0; --i) {
+    if (g_cache.size[i] != size) continue;
+    void* p = g_cache.ptr[i];
+    g_cache.bytes -= size;
+    g_cache.count--;
+    g_cache.ptr[i] = g_cache.ptr[g_cache.count];
+    g_cache.size[i] = g_cache.size[g_cache.count];
+    pthread_mutex_unlock(&g_cache.mu);
+    return p;
+  }
+  pthread_mutex_unlock(&g_cache.mu);
+  return aligned_alloc(64, size);
+}
+
+static void block_put(void* p, size_t size) {
+  if (p == NULL) return;
+  pthread_mutex_lock(&g_cache.mu);
+  if (g_cache.count < CACHE_SLOTS && g_cache.bytes + size <= CACHE_BYTES) {
+    g_cache.ptr[g_cache.count] = p;
+    g_cache.size[g_cache.count] = size;
+    g_cache.count++;
+    g_cache.bytes += size;
+    p = NULL;
+  }
+  pthread_mutex_unlock(&g_cache.mu);
+  free(p);
+}
+
+/* Cached bytes, and release them all (tests; memory pressure). */
+size_t ortwrap_cpu_cached_bytes(int release) {
+  pthread_mutex_lock(&g_cache.mu);
+  size_t bytes = g_cache.bytes;
+  if (release) {
+    for (int i = 0; i < g_cache.count; ++i) free(g_cache.ptr[i]);
+    g_cache.count = 0;
+    g_cache.bytes = 0;
+  }
+  pthread_mutex_unlock(&g_cache.mu);
+  return bytes;
+}
+
+/* ------------------------------------------------------------------------------------------ thread pool */
+/* A fork-join pool. A job is fn(ctx, chunk, chunks) for every chunk; the calling thread and the workers claim
+ * chunks from one counter, so a worker that is slow to wake (its core busy, e.g. with PyTorch's OpenMP threads
+ * spinning right after an optimizer step) never holds the caller up: the caller runs the chunks itself. Which
+ * thread runs a chunk never changes a result: kernels write per-chunk partial sums and add them in chunk order.
+ * Workers spin briefly after a job (a layer's kernels come close together), then sleep on a condition variable. */
+typedef void (*chunk_fn)(void* ctx, int chunk, int chunks);
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t wake;
+  int threads; /* wanted, including the caller */
+  int started; /* workers running */
+  uint64_t generation;
+  chunk_fn fn;
+  void* ctx;
+  int chunks;
+  _Atomic uint64_t ticket; /* (generation << 32) | next chunk: claims are only valid for the current job */
+  atomic_int done;         /* chunks finished in the current job */
+} g_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, 0, NULL, NULL, 0, 0, 0};
+
+static pthread_mutex_t g_run_mu = PTHREAD_MUTEX_INITIALIZER; /* one job at a time (sessions may run concurrently) */
+
+/* Claim and run chunks of job `generation` until none is left. */
+static void run_chunks(uint64_t generation, chunk_fn fn, void* ctx, int chunks) {
+  for (;;) {
+    uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
+    if ((t >> 32) != (generation & 0xffffffffu) || (int)(t & 0xffffffffu) >= chunks) return;
+    if (!atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + 1, memory_order_acq_rel, memory_order_acquire))
+      continue;
+    fn(ctx, (int)(t & 0xffffffffu), chunks);
+    atomic_fetch_add_explicit(&g_pool.done, 1, memory_order_acq_rel);
+  }
+}
+
+static void* worker_main(void* arg) {
+  uint64_t seen = *(uint64_t*)arg; /* the generation when it was created: jobs after it are its to join */
+  free(arg);
+  for (;;) {
+    for (int spins = 0; spins < 1000; ++spins) {
+      if (__atomic_load_n(&g_pool.generation, __ATOMIC_ACQUIRE) != seen) break;
+      CPU_RELAX();
+    }
+    pthread_mutex_lock(&g_pool.mu);
+    while (g_pool.generation == seen) pthread_cond_wait(&g_pool.wake, &g_pool.mu);
+    seen = g_pool.generation;
+    chunk_fn fn = g_pool.fn;
+    void* ctx = g_pool.ctx;
+    int chunks = g_pool.chunks;
+    pthread_mutex_unlock(&g_pool.mu);
+    run_chunks(seen, fn, ctx, chunks);
+  }
+  return NULL;
+}
+
+static void after_fork_child(void) {
+  /* the workers do not exist in a forked child: start over (they are created again on demand) */
+  pthread_mutex_init(&g_pool.mu, NULL);
+  pthread_cond_init(&g_pool.wake, NULL);
+  pthread_mutex_init(&g_run_mu, NULL);
+  pthread_mutex_init(&g_cache.mu, NULL);
+  g_pool.started = 0;
+}
+
+static void ensure_workers(void) {
+  static int atfork_done = 0;
+  if (!atfork_done) {
+    pthread_atfork(NULL, NULL, after_fork_child);
+    atfork_done = 1;
+  }
+  while (g_pool.started < g_pool.threads - 1) {
+    uint64_t* start = (uint64_t*)malloc(sizeof(uint64_t));
+    if (start == NULL) return;
+    *start = g_pool.generation; /* callers hold g_run_mu: no job is being published */
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = pthread_create(&t, &attr, worker_main, start);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+      free(start);
+      return; /* fewer workers: the caller runs more chunks */
+    }
+    g_pool.started++;
+  }
+}
+
+/* Run fn(ctx, chunk, chunks) for every chunk in [0, chunks), on the pool; returns when all ran. */
+static void parallel(chunk_fn fn, void* ctx, int chunks) {
+  if (chunks <= 0) return;
+  if (chunks == 1 || g_pool.threads <= 1) {
+    for (int k = 0; k < chunks; ++k) fn(ctx, k, chunks);
+    return;
+  }
+  pthread_mutex_lock(&g_run_mu);
+  ensure_workers();
+  pthread_mutex_lock(&g_pool.mu);
+  uint64_t generation = g_pool.generation + 1;
+  g_pool.fn = fn;
+  g_pool.ctx = ctx;
+  g_pool.chunks = chunks;
+  atomic_store(&g_pool.done, 0);
+  atomic_store(&g_pool.ticket, (generation & 0xffffffffu) << 32);
+  __atomic_store_n(&g_pool.generation, generation, __ATOMIC_RELEASE);
+  pthread_cond_broadcast(&g_pool.wake);
+  pthread_mutex_unlock(&g_pool.mu);
+  run_chunks(generation, fn, ctx, chunks);
+  while (atomic_load_explicit(&g_pool.done, memory_order_acquire) < chunks) CPU_RELAX();
+  pthread_mutex_unlock(&g_run_mu);
+}
+
+/* Chunks for `work` elements: ~16k elements each, at most MAX_CHUNKS (also the partial-sum slots). */
+#define MAX_CHUNKS 64
+static int chunks_for(int64_t work, int64_t limit) {
+  int64_t k = work / 16384;
+  if (k > MAX_CHUNKS) k = MAX_CHUNKS;
+  if (k > limit) k = limit;
+  return k < 1 ? 1 : (int)k;
+}
+
+static void split(int64_t n, int part, int parts, int64_t* begin, int64_t* end) {
+  *begin = n * part / parts;
+  *end = n * (part + 1) / parts;
+}
+
+int ortwrap_cpu_set_threads(int threads) {
+  if (threads < 1) threads = 1;
+  if (threads > 64) threads = 64;
+  pthread_mutex_lock(&g_run_mu);
+  if (threads > g_pool.threads) g_pool.threads = threads; /* grow only: running workers are never stopped */
+  pthread_mutex_unlock(&g_run_mu);
+  return g_pool.threads;
+}
+
+/* ------------------------------------------------------------------------------------------ tensors */
+typedef struct {
+  DLManagedTensor managed;
+  int64_t shape[MAX_DIMS];
+  size_t bytes; /* of the data block */
+} Owned;
+
+static void owned_deleter(DLManagedTensor* self) {
+  if (self == NULL) return;
+  block_put(self->dl_tensor.data, ((Owned*)self)->bytes);
+  free(self);
+}
+
+/* A new contiguous float32/int tensor of the given shape (data 64-byte aligned, uninitialized). */
+static DLManagedTensor* new_tensor(int ndim, const int64_t* shape, uint8_t code, uint8_t bits) {
+  if (ndim > MAX_DIMS) return NULL;
+  Owned* o = (Owned*)calloc(1, sizeof(Owned));
+  if (o == NULL) return NULL;
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) {
+    o->shape[i] = shape[i];
+    n *= shape[i];
+  }
+  size_t bytes = (size_t)n * (bits / 8);
+  size_t padded = bytes ? (bytes + 63) / 64 * 64 : 64;
+  void* data = block_get(padded);
+  if (data == NULL) {
+    free(o);
+    return NULL;
+  }
+  o->bytes = padded;
+  DLTensor* t = &o->managed.dl_tensor;
+  t->data = data;
+  t->device.device_type = kDLCPU;
+  t->device.device_id = 0;
+  t->ndim = ndim;
+  t->dtype.code = code;
+  t->dtype.bits = bits;
+  t->dtype.lanes = 1;
+  t->shape = o->shape;
+  t->strides = NULL;
+  t->byte_offset = 0;
+  o->managed.manager_ctx = NULL;
+  o->managed.deleter = owned_deleter;
+  return &o->managed;
+}
+
+static int64_t numel(const DLTensor* t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  return n;
+}
+
+static int is_contiguous(const DLTensor* t) {
+  if (t->strides == NULL) return 1;
+  int64_t expect = 1;
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    if (t->shape[i] != 1 && t->strides[i] != expect) return 0;
+    expect *= t->shape[i];
+  }
+  return 1;
+}
+
+static void* data_of(const DLTensor* t) { return (char*)t->data + t->byte_offset; }
+
+typedef struct {
+  const char* op;
+  char* err;
+  size_t err_len;
+} Call;
+
+static int fail(Call* c, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int k = snprintf(c->err, c->err_len, "%s: ", c->op);
+  if (k >= 0 && (size_t)k < c->err_len) vsnprintf(c->err + k, c->err_len - (size_t)k, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+static int check(Call* c, DLManagedTensor* m, const char* name, uint8_t code, uint8_t bits, DLTensor** out) {
+  if (m == NULL) return fail(c, "input %s is missing", name);
+  DLTensor* t = &m->dl_tensor;
+  if (t->device.device_type != kDLCPU) return fail(c, "input %s is not a CPU tensor", name);
+  if (t->dtype.code != code || t->dtype.bits != bits || t->dtype.lanes != 1)
+    return fail(c, "input %s has dtype code %d/%d bits, expected %d/%d", name, t->dtype.code, t->dtype.bits, code,
+                bits);
+  if (!is_contiguous(t)) return fail(c, "input %s is not contiguous", name);
+  *out = t;
+  return 0;
+}
+
+#define FLOAT_IN(idx, name, var)                                          \
+  DLTensor* var;                                                          \
+  if (check(c, (idx) < n_in ? in[idx] : NULL, name, kDLFloat, 32, &var)) \
+  return -1
+#define INT64_IN(idx, name, var)                                        \
+  DLTensor* var;                                                        \
+  if (check(c, (idx) < n_in ? in[idx] : NULL, name, kDLInt, 64, &var)) \
+  return -1
+
+static int same_shape(const DLTensor* a, const DLTensor* b) {
+  if (a->ndim != b->ndim) return 0;
+  for (int i = 0; i < a->ndim; ++i)
+    if (a->shape[i] != b->shape[i]) return 0;
+  return 1;
+}
+
+/* ------------------------------------------------------------------------------------------ math */
+/* exp(x) for x <= 0 (the only range used): Cody-Waite reduction x = n ln2 + r, a degree-6 polynomial for e^r
+ * (the Cephes expf coefficients) and 2^n from the exponent bits. Relative error ~1e-7; 0 below -87.
+ * Written branch-free so that loops calling it vectorize. */
+static inline float exp_nonpos(float x) {
+  float xc = x < -87.0f ? -87.0f : x;
+  const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
+  float n = (xc * 1.44269504088896341f + magic) - magic;
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  float e = p * scale;
+  return x < -87.0f ? 0.0f : e;
+}
+
+/* Phi(x) = P(N(0,1) <= x) = 0.5 * (1 + erf(x / sqrt 2)), and phi(x) = exp(-x^2/2) / sqrt(2 pi).
+ * erfc(a) for a >= 0 by Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7): erfc(a) = t P(t) exp(-a^2),
+ * t = 1 / (1 + p a). */
+static inline void normal_cdf_pdf(float x, float* cdf, float* pdf) {
+  const float inv_sqrt2 = 0.70710678118654752f;
+  float a = fabsf(x) * inv_sqrt2;
+  float t = 1.0f / (1.0f + 0.3275911f * a);
+  float poly = 1.061405429f;
+  poly = poly * t - 1.453152027f;
+  poly = poly * t + 1.421413741f;
+  poly = poly * t - 0.284496736f;
+  poly = poly * t + 0.254829592f;
+  float g = exp_nonpos(-0.5f * x * x); /* exp(-a^2) */
+  float half_erfc = 0.5f * t * poly * g;
+  *cdf = x < 0.0f ? half_erfc : 1.0f - half_erfc;
+  *pdf = 0.39894228040143268f * g;
+}
+
+/* ------------------------------------------------------------------------------------------ GELU */
+typedef struct {
+  const float* x;
+  const float* dy;
+  float* out;
+  int64_t n;
+} Elementwise;
+
+static void gelu_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    float cdf, pdf;
+    normal_cdf_pdf(x[i], &cdf, &pdf);
+    y[i] = x[i] * cdf;
+  }
+}
+
+static void gelu_backward_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    float cdf, pdf;
+    normal_cdf_pdf(x[i], &cdf, &pdf);
+    dx[i] = dy[i] * (cdf + x[i] * pdf);
+  }
+}
+
+/* gelu(x) -> y */
+static int op_gelu(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  Elementwise e = {data_of(x), NULL, y->dl_tensor.data, numel(x)};
+  parallel(gelu_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = y;
+  return 0;
+}
+
+/* gelu_backward(dy, x) -> dx */
+static int op_gelu_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  Elementwise e = {data_of(x), data_of(dy), dx->dl_tensor.data, numel(x)};
+  parallel(gelu_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = dx;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ LayerNorm */
+#define LANES 16
+
+static inline float row_sum(const float* restrict v, int64_t m) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= m; i += LANES)
+    for (int j = 0; j < LANES; ++j) acc[j] += v[i + j];
+  float s = 0.0f;
+  for (; i < m; ++i) s += v[i];
+  for (int j = 0; j < LANES; ++j) s += acc[j];
+  return s;
+}
+
+static inline float row_centered_sq(const float* restrict v, int64_t m, float mean) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= m; i += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      float d = v[i + j] - mean;
+      acc[j] += d * d;
+    }
+  float s = 0.0f;
+  for (; i < m; ++i) {
+    float d = v[i] - mean;
+    s += d * d;
+  }
+  for (int j = 0; j < LANES; ++j) s += acc[j];
+  return s;
+}
+
+typedef struct {
+  const float *x, *w, *b, *dy, *mean_in, *rstd_in;
+  float *y, *mean, *rstd, *dx;
+  float* partial; /* backward: per part, dw then db (2*m floats) */
+  int64_t rows, m;
+  float eps;
+} LayerNorm;
+
+static void layer_norm_part(void* p, int part, int parts) {
+  LayerNorm* L = (LayerNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t m = L->m;
+  const float* restrict w = L->w;
+  const float* restrict bias = L->b;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    float* restrict y = L->y + r * m;
+    float mean = row_sum(x, m) / (float)m;
+    float var = row_centered_sq(x, m, mean) / (float)m;
+    float rstd = 1.0f / sqrtf(var + L->eps);
+    L->mean[r] = mean;
+    L->rstd[r] = rstd;
+    if (bias != NULL) {
+      for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * rstd * w[i] + bias[i];
+    } else {
+      for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * rstd * w[i];
+    }
+  }
+}
+
+static void layer_norm_backward_part(void* p, int part, int parts) {
+  LayerNorm* L = (LayerNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t m = L->m;
+  const float* restrict w = L->w;
+  float* restrict dw = L->partial + (int64_t)part * 2 * m;
+  float* restrict db = dw + m;
+  memset(dw, 0, sizeof(float) * 2 * (size_t)m);
+  const float inv_m = 1.0f / (float)m;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    const float* restrict dy = L->dy + r * m;
+    float* restrict dx = L->dx + r * m;
+    const float mean = L->mean_in[r], rstd = L->rstd_in[r];
+    float s1[LANES] = {0}, s2[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= m; i += LANES)
+      for (int j = 0; j < LANES; ++j) {
+        float xh = (x[i + j] - mean) * rstd;
+        float g = dy[i + j] * w[i + j];
+        s1[j] += g;
+        s2[j] += g * xh;
+        dw[i + j] += dy[i + j] * xh;
+        db[i + j] += dy[i + j];
+      }
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (; i < m; ++i) {
+      float xh = (x[i] - mean) * rstd;
+      float g = dy[i] * w[i];
+      sum_g += g;
+      sum_gx += g * xh;
+      dw[i] += dy[i] * xh;
+      db[i] += dy[i];
+    }
+    for (int j = 0; j < LANES; ++j) {
+      sum_g += s1[j];
+      sum_gx += s2[j];
+    }
+    const float mg = sum_g * inv_m, mgx = sum_gx * inv_m;
+    for (int64_t k = 0; k < m; ++k) {
+      float xh = (x[k] - mean) * rstd;
+      dx[k] = rstd * (dy[k] * w[k] - mg - xh * mgx);
+    }
+  }
+}
+
+/* Reads the normalized size from axis: rows = prod(shape[:axis]), m = prod(shape[axis:]). */
+static int ln_geometry(Call* c, const DLTensor* x, int64_t axis, int64_t* rows, int64_t* m) {
+  if (axis < 0) axis += x->ndim;
+  if (axis < 0 || axis >= x->ndim) return fail(c, "axis %lld out of range for a rank-%d input", (long long)axis, x->ndim);
+  *rows = 1;
+  *m = 1;
+  for (int i = 0; i < x->ndim; ++i) {
+    if (i < axis) *rows *= x->shape[i];
+    else *m *= x->shape[i];
+  }
+  return 0;
+}
+
+static int scalar_f32(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, const char* name, float* v) {
+  FLOAT_IN(idx, name, t);
+  if (numel(t) != 1) return fail(c, "%s must have one element", name);
+  *v = *(const float*)data_of(t);
+  return 0;
+}
+
+static int scalar_i64(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, const char* name, int64_t* v) {
+  INT64_IN(idx, name, t);
+  if (numel(t) != 1) return fail(c, "%s must have one element", name);
+  *v = *(const int64_t*)data_of(t);
+  return 0;
+}
+
+/* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s) */
+static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  FLOAT_IN(1, "weight", w);
+  DLTensor* b = NULL;
+  if (n_in > 2 && in[2] != NULL && check(c, in[2], "bias", kDLFloat, 32, &b)) return -1;
+  float eps = 0.0f;
+  int64_t axis = 0, rows = 0, m = 0;
+  if (scalar_f32(c, n_in, in, 3, "eps", &eps) || scalar_i64(c, n_in, in, 4, "axis", &axis)) return -1;
+  if (ln_geometry(c, x, axis, &rows, &m)) return -1;
+  if (numel(w) != m || (b != NULL && numel(b) != m))
+    return fail(c, "weight and bias must have the %lld elements of the normalized shape", (long long)m);
+  if (n_out < 3) return fail(c, "expects 3 outputs");
+  int64_t stat_shape[MAX_DIMS];
+  if (axis < 0) axis += x->ndim;
+  for (int i = 0; i < x->ndim; ++i) stat_shape[i] = i < axis ? x->shape[i] : 1;
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  DLManagedTensor* mean = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
+  DLManagedTensor* rstd = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
+  if (y == NULL || mean == NULL || rstd == NULL) {
+    owned_deleter(y);
+    owned_deleter(mean);
+    owned_deleter(rstd);
+    return fail(c, "out of memory");
+  }
+  LayerNorm L = {0};
+  L.x = data_of(x);
+  L.w = data_of(w);
+  L.b = b ? data_of(b) : NULL;
+  L.y = y->dl_tensor.data;
+  L.mean = mean->dl_tensor.data;
+  L.rstd = rstd->dl_tensor.data;
+  L.rows = rows;
+  L.m = m;
+  L.eps = eps;
+  parallel(layer_norm_part, &L, chunks_for(rows * m, rows));
+  out[0] = y;
+  out[1] = mean;
+  out[2] = rstd;
+  return 0;
+}
+
+/* layer_norm_backward(dy, x, weight, mean, rstd, axis) -> dx, dweight, dbias */
+static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  FLOAT_IN(2, "weight", w);
+  FLOAT_IN(3, "mean", mean);
+  FLOAT_IN(4, "rstd", rstd);
+  int64_t axis = 0, rows = 0, m = 0;
+  if (scalar_i64(c, n_in, in, 5, "axis", &axis)) return -1;
+  if (ln_geometry(c, x, axis, &rows, &m)) return -1;
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  if (numel(w) != m || numel(mean) != rows || numel(rstd) != rows) return fail(c, "weight, mean or rstd has the wrong size");
+  if (n_out < 3) return fail(c, "expects 3 outputs");
+  /* few chunks: each one's dweight/dbias partial sums cost 2m floats, added in chunk order */
+  int parts = chunks_for(rows * m / 4, rows);
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  DLManagedTensor* dw = new_tensor(w->ndim, w->shape, kDLFloat, 32);
+  DLManagedTensor* db = new_tensor(w->ndim, w->shape, kDLFloat, 32);
+  float* partial = (float*)malloc(sizeof(float) * 2 * (size_t)m * (size_t)parts + 64);
+  if (dx == NULL || dw == NULL || db == NULL || partial == NULL) {
+    owned_deleter(dx);
+    owned_deleter(dw);
+    owned_deleter(db);
+    free(partial);
+    return fail(c, "out of memory");
+  }
+  LayerNorm L = {0};
+  L.x = data_of(x);
+  L.w = data_of(w);
+  L.dy = data_of(dy);
+  L.mean_in = data_of(mean);
+  L.rstd_in = data_of(rstd);
+  L.dx = dx->dl_tensor.data;
+  L.partial = partial;
+  L.rows = rows;
+  L.m = m;
+  parallel(layer_norm_backward_part, &L, parts);
+  float* dwp = dw->dl_tensor.data;
+  float* dbp = db->dl_tensor.data;
+  memcpy(dwp, partial, sizeof(float) * (size_t)m);
+  memcpy(dbp, partial + m, sizeof(float) * (size_t)m);
+  for (int p = 1; p < parts; ++p) {
+    const float* pw = partial + (int64_t)p * 2 * m;
+    for (int64_t i = 0; i < m; ++i) {
+      dwp[i] += pw[i];
+      dbp[i] += pw[m + i];
+    }
+  }
+  free(partial);
+  out[0] = dx;
+  out[1] = dw;
+  out[2] = db;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ embedding */
+typedef struct {
+  const float* table;
+  const float* dy;
+  const int64_t* ids;
+  float* out;
+  int64_t count, rows, dim;
+} Embedding;
+
+static void embedding_part(void* p, int part, int parts) {
+  Embedding* E = (Embedding*)p;
+  int64_t b, end;
+  split(E->count, part, parts, &b, &end);
+  for (int64_t k = b; k < end; ++k)
+    memcpy(E->out + k * E->dim, E->table + E->ids[k] * E->dim, sizeof(float) * (size_t)E->dim);
+}
+
+/* Each part owns a slice of the columns: every part reads all ids, the sums stay in index order. */
+static void embedding_backward_part(void* p, int part, int parts) {
+  Embedding* E = (Embedding*)p;
+  int64_t c0, c1;
+  split(E->dim, part, parts, &c0, &c1);
+  for (int64_t r = 0; r < E->rows; ++r) memset(E->out + r * E->dim + c0, 0, sizeof(float) * (size_t)(c1 - c0));
+  for (int64_t k = 0; k < E->count; ++k) {
+    float* restrict dst = E->out + E->ids[k] * E->dim;
+    const float* restrict src = E->dy + k * E->dim;
+    for (int64_t j = c0; j < c1; ++j) dst[j] += src[j];
+  }
+}
+
+/* The row of each index (Gather's semantics: -rows..-1 count from the end), into `rows_out`. */
+static int resolve_ids(Call* c, const int64_t* ids, int64_t count, int64_t rows, int64_t* rows_out) {
+  for (int64_t k = 0; k < count; ++k) {
+    int64_t r = ids[k] < 0 ? ids[k] + rows : ids[k];
+    if (r < 0 || r >= rows)
+      return fail(c, "index %lld is out of range for an embedding table of %lld rows", (long long)ids[k],
+                  (long long)rows);
+    rows_out[k] = r;
+  }
+  return 0;
+}
+
+/* embedding(table, ids) -> table[ids]   (table: [rows, ...] float32; ids: int64 of any shape) */
+static int op_embedding(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "weight", w);
+  INT64_IN(1, "indices", ids);
+  if (w->ndim < 1) return fail(c, "weight must have rank >= 1");
+  if (ids->ndim + w->ndim - 1 > MAX_DIMS) return fail(c, "result rank too large");
+  int64_t rows = w->shape[0], dim = numel(w) / (rows ? rows : 1), count = numel(ids);
+  int64_t* resolved = (int64_t*)malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+  if (resolved == NULL) return fail(c, "out of memory");
+  if (resolve_ids(c, data_of(ids), count, rows, resolved)) {
+    free(resolved);
+    return -1;
+  }
+  int64_t shape[MAX_DIMS];
+  int nd = 0;
+  for (int i = 0; i < ids->ndim; ++i) shape[nd++] = ids->shape[i];
+  for (int i = 1; i < w->ndim; ++i) shape[nd++] = w->shape[i];
+  DLManagedTensor* y = new_tensor(nd, shape, kDLFloat, 32);
+  if (y == NULL) {
+    free(resolved);
+    return fail(c, "out of memory");
+  }
+  Embedding E = {data_of(w), NULL, resolved, y->dl_tensor.data, count, rows, dim};
+  parallel(embedding_part, &E, chunks_for(count * dim, count));
+  free(resolved);
+  out[0] = y;
+  return 0;
+}
+
+/* embedding_backward(dy, ids, weight) -> dweight   (weight only gives the table's shape) */
+static int op_embedding_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  INT64_IN(1, "indices", ids);
+  FLOAT_IN(2, "weight", w);
+  if (w->ndim < 1) return fail(c, "weight must have rank >= 1");
+  int64_t rows = w->shape[0], dim = numel(w) / (rows ? rows : 1), count = numel(ids);
+  if (numel(dy) != count * dim) return fail(c, "dy has %lld elements, expected %lld", (long long)numel(dy), (long long)(count * dim));
+  int64_t* resolved = (int64_t*)malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+  if (resolved == NULL) return fail(c, "out of memory");
+  if (resolve_ids(c, data_of(ids), count, rows, resolved)) {
+    free(resolved);
+    return -1;
+  }
+  DLManagedTensor* dw = new_tensor(w->ndim, w->shape, kDLFloat, 32);
+  if (dw == NULL) {
+    free(resolved);
+    return fail(c, "out of memory");
+  }
+  Embedding E = {NULL, data_of(dy), resolved, dw->dl_tensor.data, count, rows, dim};
+  /* chunks own column slices of at least 16 floats: every chunk reads all ids, the sums stay in index order */
+  parallel(embedding_backward_part, &E, chunks_for(count * dim, dim / 16));
+  free(resolved);
+  out[0] = dw;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ dispatch */
+typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
+static const struct {
+  const char* name;
+  op_fn fn;
+  size_t n_out;
+} kOps[] = {
+    {"gelu", op_gelu, 1},
+    {"gelu_backward", op_gelu_backward, 1},
+    {"layer_norm", op_layer_norm, 3},
+    {"layer_norm_backward", op_layer_norm_backward, 3},
+    {"embedding", op_embedding, 1},
+    {"embedding_backward", op_embedding_backward, 1},
+};
+
+/* op: the name after "ortwrap_cpu::". used: "" (every output), or "used=" and one '1'/'0' per output: outputs the
+ * graph does not use (a gradient nobody needs is an unnamed output, which ORT refuses to be given) are left NULL.
+ * Inputs stay owned by the caller. On failure no output is set. */
+int ortwrap_cpu_run(const char* op, const char* used, size_t n_in, DLManagedTensor** in, size_t n_out,
+                    DLManagedTensor** out, char* err, size_t err_len) {
+  Call c = {op, err, err_len};
+  for (size_t i = 0; i < n_out; ++i) out[i] = NULL;
+  for (size_t k = 0; k < sizeof kOps / sizeof kOps[0]; ++k) {
+    if (strcmp(op, kOps[k].name) != 0) continue;
+    if (n_out != kOps[k].n_out) return fail(&c, "the node has %zu outputs, the kernel makes %zu", n_out, kOps[k].n_out);
+    int rc = kOps[k].fn(&c, n_in, in, n_out, out);
+    const char* flags = strncmp(used, "used=", 5) == 0 ? used + 5 : NULL;
+    for (size_t i = 0; i < n_out; ++i) {
+      int drop = rc != 0 || (flags != NULL && i < strlen(flags) && flags[i] == '0');
+      if (drop) {
+        owned_deleter(out[i]);
+        out[i] = NULL;
+      }
+    }
+    return rc;
+  }
+  return fail(&c, "no such ortwrap CPU kernel");
+}

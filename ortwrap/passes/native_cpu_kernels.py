@@ -1,0 +1,164 @@
+"""Run the erf GELU, LayerNorm and embedding lookups on ortwrap's own CPU kernels (``ortwrap.kernels``).
+
+Rewrites, float32 only, each into one ``org.pytorch.aten::ATen`` node (``operator="ortwrap_cpu::*"``)
+whose gradient definition pairs it with its backward kernel:
+
+* ``Mul(Mul(x, Add(Erf(x * 1/sqrt(2)), 1)), 0.5)`` (both exporters' ``F.gelu``; also with
+  ``Div(x, sqrt(2))``, the form before ``UnfuseErfGeluPass``) -> ``gelu(x)``. The intermediate
+  values must have no other consumer.
+* ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
+  them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
+  outputs, mean and inverse standard deviation in the same shapes.
+* ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
+  produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
+  indices count from the end, as in ``Gather``.
+
+Values keep their inferred types and shapes. Where inference left an input's type unknown (after
+an op ONNX cannot infer), the op's type constraint gives it: ``Mul``'s and ``LayerNormalization``'s
+inputs share one type with the constant or the scale. CPU training graphs only: ORT's CUDA kernels for
+these ops are fast, and an inference graph gets ORT's own fusions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ._build import NodeBuilder, constant_value
+
+_ONNX = ("", "ai.onnx")
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    v = constant_value(value)
+    if v is None or v.size != 1 or v.dtype.kind != "f":
+        return None
+    return float(v.reshape(-1)[0])
+
+
+def _const_dtype(value: ir.Value | None) -> ir.DataType | None:
+    v = constant_value(value)
+    return None if v is None else ir.DataType.from_numpy(v.dtype)
+
+
+def _only_use(value: ir.Value) -> ir.Node | None:
+    """The single consumer of ``value`` (None if it has several, or is a graph output)."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return uses[0][0]
+
+
+def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """The other input of a two-input node that takes ``value``."""
+    a, b = node.inputs
+    return b if a is value else a
+
+
+def _is(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in _ONNX and len(node.inputs) == 2
+
+
+def _aten(b: NodeBuilder, name: str, inputs: list[ir.Value | None], outputs: int) -> ir.Node:
+    node = b.node("ATen", inputs, domain=ATEN_DOMAIN, outputs=outputs, operator=NATIVE_PREFIX + name, overload_name="")
+    for v in node.outputs:  # ORT cannot infer the outputs of ATen nodes: every kernel makes float32
+        v.dtype = ir.DataType.FLOAT
+    return node
+
+
+class NativeCPUKernelsPass(ir.passes.InPlacePass):
+    """Replace erf GELUs, LayerNormalizations and parameter lookups with ortwrap's CPU kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0}
+        for node in list(graph):
+            if node.graph is None or node.domain not in _ONNX:
+                continue  # removed by an earlier rewrite
+            if node.op_type == "Erf":
+                self._gelu(graph, node)
+            elif node.op_type == "LayerNormalization":
+                self._layer_norm(graph, node)
+            elif node.op_type == "Gather":
+                self._embedding(graph, node)
+        return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
+
+    def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
+        scale = erf.inputs[0].producer()
+        if not (_is(scale, "Mul") or _is(scale, "Div")) or _only_use(scale.outputs[0]) is not erf:
+            return
+        for x, c in ((scale.inputs[0], scale.inputs[1]), (scale.inputs[1], scale.inputs[0])):
+            k = _scalar(c)
+            want = 1 / math.sqrt(2) if scale.op_type == "Mul" else math.sqrt(2)
+            if k is not None and abs(k - want) < 1e-6 and (scale.op_type == "Mul" or x is scale.inputs[0]):
+                break
+        else:
+            return
+        # Mul and Div take one type T: x has the constant's type when inference left it unknown.
+        if x is None or (x.dtype or _const_dtype(c)) != ir.DataType.FLOAT:
+            return
+        add = _only_use(erf.outputs[0])
+        if not _is(add, "Add") or _scalar(_other(add, erf.outputs[0])) != 1.0:
+            return
+        mul_x = _only_use(add.outputs[0])
+        if not _is(mul_x, "Mul") or _other(mul_x, add.outputs[0]) is not x:
+            return
+        half = _only_use(mul_x.outputs[0])
+        if not _is(half, "Mul") or _scalar(_other(half, mul_x.outputs[0])) != 0.5:
+            return
+        b = NodeBuilder(half.name or f"gelu_{id(half):x}")
+        gelu = _aten(b, "gelu", [x], 1)
+        b.replace(graph, half, list(gelu.outputs))
+        for dead in (mul_x, add, erf, scale):
+            graph.remove(dead, safe=True)
+        self.rewritten["gelu"] += 1
+
+    def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
+        if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
+            return
+        # X, Scale and B share one type T: X has the scale's when inference left it unknown.
+        if any((v.dtype or node.inputs[1].dtype) != ir.DataType.FLOAT for v in node.inputs):
+            return
+        stash = node.attributes.get("stash_type")
+        if stash is not None and stash.as_int() != 1:
+            return
+        axis = node.attributes.get("axis")
+        eps = node.attributes.get("epsilon")
+        b = NodeBuilder(node.name or f"layer_norm_{id(node):x}")
+        eps_value = b.const(np.array(eps.as_float() if eps is not None else 1e-5, dtype=np.float32))
+        axis_value = b.const(np.array(axis.as_int() if axis is not None else -1, dtype=np.int64))
+        ln = _aten(b, "layer_norm", [*node.inputs, eps_value, axis_value], 3)
+        x = node.inputs[0]
+        for stat in ln.outputs[1:]:  # mean and rstd: shape[:axis] + 1s
+            if x.shape is not None:
+                k = axis.as_int() if axis is not None else -1
+                k = k + len(x.shape) if k < 0 else k
+                stat.shape = ir.Shape([d if i < k else 1 for i, d in enumerate(x.shape)])
+        b.replace(graph, node, list(ln.outputs))
+        self.rewritten["layer_norm"] += 1
+
+    def _embedding(self, graph: ir.Graph, node: ir.Node) -> None:
+        axis = node.attributes.get("axis")
+        if axis is not None and axis.as_int() != 0:
+            return
+        table, indices = node.inputs[0], node.inputs[1]
+        if table is None or indices is None or not table.is_graph_input() or table.dtype != ir.DataType.FLOAT:
+            return
+        if indices.dtype != ir.DataType.INT64:
+            return
+        producer = indices.producer()
+        if producer is not None and producer.op_type == "Range":
+            return
+        b = NodeBuilder(node.name or f"embedding_{id(node):x}")
+        lookup = _aten(b, "embedding", [table, indices], 1)
+        if table.shape is not None and indices.shape is not None:
+            lookup.outputs[0].shape = ir.Shape([*indices.shape, *table.shape[1:]])
+        b.replace(graph, node, list(lookup.outputs))
+        self.rewritten["embedding"] += 1

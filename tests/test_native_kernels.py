@@ -1,0 +1,373 @@
+"""ortwrap's CPU kernels (ortwrap/kernels, passes/native_cpu_kernels.py): parity with eager through
+both exporters, what the pass rewrites and leaves alone, each kernel against PyTorch in a real ORT
+session (odd sizes, extreme values, negative and bad indices), determinism, bounded memory, and the
+warning when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx.parser
+import onnx_ir as ir
+import pytest
+import torch
+import torch.nn.functional as F
+from parity import check_parity
+from torch import nn
+
+from ortwrap import ORTWrap, kernels
+from ortwrap.bridge import state
+from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def native_ops(model: onnx.ModelProto) -> Counter:
+    ops = Counter()
+    for n in model.graph.node:
+        if n.op_type == "ATen":
+            op = next(a.s.decode() for a in n.attribute if a.name == "operator")
+            ops[op.removeprefix("ortwrap_cpu::")] += 1
+        else:
+            ops[n.op_type] += 1
+    return ops
+
+
+# ------------------------------------------------------------------------------ parity through ORTWrap
+class Transformerish(nn.Module):
+    """Every rewritten form: embeddings (one with padding_idx, repeated ids), LayerNorm with and
+    without affine parameters and over the last two dims, F.gelu and nn.GELU, and a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(23, 12, padding_idx=0)
+        self.extra = nn.Embedding(7, 12)
+        for e in (self.tok, self.extra):  # unit-scale tables make the tied head's gradient cancel
+            nn.init.normal_(e.weight, std=0.3)
+        self.ln1 = nn.LayerNorm(12)
+        self.fc = nn.Linear(12, 40)
+        self.act = nn.GELU()
+        self.out = nn.Linear(40, 12)
+        self.ln2 = nn.LayerNorm(12, elementwise_affine=False)
+        self.ln3 = nn.LayerNorm((3, 4), eps=1e-3)
+
+    def forward(self, ids, kinds):
+        x = self.tok(ids) + self.extra(kinds)
+        h = x + self.out(self.act(F.gelu(self.fc(self.ln1(x))) * 0.5))
+        h = self.ln2(h)
+        h = self.ln3(h.reshape(*h.shape[:-1], 3, 4)).reshape(h.shape)
+        return h @ self.tok.weight.t()
+
+
+def token_inputs(b, g):
+    ids = torch.randint(0, 23, (b, 9), generator=g)
+    ids[:, :3] = 5  # repeated rows: their gradients add up
+    ids[0, -2:] = 0  # padding rows: no gradient
+    return (ids, torch.randint(0, 7, (b, 9), generator=g)), {}
+
+
+@pytest.mark.usefixtures("exporter")
+def test_parity_with_native_kernels():
+    wrapped = check_parity(Transformerish, token_inputs)
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert ops["gelu"] == 2 and ops["gelu_backward"] == 2, ops
+    assert ops["layer_norm"] == 3 and ops["layer_norm_backward"] == 3, ops
+    # tok (trainable), tok's stop-gradient copy for padding_idx, extra
+    assert ops["embedding"] >= 2 and ops["embedding_backward"] == 2, ops
+    for slow in ("Erf", "LayerNormalization", "LayerNormalizationGrad", "GatherNDGrad", "GatherGrad"):
+        assert ops[slow] == 0, ops
+
+
+@pytest.mark.usefixtures("exporter")
+def test_same_parity_with_ort_kernels():
+    wrapped = check_parity(Transformerish, token_inputs, wrap_options={"native_kernels": False})
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert not any(k in ops for k in ("gelu", "layer_norm", "embedding")), ops
+    assert ops["LayerNormalizationGrad"] == 3, ops
+
+
+def test_lm_parity_and_kernels():
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(layers=2, d=32, heads=2, max_len=16)
+
+    def inputs(b, g):
+        data = torch.randint(0, cfg.vocab, (b, 17), generator=g)
+        return (data[:, :-1], data[:, 1:]), {}
+
+    wrapped = check_parity(lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out[0])
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert ops["gelu_backward"] == 2 and ops["layer_norm_backward"] == 5 and ops["embedding_backward"] == 1, ops
+
+
+def test_out_of_range_index_raises_and_the_wrapper_recovers():
+    torch.manual_seed(0)
+    model = ORTWrap(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)), fallback=False)
+    good = torch.tensor([[1, 2, 3]])
+    model(good).sum().backward()
+    with pytest.raises(IndexError, match="index 10 is out of range for an embedding table of 10 rows"):
+        model(torch.tensor([[1, 10, 3]]))
+    eager = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4))
+    eager.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(good), eager(good))
+
+
+# ------------------------------------------------------------------------------ the pass
+def run_pass(body: str) -> tuple[NativeCPUKernelsPass, onnx.ModelProto]:
+    model = onnx.shape_inference.infer_shapes(
+        onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}')
+    )
+    p = NativeCPUKernelsPass()
+    result = p(ir.serde.deserialize_model(model))
+    return p, ir.serde.serialize_model(result.model)
+
+
+def test_pass_rewrites_gelu_forms_and_leaves_shared_intermediates():
+    body = """
+    agraph (float[4, 8] x, float[4, 8] u, double[4, 8] d) => (float[4, 8] y1, float[4, 8] y2, float[4, 8] y3, float[4, 8] e3, double[4, 8] y4) {
+        r = Constant <value = float {0.70710677}> ()
+        s = Constant <value = float {1.4142135}> ()
+        one = Constant <value = float {1.0}> ()
+        half = Constant <value = float {0.5}> ()
+        a1 = Mul (x, r)
+        b1 = Erf (a1)
+        c1 = Add (b1, one)
+        m1 = Mul (x, c1)
+        y1 = Mul (m1, half)
+        a2 = Div (u, s)
+        b2 = Erf (a2)
+        c2 = Add (one, b2)
+        m2 = Mul (c2, u)
+        y2 = Mul (half, m2)
+        a3 = Mul (x, r)
+        e3 = Erf (a3)
+        c3 = Add (e3, one)
+        m3 = Mul (x, c3)
+        y3 = Mul (m3, half)
+        rd = Constant <value = double {0.7071067811865476}> ()
+        oned = Constant <value = double {1.0}> ()
+        halfd = Constant <value = double {0.5}> ()
+        a4 = Mul (d, rd)
+        b4 = Erf (a4)
+        c4 = Add (b4, oned)
+        m4 = Mul (d, c4)
+        y4 = Mul (m4, halfd)
+    }
+    """
+    p, model = run_pass(body)
+    # y1 (Mul form) and y2 (Div form, operands swapped) become gelu; y3's Erf is also a graph
+    # output, and y4 is float64: both stay.
+    assert p.rewritten["gelu"] == 2, p.rewritten
+    ops = native_ops(model)
+    assert ops["gelu"] == 2 and ops["Erf"] == 2, ops
+
+
+def test_pass_layer_norm_and_embedding_conditions():
+    body = """
+    agraph (float[2, 3, 8] x, float[8] w, float[8] b, double[2, 8] xd, double[8] wd, float[20, 8] table, int64[2, 3] ids, int32[2, 3] ids32, int64 n) =>
+           (float[2, 3, 8] y1, float[2, 3, 1] m1, float[2, 3, 1] r1, float[2, 3, 8] y2, float[2, 3, 1] m2, float[2, 3, 1] r2, double[2, 8] y3,
+            float[2, 3, 8] g1, float[2, 3, 8] g2, float[N, 8] g3) {
+        y1, m1, r1 = LayerNormalization <axis = -1, epsilon = 0.001> (x, w, b)
+        y2, m2, r2 = LayerNormalization <axis = -1, stash_type = 0> (x, w, b)
+        y3 = LayerNormalization <axis = -1> (xd, wd)
+        g1 = Gather <axis = 0> (table, ids)
+        g2 = Gather <axis = 0> (table, ids32)
+        zero = Constant <value = int64 {0}> ()
+        one = Constant <value = int64 {1}> ()
+        pos = Range (zero, n, one)
+        g3 = Gather <axis = 0> (table, pos)
+    }
+    """
+    p, model = run_pass(body)
+    # Only y1 (float, bias, all outputs, stash_type 1) and g1 (int64 ids, not from Range) are rewritten.
+    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1}, p.rewritten
+    ln = next(n for n in model.graph.node if n.op_type == "ATen" and b"layer_norm" in n.attribute[0].s)
+    assert list(ln.output) == ["y1", "m1", "r1"]
+
+
+# ------------------------------------------------------------------------------ the kernels in ORT
+def aten_session(op: str, inputs: list[tuple[str, int, list]], outputs: list[tuple[str, int, list]], consts=()):
+    """An ORT session running one ortwrap_cpu ATen node (consts: extra (name, np.ndarray) inputs)."""
+    import onnxruntime as ort
+
+    kernels.install()
+    nodes = [oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(v)) for name, v in consts]
+    names = [n for n, _, _ in inputs] + [n for n, _ in consts]
+    nodes.append(
+        oh.make_node(
+            "ATen",
+            names,
+            [n for n, _, _ in outputs],
+            domain="org.pytorch.aten",
+            operator="ortwrap_cpu::" + op,
+            overload_name="",
+        )
+    )
+    graph = oh.make_graph(
+        nodes,
+        "g",
+        [oh.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [oh.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("org.pytorch.aten", 1)], ir_version=8
+    )
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+F32, I64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+
+
+def run_raising(sess, feeds):
+    """Run; a kernel's error is kept by ortwrap (ORT only sees a failed node) and raised here."""
+    state.clear_pending()
+    try:
+        return sess.run(None, feeds)
+    except Exception as e:
+        state.reraise_pending(e)
+        raise
+
+
+@pytest.mark.parametrize("n", [1, 17, 1000, 100_003])
+def test_gelu_kernels_match_pytorch(n):
+    x = torch.cat([torch.randn(n) * 3, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 8.0, -8.0, 15.0, -15.0, 40.0, -40.0])])
+    dy = torch.randn_like(x)
+    fwd = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])])
+    bwd = aten_session("gelu_backward", [("dy", F32, ["n"]), ("x", F32, ["n"])], [("dx", F32, ["n"])])
+    (y,) = fwd.run(None, {"x": x.numpy()})
+    (dx,) = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy()})
+    # erf to 1.5e-7 absolute (Abramowitz & Stegun 7.1.26): errors scale with |x|.
+    torch.testing.assert_close(torch.from_numpy(y), F.gelu(x), atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(dx), torch.ops.aten.gelu_backward(dy, x), atol=2e-6, rtol=1e-5)
+    (again,) = fwd.run(None, {"x": x.numpy()})
+    assert np.array_equal(y, again)  # deterministic
+    assert np.isnan(fwd.run(None, {"x": np.array([np.nan], dtype=np.float32)})[0]).all()
+
+
+@pytest.mark.parametrize(
+    "shape,axis", [((5, 7, 256), -1), ((3, 1000), 1), ((4, 3, 5), 1), ((6, 3), -1), ((0, 8), -1)], ids=str
+)
+def test_layer_norm_kernels_match_pytorch(shape, axis):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 4 + 2
+    k = axis % len(shape)
+    norm = shape[k:]
+    w, b = torch.randn(norm, generator=g), torch.randn(norm, generator=g)
+    dy = torch.randn(shape, generator=g)
+    stat = [*shape[:k], *[1] * (len(shape) - k)]
+    dims = [f"d{i}" for i in range(len(shape))]
+    fwd = aten_session(
+        "layer_norm",
+        [("x", F32, dims), ("w", F32, list(norm)), ("b", F32, list(norm))],
+        [("y", F32, dims), ("mean", F32, None), ("rstd", F32, None)],
+        consts=[("eps", np.array(1e-5, dtype=np.float32)), ("axis", np.array(axis, dtype=np.int64))],
+    )
+    y, mean, rstd = fwd.run(None, {"x": x.numpy(), "w": w.numpy(), "b": b.numpy()})
+    ref, ref_mean, ref_rstd = torch.ops.aten.native_layer_norm(x, list(norm), w, b, 1e-5)
+    torch.testing.assert_close(torch.from_numpy(y), ref, atol=1e-5, rtol=1e-5)
+    assert list(mean.shape) == stat and list(rstd.shape) == stat
+    torch.testing.assert_close(torch.from_numpy(mean).reshape(ref_mean.shape), ref_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(rstd).reshape(ref_rstd.shape), ref_rstd, atol=1e-4, rtol=1e-5)
+    bwd = aten_session(
+        "layer_norm_backward",
+        [
+            ("dy", F32, dims),
+            ("x", F32, dims),
+            ("w", F32, list(norm)),
+            ("mean", F32, stat),
+            ("rstd", F32, stat),
+        ],
+        [("dx", F32, dims), ("dw", F32, list(norm)), ("db", F32, list(norm))],
+        consts=[("axis", np.array(axis, dtype=np.int64))],
+    )
+    dx, dw, db = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy(), "w": w.numpy(), "mean": mean, "rstd": rstd})
+    rdx, rdw, rdb = torch.ops.aten.native_layer_norm_backward(
+        dy, x, list(norm), ref_mean, ref_rstd, w, b, [True, True, True]
+    )
+    torch.testing.assert_close(torch.from_numpy(dx), rdx, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(dw), rdw, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(db), rdb, atol=1e-4, rtol=1e-4)
+
+
+def test_embedding_kernels_match_gather_semantics():
+    table = torch.randn(50, 3, 4)
+    ids = torch.tensor([[0, 49, -1, -50], [7, 7, 7, 3]])
+    fwd = aten_session("embedding", [("w", F32, [50, 3, 4]), ("ids", I64, [2, 4])], [("y", F32, [2, 4, 3, 4])])
+    (y,) = fwd.run(None, {"w": table.numpy(), "ids": ids.numpy()})
+    torch.testing.assert_close(torch.from_numpy(y), table[ids], rtol=0, atol=0)  # negative ids count from the end
+    dy = torch.randn(2, 4, 3, 4)
+    bwd = aten_session(
+        "embedding_backward",
+        [("dy", F32, [2, 4, 3, 4]), ("ids", I64, [2, 4]), ("w", F32, [50, 3, 4])],
+        [("dw", F32, [50, 3, 4])],
+    )
+    (dw,) = bwd.run(None, {"dy": dy.numpy(), "ids": ids.numpy(), "w": table.numpy()})
+    ref = torch.zeros_like(table).index_put_((ids % 50,), dy, accumulate=True)
+    torch.testing.assert_close(torch.from_numpy(dw), ref, atol=1e-6, rtol=1e-6)
+    with pytest.raises(IndexError, match="index 50 is out of range for an embedding table of 50 rows"):
+        run_raising(fwd, {"w": table.numpy(), "ids": np.array([[0, 1, 2, 50], [0, 0, 0, 0]])})
+    with pytest.raises(IndexError, match="index -51 is out of range"):
+        run_raising(fwd, {"w": table.numpy(), "ids": np.array([[0, 1, 2, -51], [0, 0, 0, 0]])})
+
+
+def test_kernel_input_errors_are_reported():
+    bwd = aten_session("gelu_backward", [("dy", F32, [3]), ("x", F32, [4])], [("dx", F32, [4])])
+    with pytest.raises(RuntimeError, match="gelu_backward: dy and x have different shapes"):
+        run_raising(bwd, {"dy": np.zeros(3, np.float32), "x": np.zeros(4, np.float32)})
+    wrong = aten_session("gelu", [("x", onnx.TensorProto.DOUBLE, [4])], [("y", onnx.TensorProto.DOUBLE, [4])])
+    with pytest.raises(RuntimeError, match="gelu: input x has dtype"):
+        run_raising(wrong, {"x": np.zeros(4)})
+
+
+def test_output_buffers_are_reused_not_grown():
+    lib = kernels.install()
+    lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
+    lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t
+    fwd = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])])
+    x = np.ones(300_000, np.float32)
+    fwd.run(None, {"x": x})
+    after_one = lib.ortwrap_cpu_cached_bytes(0)
+    for _ in range(20):
+        fwd.run(None, {"x": x})
+    assert lib.ortwrap_cpu_cached_bytes(0) == after_one  # one block, reused every run
+    lib.ortwrap_cpu_cached_bytes(1)
+    assert lib.ortwrap_cpu_cached_bytes(0) == 0
+
+
+def test_kernels_that_cannot_build_warn_and_ort_kernels_run(tmp_path):
+    code = textwrap.dedent(
+        """
+        import warnings, torch
+        from torch import nn
+        from ortwrap import ORTWrap
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU())
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            wrapped = ORTWrap(m, fallback=False)
+            wrapped(torch.randn(3, 4)).sum().backward()
+        msgs = [str(x.message) for x in w if "native CPU kernels could not be built" in str(x.message)]
+        assert len(msgs) == 1, [str(x.message) for x in w]
+        ops = {n.op_type for n in wrapped.last_artifacts.graph.model().graph.node}
+        assert "LayerNormalizationGrad" in ops and "ATen" not in ops, ops
+        print("OK")
+        """
+    )
+    # A compiler that builds ortwrap's other helpers but fails on the kernels.
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\ncase "$*" in *_cpu.c*) echo "simulated failure" >&2; exit 1;; esac\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "ORTWRAP_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
