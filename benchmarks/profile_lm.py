@@ -49,13 +49,20 @@ def _ort_profile(model, ids, tgt, steps: int) -> dict[str, float]:
     finally:
         ort_session.session_options = plain
     runner = next(iter(wrapped._programs.values())).runner
+    # ATen nodes are listed by their operator (ortwrap's CPU kernels: ortwrap_cpu::gelu, ...).
+    operators = {
+        n.name: a.s.decode() for n in runner.graph.model().graph.node for a in n.attribute if a.name == "operator"
+    }
     with open(runner._session.end_profiling()) as f:
         events = [e for e in json.load(f) if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     # Each step runs every kernel once in the same order: skip the warm-up steps' events.
     per_step = len(events) // (warmup + steps)
     by_op: dict[str, float] = collections.defaultdict(float)
     for e in events[warmup * per_step :]:
-        by_op[e["args"]["op_name"]] += e["dur"] / 1e3 / steps
+        op = e["args"]["op_name"]
+        if op == "ATen":
+            op = operators.get(e["name"].removesuffix("_kernel_time"), op)
+        by_op[op] += e["dur"] / 1e3 / steps
     return dict(by_op)
 
 
@@ -92,4 +99,4 @@ def main(steps: int = 10, rows: int = 16) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, int(sys.argv[2]) if len(sys.argv) > 2 else 16)

@@ -118,6 +118,28 @@ class ORTWrap(nn.Module):
         return out
 
     # ------------------------------------------------------------------ forward
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # NOTE: per-step cost. nn.Module.__call__ goes through _wrapped_call_impl and _call_impl
+        # (~2 us) to reach forward when no hook, compiled call or tracer is active; those are
+        # checked here the same way, and anything else takes nn.Module's path.
+        if (
+            _fast_call
+            and self._compiled_call_impl is None
+            and not (
+                self._forward_pre_hooks
+                or self._forward_hooks
+                or self._backward_pre_hooks
+                or self._backward_hooks
+                or _nn_module._global_forward_pre_hooks
+                or _nn_module._global_forward_hooks
+                or _nn_module._global_backward_pre_hooks
+                or _nn_module._global_backward_hooks
+                or _tracing_state()
+            )
+        ):
+            return self.forward(*args, **kwargs)
+        return nn.Module.__call__(self, *args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
@@ -185,7 +207,10 @@ class ORTWrap(nn.Module):
             with torch.no_grad():
                 for buf, value in zip(program.buffer_outputs, outputs[n : n + len(program.buffer_outputs)]):
                     buf.copy_(value)
-        return _tree.unflatten(program.out_spec, outputs[:n])
+        spec = program.out_spec
+        if spec is _tree.TENSOR:
+            return outputs[0]
+        return _tree.unflatten(spec, outputs[:n])
 
     def _fall_back(self, error: ORTWrapError) -> None:
         """Run the module in PyTorch from now on, saying why once."""
@@ -286,6 +311,18 @@ class ORTWrap(nn.Module):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_nn_module = torch.nn.modules.module
+_tracing_state = torch._C._get_tracing_state
+#: The hook registries ORTWrap.__call__ checks exist in this torch (else it always takes nn.Module's path).
+_fast_call = all(
+    hasattr(_nn_module, name)
+    for name in (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+) and hasattr(nn.Module, "_compiled_call_impl")
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
@@ -297,10 +334,10 @@ def _guards_hold(program: Program, leaves: list[torch.Tensor]) -> bool:
 def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run ``program`` on ``leaves``: its flat outputs (user outputs, then buffer outputs, which the
     caller copies back). Used by every call and by verification."""
-    feeds = program.feeds(leaves)
+    feeds, values = program.bind(leaves)
     if program.with_backward:
-        return RunTrainingGraph.apply(program, *feeds)
-    outputs = program.runner.forward(program.bind(feeds))
+        return RunTrainingGraph.apply(program, values, *feeds)
+    outputs = program.runner.forward(values)
     if program.n_pythonops:
         bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
     return outputs

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -137,32 +136,39 @@ class Program:
         # as this program (and its session) can run.
         self.keepalive = exported.keepalive
         self.n_pythonops = len(exported.functions)
-        self._is_input = [table is None for _, table, _ in self._plan]
+        #: with aggressive_cpu_fallback: computes the host-fed inputs from the user's tensors
+        self.host_shapes_runner: HostShapeRunner | None = None
 
     def forget_state_values(self) -> None:
         """Drop the cached OrtValues of parameters and buffers, and the memory they keep alive (DeepSpeed
         ZeRO-3 partitions the parameters between steps: their gathered memory must be freed)."""
         self._state_cache = StateValueCache(len(self._plan))
 
-    def feeds(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tensors of every graph feed, in feed order: user inputs, parameters and buffers."""
-        return [leaves[i] if table is None else table[attr] for i, table, attr in self._plan]
+    def bind(self, leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], C.OrtValueVector]:
+        """The tensors of every graph feed, in feed order (user inputs, then parameters and buffers),
+        and the same as an OrtValueVector; parameters and buffers reuse their cached OrtValues.
 
-    def bind(self, feeds: Sequence[torch.Tensor]) -> C.OrtValueVector:
-        """``feeds`` as an OrtValueVector; parameters and buffers reuse their cached OrtValues."""
+        One pass over the feeds: this runs on every step (see runtime/function.py's NOTE)."""
+        if self.host_shapes_runner is not None:  # the host-fed inputs follow the user's tensors
+            leaves = [*leaves, *self.host_shapes_runner(leaves)]
         vec = C.OrtValueVector()
-        vec.reserve(len(feeds))
         push = vec.push_back
         cache = self._state_cache
         cached_tensors, pointers, values = cache.tensors, cache.pointers, cache.values
-        for j, t in enumerate(feeds):
-            if self._is_input[j]:
+        feeds: list[torch.Tensor] = []
+        append = feeds.append
+        for j, (i, table, attr) in enumerate(self._plan):
+            if table is None:
+                t = leaves[i]
                 push_tensor(vec, t)
-            elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
-                push(values[j])
             else:
-                push(cache.refresh(j, t))
-        return vec
+                t = table[attr]
+                if cached_tensors[j] is t and pointers[j] == t.data_ptr():
+                    push(values[j])
+                else:
+                    push(cache.refresh(j, t))
+            append(t)
+        return feeds, vec
 
 
 def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
@@ -283,7 +289,7 @@ def compile_program(
     seconds["session"] = time.perf_counter() - t3
     program = Program(exported, graph, runner, module)
     if host_pass is not None and host_pass.split.feeds:
-        program.feeds = HostShapeRunner(host_pass.split, host_index).wrap(program.feeds)
+        program.host_shapes_runner = HostShapeRunner(host_pass.split, host_index)
     artifacts = BuildArtifacts(
         exported_proto,
         exported.model,

@@ -405,7 +405,7 @@ def test_flag_off_builds_no_host_program(monkeypatch) -> None:
     assert w.last_artifacts.host_shapes is None
     assert "HostShapeSplitPass" not in {r.name for r in w.last_artifacts.passes}
     program = next(iter(w._programs.values()))
-    assert not hasattr(program.feeds, "host_shapes")  # Program.feeds itself: nothing added per step
+    assert program.host_shapes_runner is None  # nothing added per step
 
 
 # ---------------------------------------------------------------------------------------------- whole models
@@ -459,7 +459,7 @@ def test_llama_block_training_parity_with_changing_batch_and_sequence(tmp_path) 
     program = onnx.load(str(tmp_path / "build01_train_host_shapes.onnx"))
     assert {n.name for n in program.graph.node} >= {p.name for p in split.moved.values() if p.placement == "host"}
     # The program ran once per distinct (batch, sequence) shape, not once per step.
-    runner = next(iter(w._programs.values())).feeds.host_shapes
+    runner = next(iter(w._programs.values())).host_shapes_runner
     assert runner.runs == 4
 
 
@@ -573,5 +573,5 @@ def test_llama_block_on_cuda_feeds_shapes_from_the_host() -> None:
     )
     assert w.export_count == 1 and w.last_artifacts.host_shapes.moved
     program = next(iter(w._programs.values()))
-    host = program.feeds.host_shapes([torch.randn(2, 5, _LLAMA.d, device="cuda")])
+    host = program.host_shapes_runner([torch.randn(2, 5, _LLAMA.d, device="cuda")])
     assert host and all(t.device.type == "cpu" for t in host)

@@ -107,6 +107,35 @@ def test_lm_parity_and_kernels():
     wrapped = check_parity(lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out[0])
     ops = native_ops(wrapped.last_artifacts.graph.model())
     assert ops["gelu_backward"] == 2 and ops["layer_norm_backward"] == 5 and ops["embedding_backward"] == 1, ops
+    assert ops["cross_entropy_backward"] == 1 and ops["SoftmaxCrossEntropyLossGrad"] == 0, ops
+
+
+class Classifier(nn.Module):
+    def __init__(self, reduction: str, smoothing: float) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 11)
+        self.reduction, self.smoothing = reduction, smoothing
+
+    def forward(self, x, target):
+        logits = self.head(x).reshape(-1, 11)
+        return F.cross_entropy(logits, target.reshape(-1), reduction=self.reduction, label_smoothing=self.smoothing)
+
+
+def classifier_inputs(b, g):
+    target = torch.randint(0, 11, (b, 3), generator=g)
+    target[0, 1] = -100  # ignored
+    return (torch.randn(b, 3, 6, generator=g), target), {}
+
+
+@pytest.mark.usefixtures("exporter")
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.0), ("none", 0.0), ("mean", 0.1)], ids=str)
+def test_cross_entropy_parity(reduction, smoothing):
+    wrapped = check_parity(
+        lambda: Classifier(reduction, smoothing), classifier_inputs, loss_fn=lambda out: (out * out.detach()).sum()
+    )
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    # (label smoothing adds its term from a LogSoftmax of its own)
+    assert ops["cross_entropy_backward"] == 1 and ops["SoftmaxCrossEntropyLossGrad"] == 0, ops
 
 
 def test_out_of_range_index_raises_and_the_wrapper_recovers():
@@ -171,6 +200,22 @@ def test_pass_rewrites_gelu_forms_and_leaves_shared_intermediates():
     assert ops["gelu"] == 2 and ops["Erf"] == 2, ops
 
 
+def test_pass_cross_entropy_conditions():
+    body = """
+    agraph (float[6, 5] s, int64[6] y, float[5] w, float[2, 5, 3] s3, int64[2, 3] y3) => (float l1, float l2, float[6, 5] lp2, float l3, float l4) {
+        l1, lp1 = SoftmaxCrossEntropyLoss <ignore_index = -1> (s, y)
+        l2, lp2 = SoftmaxCrossEntropyLoss (s, y)
+        l3, lp3 = SoftmaxCrossEntropyLoss (s, y, w)
+        l4, lp4 = SoftmaxCrossEntropyLoss (s3, y3)
+    }
+    """
+    p, model = run_pass(body)
+    # Only l1: l2's log_prob is a graph output, l3 has class weights, l4 has 3-D scores.
+    assert p.rewritten["cross_entropy"] == 1, p.rewritten
+    ce = next(n for n in model.graph.node if n.op_type == "ATen")
+    assert list(ce.output) == ["l1", "lp1"]
+
+
 def test_pass_layer_norm_and_embedding_conditions():
     body = """
     agraph (float[2, 3, 8] x, float[8] w, float[8] b, double[2, 8] xd, double[8] wd, float[20, 8] table, int64[2, 3] ids, int32[2, 3] ids32, int64 n) =>
@@ -189,7 +234,7 @@ def test_pass_layer_norm_and_embedding_conditions():
     """
     p, model = run_pass(body)
     # Only y1 (float, bias, all outputs, stash_type 1) and g1 (int64 ids, not from Range) are rewritten.
-    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1}, p.rewritten
+    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1, "cross_entropy": 0}, p.rewritten
     ln = next(n for n in model.graph.node if n.op_type == "ATen" and b"layer_norm" in n.attribute[0].s)
     assert list(ln.output) == ["y1", "m1", "r1"]
 
@@ -319,6 +364,43 @@ def test_embedding_kernels_match_gather_semantics():
         run_raising(fwd, {"w": table.numpy(), "ids": np.array([[0, 1, 2, 50], [0, 0, 0, 0]])})
     with pytest.raises(IndexError, match="index -51 is out of range"):
         run_raising(fwd, {"w": table.numpy(), "ids": np.array([[0, 1, 2, -51], [0, 0, 0, 0]])})
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+def test_cross_entropy_kernels_match_pytorch(reduction):
+    g = torch.Generator().manual_seed(0)
+    n, c = 37, 21
+    scores = torch.randn(n, c, generator=g) * 5
+    labels = torch.randint(0, c, (n,), generator=g)
+    labels[[3, 9]] = -100
+    consts = [("ignore", np.array(-100, dtype=np.int64)), ("reduction", np.array(reduction, dtype=np.int64))]
+    fwd = aten_session(
+        "cross_entropy",
+        [("scores", F32, [n, c]), ("labels", I64, [n])],
+        [("loss", F32, None), ("log_prob", F32, [n, c])],
+        consts=consts,
+    )
+    loss, log_prob = fwd.run(None, {"scores": scores.numpy(), "labels": labels.numpy()})
+    mode = ["none", "mean", "sum"][reduction]
+    x = scores.clone().requires_grad_()
+    ref = F.cross_entropy(x, labels, reduction=mode)
+    torch.testing.assert_close(torch.from_numpy(loss).reshape(ref.shape), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(log_prob), F.log_softmax(scores, -1), atol=1e-5, rtol=1e-5)
+    dloss = torch.randn(ref.shape, generator=g)
+    (ref_grad,) = torch.autograd.grad(ref, x, dloss)
+    bwd = aten_session(
+        "cross_entropy_backward",
+        [("dloss", F32, list(ref.shape)), ("log_prob", F32, [n, c]), ("labels", I64, [n])],
+        [("dscores", F32, [n, c])],
+        consts=consts,
+    )
+    (d,) = bwd.run(None, {"dloss": dloss.numpy(), "log_prob": log_prob, "labels": labels.numpy()})
+    torch.testing.assert_close(torch.from_numpy(d), ref_grad, atol=1e-5, rtol=1e-5)
+    with pytest.raises(IndexError, match="target 21 is out of range for 21 classes"):
+        run_raising(fwd, {"scores": scores.numpy(), "labels": np.full(n, 21, dtype=np.int64)})
+    if reduction == 1:  # every target ignored: 0/0, as in PyTorch
+        (empty, _) = fwd.run(None, {"scores": scores.numpy(), "labels": np.full(n, -100, dtype=np.int64)})
+        assert np.isnan(empty).all()
 
 
 def test_kernel_input_errors_are_reported():

@@ -795,6 +795,135 @@ static int op_embedding_backward(Call* c, size_t n_in, DLManagedTensor** in, siz
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ cross-entropy */
+enum { kReduceNone = 0, kReduceMean = 1, kReduceSum = 2 };
+
+typedef struct {
+  const float* x;      /* forward: scores [n, c]; backward: log_prob [n, c] */
+  const int64_t* y;    /* labels [n] */
+  const float* dloss;  /* backward: the loss gradient (one value, or n for reduction none) */
+  float* out;          /* forward: log_prob; backward: dscores */
+  float* row_loss;     /* forward: -log_prob[i, y_i] per row (0 for ignored rows) */
+  int64_t n, c, ignore;
+  int reduction;
+  float scale;         /* backward: dloss / count for mean, dloss for sum */
+} CrossEntropy;
+
+static void cross_entropy_part(void* p, int part, int parts) {
+  CrossEntropy* E = (CrossEntropy*)p;
+  int64_t b, end;
+  split(E->n, part, parts, &b, &end);
+  const int64_t c = E->c;
+  for (int64_t i = b; i < end; ++i) {
+    const float* restrict x = E->x + i * c;
+    float* restrict lp = E->out + i * c;
+    float mx = x[0];
+    for (int64_t k = 1; k < c; ++k) mx = x[k] > mx ? x[k] : mx;
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= c; k += LANES)
+      for (int j = 0; j < LANES; ++j) acc[j] += exp_nonpos(x[k + j] - mx);
+    float sum = 0.0f;
+    for (; k < c; ++k) sum += exp_nonpos(x[k] - mx);
+    for (int j = 0; j < LANES; ++j) sum += acc[j];
+    const float lse = mx + logf(sum);
+    for (k = 0; k < c; ++k) lp[k] = x[k] - lse;
+    const int64_t t = E->y[i];
+    E->row_loss[i] = t == E->ignore ? 0.0f : -lp[t];
+  }
+}
+
+static void cross_entropy_backward_part(void* p, int part, int parts) {
+  CrossEntropy* E = (CrossEntropy*)p;
+  int64_t b, end;
+  split(E->n, part, parts, &b, &end);
+  const int64_t c = E->c;
+  for (int64_t i = b; i < end; ++i) {
+    const float* restrict lp = E->x + i * c;
+    float* restrict d = E->out + i * c;
+    const int64_t t = E->y[i];
+    if (t == E->ignore) {
+      memset(d, 0, sizeof(float) * (size_t)c);
+      continue;
+    }
+    const float scale = E->reduction == kReduceNone ? E->dloss[i] : E->scale;
+    for (int64_t k = 0; k < c; ++k) d[k] = exp_nonpos(lp[k]) * scale;
+    d[t] -= scale;
+  }
+}
+
+static int check_labels(Call* c, const int64_t* y, int64_t n, int64_t classes, int64_t ignore, int64_t* count) {
+  *count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (y[i] == ignore) continue;
+    if (y[i] < 0 || y[i] >= classes)
+      return fail(c, "target %lld is out of range for %lld classes", (long long)y[i], (long long)classes);
+    ++*count;
+  }
+  return 0;
+}
+
+/* cross_entropy(scores [n, c], labels [n] (i64), ignore_index (i64), reduction (i64: 0 none, 1 mean, 2 sum))
+ *   -> loss (scalar, or [n] for none), log_prob [n, c] */
+static int op_cross_entropy(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "scores", x);
+  INT64_IN(1, "labels", y);
+  int64_t ignore = 0, reduction = 0, count = 0;
+  if (scalar_i64(c, n_in, in, 2, "ignore_index", &ignore) || scalar_i64(c, n_in, in, 3, "reduction", &reduction))
+    return -1;
+  if (x->ndim != 2 || y->ndim != 1 || y->shape[0] != x->shape[0])
+    return fail(c, "expects scores [n, c] and labels [n]");
+  const int64_t n = x->shape[0], classes = x->shape[1];
+  if (classes < 1) return fail(c, "scores have no classes");
+  if (check_labels(c, data_of(y), n, classes, ignore, &count)) return -1;
+  int64_t scalar_shape[1] = {0};
+  DLManagedTensor* loss = reduction == kReduceNone ? new_tensor(1, &n, kDLFloat, 32) : new_tensor(0, scalar_shape, kDLFloat, 32);
+  DLManagedTensor* lp = new_tensor(2, x->shape, kDLFloat, 32);
+  float* rows = (float*)malloc(sizeof(float) * (size_t)(n ? n : 1));
+  if (loss == NULL || lp == NULL || rows == NULL) {
+    owned_deleter(loss);
+    owned_deleter(lp);
+    free(rows);
+    return fail(c, "out of memory");
+  }
+  CrossEntropy E = {data_of(x), data_of(y), NULL, lp->dl_tensor.data, rows, n, classes, ignore, (int)reduction, 0};
+  parallel(cross_entropy_part, &E, chunks_for(n * classes, n));
+  float* l = loss->dl_tensor.data;
+  if (reduction == kReduceNone) {
+    memcpy(l, rows, sizeof(float) * (size_t)n);
+  } else {
+    double total = 0.0; /* in row order: deterministic */
+    for (int64_t i = 0; i < n; ++i) total += rows[i];
+    l[0] = reduction == kReduceMean ? (float)(total / (double)count) : (float)total; /* 0/0 = NaN, as in PyTorch */
+  }
+  free(rows);
+  out[0] = loss;
+  out[1] = lp;
+  return 0;
+}
+
+/* cross_entropy_backward(dloss, log_prob, labels, ignore_index, reduction) -> dscores */
+static int op_cross_entropy_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dloss", dl);
+  FLOAT_IN(1, "log_prob", lp);
+  INT64_IN(2, "labels", y);
+  int64_t ignore = 0, reduction = 0, count = 0;
+  if (scalar_i64(c, n_in, in, 3, "ignore_index", &ignore) || scalar_i64(c, n_in, in, 4, "reduction", &reduction))
+    return -1;
+  if (lp->ndim != 2 || y->ndim != 1 || y->shape[0] != lp->shape[0]) return fail(c, "expects log_prob [n, c] and labels [n]");
+  const int64_t n = lp->shape[0], classes = lp->shape[1];
+  if (numel(dl) != (reduction == kReduceNone ? n : 1)) return fail(c, "dloss has %lld elements", (long long)numel(dl));
+  if (check_labels(c, data_of(y), n, classes, ignore, &count)) return -1;
+  DLManagedTensor* d = new_tensor(2, lp->shape, kDLFloat, 32);
+  if (d == NULL) return fail(c, "out of memory");
+  const float g = *(const float*)data_of(dl);
+  CrossEntropy E = {data_of(lp), data_of(y), data_of(dl), d->dl_tensor.data, NULL, n, classes, ignore, (int)reduction,
+                    reduction == kReduceMean ? g / (float)count : g};
+  parallel(cross_entropy_backward_part, &E, chunks_for(n * classes, n));
+  out[0] = d;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ dispatch */
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
 static const struct {
@@ -808,6 +937,8 @@ static const struct {
     {"layer_norm_backward", op_layer_norm_backward, 3},
     {"embedding", op_embedding, 1},
     {"embedding_backward", op_embedding_backward, 1},
+    {"cross_entropy", op_cross_entropy, 2},
+    {"cross_entropy_backward", op_cross_entropy_backward, 1},
 };
 
 /* op: the name after "ortwrap_cpu::". used: "" (every output), or "used=" and one '1'/'0' per output: outputs the

@@ -1,4 +1,4 @@
-"""Run the erf GELU, LayerNorm and embedding lookups on ortwrap's own CPU kernels (``ortwrap.kernels``).
+"""Run the erf GELU, LayerNorm, cross-entropy and embedding lookups on ortwrap's CPU kernels (``ortwrap.kernels``).
 
 Rewrites, float32 only, each into one ``org.pytorch.aten::ATen`` node (``operator="ortwrap_cpu::*"``)
 whose gradient definition pairs it with its backward kernel:
@@ -9,6 +9,9 @@ whose gradient definition pairs it with its backward kernel:
 * ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
   them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
   outputs, mean and inverse standard deviation in the same shapes.
+* ``SoftmaxCrossEntropyLoss(scores, labels)`` on 2-D float scores without class weights, whose
+  ``log_prob`` output nothing else reads -> ``cross_entropy(scores, labels, ignore_index,
+  reduction)``, same two outputs.
 * ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
   produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
   indices count from the end, as in ``Gather``.
@@ -70,7 +73,7 @@ def _aten(b: NodeBuilder, name: str, inputs: list[ir.Value | None], outputs: int
 
 
 class NativeCPUKernelsPass(ir.passes.InPlacePass):
-    """Replace erf GELUs, LayerNormalizations and parameter lookups with ortwrap's CPU kernels."""
+    """Replace erf GELUs, LayerNormalizations, cross-entropies and parameter lookups with ortwrap's CPU kernels."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,7 +81,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0}
+        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0}
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
@@ -88,6 +91,8 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
                 self._layer_norm(graph, node)
             elif node.op_type == "Gather":
                 self._embedding(graph, node)
+            elif node.op_type == "SoftmaxCrossEntropyLoss":
+                self._cross_entropy(graph, node)
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
     def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
@@ -162,3 +167,27 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             lookup.outputs[0].shape = ir.Shape([*indices.shape, *table.shape[1:]])
         b.replace(graph, node, list(lookup.outputs))
         self.rewritten["embedding"] += 1
+
+    def _cross_entropy(self, graph: ir.Graph, node: ir.Node) -> None:
+        if len(node.inputs) != 2 or len(node.outputs) != 2:
+            return  # class weights: ORT's kernel
+        scores, labels = node.inputs
+        if scores is None or labels is None or scores.dtype != ir.DataType.FLOAT or labels.dtype != ir.DataType.INT64:
+            return
+        if scores.shape is None or len(scores.shape) != 2:
+            return
+        log_prob = node.outputs[1]
+        if log_prob.uses() or log_prob.is_graph_output():
+            return  # the backward kernel takes no log_prob gradient
+        reduction = node.attributes.get("reduction")
+        mode = {"none": 0, "mean": 1, "sum": 2}.get(reduction.as_string() if reduction is not None else "mean")
+        if mode is None:
+            return
+        ignore = node.attributes.get("ignore_index")
+        b = NodeBuilder(node.name or f"cross_entropy_{id(node):x}")
+        ignore_value = b.const(np.array(ignore.as_int() if ignore is not None else np.iinfo(np.int64).min))
+        mode_value = b.const(np.array(mode, dtype=np.int64))
+        ce = _aten(b, "cross_entropy", [scores, labels, ignore_value, mode_value], 2)
+        ce.outputs[1].shape = scores.shape
+        b.replace(graph, node, list(ce.outputs))
+        self.rewritten["cross_entropy"] += 1

@@ -32,10 +32,10 @@ _grad_enabled = torch.is_grad_enabled
 
 
 class RunTrainingGraph(torch.autograd.Function):
-    """``RunTrainingGraph.apply(program, *feeds) -> outputs``.
+    """``RunTrainingGraph.apply(program, values, *feeds) -> outputs``.
 
-    ``program`` binds the feeds to OrtValues (``program.bind``), holds the ``TrainingRunner`` and
-    knows which outputs are non-differentiable (``program.non_differentiable``).
+    ``values`` are the feeds as OrtValues (``program.bind``); ``program`` holds the
+    ``TrainingRunner`` and knows which outputs are non-differentiable (``program.non_differentiable``).
     """
 
     @classmethod
@@ -45,14 +45,14 @@ class RunTrainingGraph(torch.autograd.Function):
         return _c_apply(*args)
 
     @staticmethod
-    def forward(ctx, program, *feeds: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, program, values, *feeds: torch.Tensor):  # type: ignore[override]
         runner: TrainingRunner = program.runner
         if program.n_pythonops:
             # NOTE: the record collects the PythonOp contexts of this run; it lives in ctx, so if
             # no backward ever runs they are released when autograd drops ctx.
             with RunRecord() as record:
                 try:
-                    outputs, state = runner.forward(program.bind(feeds))
+                    outputs, state = runner.forward(values)
                 except BaseException:
                     record.finish()  # the exception may outlive this frame: release now
                     raise
@@ -60,11 +60,11 @@ class RunTrainingGraph(torch.autograd.Function):
                 record.context_ids = outputs[len(outputs) - program.n_contexts :]
             ctx.record = record
         else:
-            outputs, state = runner.forward(program.bind(feeds))
+            outputs, state = runner.forward(values)
             ctx.record = None
         ctx.runner = runner
         ctx.state = state
-        ctx.set_materialize_grads(False)
+        ctx.materialize_grads = False  # what ctx.set_materialize_grads(False) sets, without its frame
         if runner.full_shape_outputs:
             ctx.shapes = {i: outputs[i].shape for i in runner.full_shape_outputs}
         if program.non_differentiable:

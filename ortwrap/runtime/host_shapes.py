@@ -18,7 +18,7 @@ cache holds at most :data:`MAX_CACHED` entries and is emptied when full.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -130,15 +130,6 @@ class HostShapeRunner:
             # NOTE: not np.ascontiguousarray, which turns a 0-d array into a 1-d one.
             result.append(torch.from_numpy(arr if arr.flags.c_contiguous else arr.copy()))
         return result
-
-    def wrap(self, feeds: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Callable[[list[torch.Tensor]], list]:
-        """``Program.feeds`` that appends the host-fed inputs to the user's tensors first."""
-
-        def host_feeds(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-            return feeds([*leaves, *self(leaves)])
-
-        host_feeds.host_shapes = self  # type: ignore[attr-defined]
-        return host_feeds
 
 
 def _python(f: HostFeed, t: torch.Tensor) -> np.ndarray:

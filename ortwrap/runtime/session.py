@@ -101,6 +101,9 @@ def _create_session(
     return sess, ort_device
 
 
+#: Arguments of RunTrainingGraph.apply before the feeds: the program and the feeds' OrtValues.
+_LEADING_ARGS = 2
+
 #: Ops whose ORT kernels may return their input's buffer instead of a new one.
 _ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
 
@@ -166,13 +169,15 @@ class TrainingRunner:
         )
         self.full_shape_outputs = info.full_shape_grad_outputs
         # Autograd wants one gradient (or None) per input of RunTrainingGraph.forward: the program,
-        # then every feed. When the gradients are those of the last feeds, in order (no user input
-        # requires grad), the result is a constant prefix of Nones plus ORT's list.
+        # the OrtValues, then every feed. When the gradients are those of the last feeds, in order
+        # (no user input requires grad), the result is a constant prefix of Nones plus ORT's list.
         n_feeds, index = len(graph.feed_names), info.grad_feed_index
         self._n_feeds = n_feeds
         self._grad_index = index
         tail = tuple(range(n_feeds - len(index), n_feeds))
-        self._grad_prefix: tuple[None, ...] | None = (None,) * (1 + n_feeds - len(index)) if index == tail else None
+        self._grad_prefix: tuple[None, ...] | None = (
+            (None,) * (_LEADING_ARGS + n_feeds - len(index)) if index == tail else None
+        )
         #: outputs that may share memory with a value the backward reuses (see _aliased_outputs)
         self._copy_outputs = _aliased_outputs(graph, model)
 
@@ -222,12 +227,12 @@ class TrainingRunner:
 
     def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """``results`` (ORT's gradients) as autograd wants them from ``RunTrainingGraph.backward``:
-        ``None`` for the program, then one entry per feed."""
+        ``None`` for the program and the OrtValues, then one entry per feed."""
         if self._grad_prefix is not None:
             return self._grad_prefix + tuple(results)
-        out: list[torch.Tensor | None] = [None] * (1 + self._n_feeds)
+        out: list[torch.Tensor | None] = [None] * (_LEADING_ARGS + self._n_feeds)
         for index, g in zip(self._grad_index, results):
-            out[1 + index] = g
+            out[_LEADING_ARGS + index] = g
         return tuple(out)
 
 
