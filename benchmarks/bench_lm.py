@@ -1,7 +1,8 @@
 """(b) GPT-style LM (4 layers, d=256, T=128, batch 8, SGD, cross-entropy inside the module).
 
 Prints the first-step time of ortwrap (export + passes + gradient build + session + first run) and
-the eager and ortwrap median step times from one interleaved run.
+the eager and ortwrap median step times from one interleaved run: ortwrap with each exporter, and
+with ORT's own CPU kernels instead of ortwrap's (``native_kernels=False``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _first_step(model, opt, ids, tgt) -> float:
     return time.perf_counter() - t0
 
 
-def main(iters: int = 30) -> None:
+def main(iters: int = 40) -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
     eager = TinyGPT(cfg)
@@ -40,6 +41,11 @@ def main(iters: int = 30) -> None:
         print(f"  {exporter:<12} first step {first:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in secs.items()))
         name = "ortwrap" if exporter == "torchscript" else f"ortwrap ({exporter})"
         steps[name] = train_step(ours, opt, lambda m: m(ids, tgt)[0])
+    # The same without ortwrap's CPU kernels (ORT 1.19.2's own kernels for GELU, LayerNorm, ...).
+    plain = ORTWrap(copy.deepcopy(eager), fallback=False, native_kernels=False)
+    steps["ortwrap (ORT kernels)"] = train_step(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.01), lambda m: m(ids, tgt)[0]
+    )
     report("(b) GPT LM 4x256, T=128, batch 8, SGD", interleaved(steps, warmup=3, iters=iters))
 
 

@@ -416,3 +416,24 @@ def test_control_flow_on_the_batch_dimension_falls_back_instead_of_crashing():
     with pytest.warns(FallbackWarning, match=r"passes phase failed.*If.*control flow"):
         y = w(x)
     assert_close(y, m(x), "fallback output")
+
+
+def test_module_hooks_still_run():
+    """ORTWrap.__call__ skips nn.Module's hook dispatch only when no hook is registered."""
+    torch.manual_seed(0)
+    w = ORTWrap(nn.Linear(3, 2), fallback=False)
+    x = torch.randn(4, 3)
+    plain = w(x).detach()
+    seen = []
+    pre = w.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    post = w.register_forward_hook(lambda mod, args, out: out + 1)
+    torch.testing.assert_close(w(x), w.module(x * 2) + 1)
+    pre.remove()
+    post.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    try:
+        torch.testing.assert_close(w(x), plain)
+    finally:
+        handle.remove()
+    assert "ORTWrap" in seen
+    torch.testing.assert_close(w(x), plain)  # and the fast path again
