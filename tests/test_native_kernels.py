@@ -6,6 +6,7 @@ warning when the kernels cannot be built."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -418,11 +419,15 @@ def test_output_buffers_are_reused_not_grown():
     lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t
     fwd = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])])
     x = np.ones(300_000, np.float32)
-    fwd.run(None, {"x": x})
-    after_one = lib.ortwrap_cpu_cached_bytes(0)
-    for _ in range(20):
-        fwd.run(None, {"x": x})
-    assert lib.ortwrap_cpu_cached_bytes(0) == after_one  # one block, reused every run
+    gc.collect()
+    gc.disable()  # no other test's tensors die (and hand blocks back) meanwhile
+    try:
+        lib.ortwrap_cpu_cached_bytes(1)
+        for _ in range(20):
+            fwd.run(None, {"x": x})
+        assert lib.ortwrap_cpu_cached_bytes(0) == 1_200_000  # one block, reused every run
+    finally:
+        gc.enable()
     lib.ortwrap_cpu_cached_bytes(1)
     assert lib.ortwrap_cpu_cached_bytes(0) == 0
 
@@ -453,3 +458,30 @@ def test_kernels_that_cannot_build_warn_and_ort_kernels_run(tmp_path):
     env = {**os.environ, "CC": str(cc), "ORTWRAP_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_kernels_work_in_a_forked_child():
+    """The kernels' worker threads do not survive fork (DataLoader workers, multiprocessing): a
+    child must start its own. (The child makes its own ORT session: the threads of a session made
+    by the parent do not survive fork either, which is ORT's to handle.)"""
+    import multiprocessing as mp
+
+    x = np.linspace(-4, 4, 1 << 20, dtype=np.float32)  # large enough to split over the pool
+    (expected,) = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])]).run(None, {"x": x})
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_gelu_in_child, args=(queue, x))
+    child.start()
+    try:
+        got = queue.get(timeout=120)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    np.testing.assert_array_equal(got, expected)
+
+
+def _gelu_in_child(queue, x):
+    (y,) = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])]).run(None, {"x": x})
+    queue.put(y)
