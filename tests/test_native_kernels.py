@@ -109,6 +109,7 @@ def test_lm_parity_and_kernels():
     ops = native_ops(wrapped.last_artifacts.graph.model())
     assert ops["gelu_backward"] == 2 and ops["layer_norm_backward"] == 5 and ops["embedding_backward"] == 1, ops
     assert ops["cross_entropy_backward"] == 1 and ops["SoftmaxCrossEntropyLossGrad"] == 0, ops
+    assert ops["softmax_backward"] == 2 and ops["SoftmaxGrad_13"] == 0, ops  # attention
 
 
 class Classifier(nn.Module):
@@ -201,6 +202,20 @@ def test_pass_rewrites_gelu_forms_and_leaves_shared_intermediates():
     assert ops["gelu"] == 2 and ops["Erf"] == 2, ops
 
 
+def test_pass_softmax_conditions():
+    body = """
+    agraph (float[2, 3, 5] x, double[2, 5] d) => (float[2, 3, 5] a, float[2, 3, 5] b, float[2, 3, 5] c, double[2, 5] e) {
+        a = Softmax <axis = -1> (x)
+        b = Softmax <axis = 2> (x)
+        c = Softmax <axis = 1> (x)
+        e = Softmax (d)
+    }
+    """
+    p, model = run_pass(body)
+    assert p.rewritten["softmax"] == 2, p.rewritten  # the last axis, float: a and b
+    assert [n.op_type for n in model.graph.node].count("Softmax") == 2
+
+
 def test_pass_cross_entropy_conditions():
     body = """
     agraph (float[6, 5] s, int64[6] y, float[5] w, float[2, 5, 3] s3, int64[2, 3] y3) => (float l1, float l2, float[6, 5] lp2, float l3, float l4) {
@@ -235,7 +250,7 @@ def test_pass_layer_norm_and_embedding_conditions():
     """
     p, model = run_pass(body)
     # Only y1 (float, bias, all outputs, stash_type 1) and g1 (int64 ids, not from Range) are rewritten.
-    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1, "cross_entropy": 0}, p.rewritten
+    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1, "cross_entropy": 0, "softmax": 0}, p.rewritten
     ln = next(n for n in model.graph.node if n.op_type == "ATen" and b"layer_norm" in n.attribute[0].s)
     assert list(ln.output) == ["y1", "m1", "r1"]
 
@@ -402,6 +417,23 @@ def test_cross_entropy_kernels_match_pytorch(reduction):
     if reduction == 1:  # every target ignored: 0/0, as in PyTorch
         (empty, _) = fwd.run(None, {"scores": scores.numpy(), "labels": np.full(n, -100, dtype=np.int64)})
         assert np.isnan(empty).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (2, 3, 1000), (5, 1)], ids=str)
+def test_softmax_kernels_match_pytorch(shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 6
+    if shape[-1] > 1:
+        x[..., 0] = float("-inf")  # masked entries, as in causal attention
+    dims = [f"d{i}" for i in range(len(shape))]
+    fwd = aten_session("softmax", [("x", F32, dims)], [("y", F32, dims)])
+    (y,) = fwd.run(None, {"x": x.numpy()})
+    torch.testing.assert_close(torch.from_numpy(y), torch.softmax(x, -1), atol=1e-6, rtol=1e-5)
+    dy = torch.randn(shape, generator=g)
+    bwd = aten_session("softmax_backward", [("dy", F32, dims), ("y", F32, dims)], [("dx", F32, dims)])
+    (dx,) = bwd.run(None, {"dy": dy.numpy(), "y": y})
+    ref = torch.ops.aten._softmax_backward_data(dy, torch.softmax(x, -1), -1, torch.float32)
+    torch.testing.assert_close(torch.from_numpy(dx), ref, atol=1e-6, rtol=1e-5)
 
 
 def test_kernel_input_errors_are_reported():

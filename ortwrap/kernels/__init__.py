@@ -34,6 +34,8 @@ layer_norm               x, weight, bias, eps (f32), axis (i64)    y, mean, rstd
 layer_norm_backward      dy, x, weight, mean, rstd, axis           dx, dweight, dbias
 embedding                weight, indices (i64)                     weight[indices]
 embedding_backward       dy, indices, weight                       dweight
+softmax                  x (over the last dimension)               y
+softmax_backward         dy, y                                     dx
 cross_entropy            scores [n, c], labels (i64), ignore_index loss, log_prob
                          (i64), reduction (i64: none, mean, sum)
 cross_entropy_backward   dloss, log_prob, labels, ignore_index,    dscores
@@ -73,6 +75,7 @@ GRADIENTS: dict[str, tuple[list[str], list[str], str, set[int]]] = {
     ),
     "embedding": (["GO(0)", "I(1)", "I(0)"], ["GI(0)"], "embedding_backward", {1}),
     "cross_entropy": (["GO(0)", "O(1)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], "cross_entropy_backward", {1, 2, 3}),
+    "softmax": (["GO(0)", "O(0)"], ["GI(0)"], "softmax_backward", set()),
 }
 
 

@@ -795,6 +795,77 @@ static int op_embedding_backward(Call* c, size_t n_in, DLManagedTensor** in, siz
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ softmax */
+typedef struct {
+  const float* x;  /* forward: x; backward: y */
+  const float* dy; /* backward */
+  float* out;
+  int64_t rows, c;
+} Softmax;
+
+static void softmax_part(void* p, int part, int parts) {
+  Softmax* S = (Softmax*)p;
+  int64_t b, end;
+  split(S->rows, part, parts, &b, &end);
+  const int64_t c = S->c;
+  for (int64_t i = b; i < end; ++i) {
+    const float* restrict x = S->x + i * c;
+    float* restrict y = S->out + i * c;
+    float mx = x[0];
+    for (int64_t k = 1; k < c; ++k) mx = x[k] > mx ? x[k] : mx;
+    for (int64_t k = 0; k < c; ++k) y[k] = exp_nonpos(x[k] - mx);
+    const float inv = 1.0f / row_sum(y, c);
+    for (int64_t k = 0; k < c; ++k) y[k] *= inv;
+  }
+}
+
+static void softmax_backward_part(void* p, int part, int parts) {
+  Softmax* S = (Softmax*)p;
+  int64_t b, end;
+  split(S->rows, part, parts, &b, &end);
+  const int64_t c = S->c;
+  for (int64_t i = b; i < end; ++i) {
+    const float* restrict y = S->x + i * c;
+    const float* restrict dy = S->dy + i * c;
+    float* restrict dx = S->out + i * c;
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= c; k += LANES)
+      for (int j = 0; j < LANES; ++j) acc[j] += dy[k + j] * y[k + j];
+    float dot = 0.0f;
+    for (; k < c; ++k) dot += dy[k] * y[k];
+    for (int j = 0; j < LANES; ++j) dot += acc[j];
+    for (k = 0; k < c; ++k) dx[k] = y[k] * (dy[k] - dot);
+  }
+}
+
+/* softmax(x) over the last dimension -> y */
+static int op_softmax(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  if (x->ndim < 1) return fail(c, "x must have rank >= 1");
+  const int64_t cols = x->shape[x->ndim - 1], rows = cols ? numel(x) / cols : 0;
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  Softmax S = {data_of(x), NULL, y->dl_tensor.data, rows, cols};
+  if (cols > 0) parallel(softmax_part, &S, chunks_for(rows * cols, rows));
+  out[0] = y;
+  return 0;
+}
+
+/* softmax_backward(dy, y) -> dx = y * (dy - sum(dy * y)) over the last dimension */
+static int op_softmax_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "y", y);
+  if (!same_shape(dy, y) || y->ndim < 1) return fail(c, "dy and y have different shapes");
+  const int64_t cols = y->shape[y->ndim - 1], rows = cols ? numel(y) / cols : 0;
+  DLManagedTensor* dx = new_tensor(y->ndim, y->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  Softmax S = {data_of(y), data_of(dy), dx->dl_tensor.data, rows, cols};
+  if (cols > 0) parallel(softmax_backward_part, &S, chunks_for(rows * cols, rows));
+  out[0] = dx;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ cross-entropy */
 enum { kReduceNone = 0, kReduceMean = 1, kReduceSum = 2 };
 
@@ -937,6 +1008,8 @@ static const struct {
     {"layer_norm_backward", op_layer_norm_backward, 3},
     {"embedding", op_embedding, 1},
     {"embedding_backward", op_embedding_backward, 1},
+    {"softmax", op_softmax, 1},
+    {"softmax_backward", op_softmax_backward, 1},
     {"cross_entropy", op_cross_entropy, 2},
     {"cross_entropy_backward", op_cross_entropy_backward, 1},
 };

@@ -12,6 +12,7 @@ whose gradient definition pairs it with its backward kernel:
 * ``SoftmaxCrossEntropyLoss(scores, labels)`` on 2-D float scores without class weights, whose
   ``log_prob`` output nothing else reads -> ``cross_entropy(scores, labels, ignore_index,
   reduction)``, same two outputs.
+* ``Softmax`` over the last dimension (opset 13 and later; float) -> ``softmax(x)``.
 * ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
   produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
   indices count from the end, as in ``Gather``.
@@ -81,7 +82,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0}
+        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0, "softmax": 0}
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
@@ -93,6 +94,8 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
                 self._embedding(graph, node)
             elif node.op_type == "SoftmaxCrossEntropyLoss":
                 self._cross_entropy(graph, node)
+            elif node.op_type == "Softmax":
+                self._softmax(graph, node)
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
     def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
@@ -191,3 +194,19 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         ce.outputs[1].shape = scores.shape
         b.replace(graph, node, list(ce.outputs))
         self.rewritten["cross_entropy"] += 1
+
+    def _softmax(self, graph: ir.Graph, node: ir.Node) -> None:
+        x = node.inputs[0]
+        if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) == 0:
+            return
+        axis = node.attributes.get("axis")
+        k = axis.as_int() if axis is not None else -1
+        opset = node.version or graph.opset_imports.get("", 13)
+        if opset < 13 and len(x.shape) > 1:
+            return  # before opset 13, Softmax flattens from axis: not a last-dimension softmax
+        if k not in (-1, len(x.shape) - 1):
+            return
+        b = NodeBuilder(node.name or f"softmax_{id(node):x}")
+        sm = _aten(b, "softmax", [x], 1)
+        b.replace(graph, node, list(sm.outputs))
+        self.rewritten["softmax"] += 1
