@@ -25,6 +25,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* ---- DLPack ABI (dlpack.h v0.x layout), as in _aten.c ---- */
 typedef struct {
@@ -495,6 +498,31 @@ static inline float row_centered_sq(const float* restrict v, int64_t m, float me
   return s;
 }
 
+/* The largest element of v[0..m), m >= 1. GCC vectorizes a float max only under -ffinite-math-only (which
+ * would break the -inf of masked attention scores), so the x86 vector units are used explicitly. */
+static inline float row_max(const float* restrict v, int64_t m) {
+  float mx = v[0];
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if (m >= 16) {
+    __m512 acc = _mm512_loadu_ps(v);
+    for (i = 16; i + 16 <= m; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(v + i));
+    mx = _mm512_reduce_max_ps(acc);
+  }
+#elif defined(__AVX__)
+  if (m >= 8) {
+    __m256 acc = _mm256_loadu_ps(v);
+    for (i = 8; i + 8 <= m; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(v + i));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    mx = lanes[0];
+    for (int j = 1; j < 8; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
+  }
+#endif
+  for (; i < m; ++i) mx = v[i] > mx ? v[i] : mx;
+  return mx;
+}
+
 typedef struct {
   const float *x, *w, *b, *dy, *mean_in, *rstd_in;
   float *y, *mean, *rstd, *dx;
@@ -811,8 +839,7 @@ static void softmax_part(void* p, int part, int parts) {
   for (int64_t i = b; i < end; ++i) {
     const float* restrict x = S->x + i * c;
     float* restrict y = S->out + i * c;
-    float mx = x[0];
-    for (int64_t k = 1; k < c; ++k) mx = x[k] > mx ? x[k] : mx;
+    const float mx = row_max(x, c);
     for (int64_t k = 0; k < c; ++k) y[k] = exp_nonpos(x[k] - mx);
     const float inv = 1.0f / row_sum(y, c);
     for (int64_t k = 0; k < c; ++k) y[k] *= inv;
@@ -888,8 +915,7 @@ static void cross_entropy_part(void* p, int part, int parts) {
   for (int64_t i = b; i < end; ++i) {
     const float* restrict x = E->x + i * c;
     float* restrict lp = E->out + i * c;
-    float mx = x[0];
-    for (int64_t k = 1; k < c; ++k) mx = x[k] > mx ? x[k] : mx;
+    const float mx = row_max(x, c);
     float acc[LANES] = {0};
     int64_t k = 0;
     for (; k + LANES <= c; k += LANES)
