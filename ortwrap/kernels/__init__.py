@@ -1,7 +1,7 @@
 """ortwrap's own CPU kernels, run inside ONNX Runtime graphs.
 
-ORT 1.19.2's CPU kernels for three ops every transformer trains through are far slower than
-PyTorch's (measured on the (b) GPT LM, 2 cores, ``benchmarks/profile_lm.py``):
+ORT 1.19.2's CPU kernels for the ops every transformer trains through besides its GEMMs are far
+slower than PyTorch's (measured on the (b) GPT LM, 2 cores, ``benchmarks/profile_lm.py``):
 
 * the erf GELU: a dozen memory-bound elementwise kernels forward and backward, ~4 ms per
   8x128x1024 activation against ~0.8 ms for PyTorch's ``gelu`` + ``gelu_backward``;
@@ -10,7 +10,9 @@ PyTorch's (measured on the (b) GPT LM, 2 cores, ``benchmarks/profile_lm.py``):
 * ``GatherNDGrad``/``GatherGrad`` (embedding gradients): a scalar loop with a 64-bit division per
   element, or adds under one mutex (~2 ms for a 1024x256 lookup);
 * ``SoftmaxCrossEntropyLoss`` and its gradient, single-threaded (~2.4 ms for 1024x512 logits,
-  ~1 ms in PyTorch).
+  ~1 ms in PyTorch);
+* ``SoftmaxGrad`` (attention), ~0.3 ms per 8x4x128x128 (the softmax kernel's forward is only as
+  fast as ORT's; its backward takes half the time).
 
 Running PyTorch's kernels inside the graph instead (ATen nodes, PythonOps) does not help: every
 call costs ~1 ms on 2 cores, because PyTorch's OpenMP workers spin after each parallel region and
