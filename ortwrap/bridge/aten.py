@@ -344,7 +344,8 @@ def declare_output_types(model: onnx.ModelProto) -> None:
 _gradient_arity: dict[str, int] = {}
 
 
-def _attribute(name: str, value: str):
+def gradient_attribute(name: str, value: str):
+    """A string attribute of a node in an ORT gradient definition."""
     a = C.GradientNodeAttributeDefinition()
     a.name = name
     a.value_json = json.dumps(value)
@@ -380,9 +381,9 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             d.op_type, d.domain = "ATen", ATEN_DOMAIN
             d.inputs = [f"GO({j})" for j in range(n_out)] + [f"I({i})" for i in range(n_in)]
             d.outputs = [f"GI({i})" for i in range(n_in)]
-            attributes = [_attribute("operator", VJP_PREFIX + op)]
+            attributes = [gradient_attribute("operator", VJP_PREFIX + op)]
             if overload:
-                attributes.append(_attribute("overload_name", overload))
+                attributes.append(gradient_attribute("overload_name", overload))
             d.attributes = attributes
             C.register_gradient_definition(key, [d])
             plan = resolve(op, overload)

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
 import warnings
 
@@ -81,15 +80,6 @@ GRADIENTS: dict[str, tuple[list[str], list[str], str, set[int]]] = {
 }
 
 
-def _attribute(name: str, value: str) -> object:
-    a = C.GradientNodeAttributeDefinition()
-    a.name = name
-    a.value_json = json.dumps(value)
-    a.dtype = "string"
-    a.is_tensor = False
-    return a
-
-
 @functools.cache
 def install() -> ctypes.CDLL:
     """Build (first time on a machine only), load and connect the kernels; register their gradients.
@@ -106,7 +96,10 @@ def install() -> ctypes.CDLL:
         d = C.GradientNodeDefinition()
         d.op_type, d.domain = "ATen", aten.ATEN_DOMAIN
         d.inputs, d.outputs = inputs, outputs
-        d.attributes = [_attribute("operator", PREFIX + backward), _attribute("overload_name", "")]
+        d.attributes = [
+            aten.gradient_attribute("operator", PREFIX + backward),
+            aten.gradient_attribute("overload_name", ""),
+        ]
         C.register_gradient_definition(key, [d])
         if stop:
             C.register_custom_stop_gradient_edges(key, stop)

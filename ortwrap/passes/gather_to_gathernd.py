@@ -28,6 +28,25 @@ from ._build import NodeBuilder
 _FLOATS = {ir.DataType.FLOAT, ir.DataType.DOUBLE}
 
 
+def parameter_lookup(node: ir.Node, dtypes=_FLOATS) -> tuple[ir.Value, ir.Value] | None:
+    """``(table, indices)`` if ``node`` is a row lookup into a parameter: ``Gather`` on axis 0 of a
+    graph input of one of ``dtypes``, by int64 indices not produced by ``Range``; else None."""
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+        return None
+    axis = node.attributes.get("axis")
+    if axis is not None and axis.as_int() != 0:
+        return None
+    table, indices = node.inputs[0], node.inputs[1]
+    if table is None or indices is None or not table.is_graph_input() or table.dtype not in dtypes:
+        return None
+    if indices.dtype != ir.DataType.INT64:
+        return None
+    producer = indices.producer()
+    if producer is not None and producer.op_type == "Range":
+        return None
+    return table, indices
+
+
 class GatherToGatherNDPass(ir.passes.InPlacePass):
     """Replace ``Gather(param, int64 indices, axis=0)`` with ``GatherND(param, Unsqueeze(indices, -1))``."""
 
@@ -35,19 +54,10 @@ class GatherToGatherNDPass(ir.passes.InPlacePass):
         graph = model.graph
         modified = False
         for node in list(graph):
-            if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+            lookup = parameter_lookup(node)
+            if lookup is None:
                 continue
-            axis = node.attributes.get("axis")
-            if axis is not None and axis.as_int() != 0:
-                continue
-            data, indices = node.inputs[0], node.inputs[1]
-            if data is None or indices is None or not data.is_graph_input() or data.dtype not in _FLOATS:
-                continue
-            if indices.dtype != ir.DataType.INT64:
-                continue
-            producer = indices.producer()
-            if producer is not None and producer.op_type == "Range":
-                continue
+            data, indices = lookup
             b = NodeBuilder(node.name or f"gather_{id(node):x}")
             rows = b.op("Unsqueeze", indices, b.const(np.array([-1], dtype=np.int64)))
             b.replace(graph, node, [b.op("GatherND", data, rows)])

@@ -32,6 +32,7 @@ import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ._build import NodeBuilder, constant_value
+from .gather_to_gathernd import parameter_lookup
 
 _ONNX = ("", "ai.onnx")
 
@@ -153,17 +154,10 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         self.rewritten["layer_norm"] += 1
 
     def _embedding(self, graph: ir.Graph, node: ir.Node) -> None:
-        axis = node.attributes.get("axis")
-        if axis is not None and axis.as_int() != 0:
+        lookup = parameter_lookup(node, {ir.DataType.FLOAT})
+        if lookup is None:
             return
-        table, indices = node.inputs[0], node.inputs[1]
-        if table is None or indices is None or not table.is_graph_input() or table.dtype != ir.DataType.FLOAT:
-            return
-        if indices.dtype != ir.DataType.INT64:
-            return
-        producer = indices.producer()
-        if producer is not None and producer.op_type == "Range":
-            return
+        table, indices = lookup
         b = NodeBuilder(node.name or f"embedding_{id(node):x}")
         lookup = _aten(b, "embedding", [table, indices], 1)
         if table.shape is not None and indices.shape is not None:
