@@ -31,7 +31,7 @@ from .integrations import deepspeed as _deepspeed
 from .integrations.distributed import check_wrappable
 from .options import Options
 from .program import BuildArtifacts, Program, compile_program
-from .runtime.function import RunTrainingGraph
+from .runtime.function import run_training_graph
 from .verify import verify_program
 
 __all__ = ["FallbackWarning", "ORTWrap"]
@@ -336,7 +336,7 @@ def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Ten
     caller copies back). Used by every call and by verification."""
     feeds, values = program.bind(leaves)
     if program.with_backward:
-        return RunTrainingGraph.apply(program, values, *feeds)
+        return run_training_graph(program, values, *feeds)
     outputs = program.runner.forward(values)
     if program.n_pythonops:
         bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map

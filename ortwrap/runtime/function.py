@@ -100,3 +100,10 @@ class RunTrainingGraph(torch.autograd.Function):
 
 #: autograd's C ``apply`` bound to RunTrainingGraph (see the module's NOTE on per-step cost).
 _c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, RunTrainingGraph)
+
+
+def run_training_graph(program, values, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``RunTrainingGraph.apply(program, values, *feeds)``; the hot path without the classmethod."""
+    if _functorch_active():
+        return RunTrainingGraph.apply(program, values, *feeds)
+    return _c_apply(program, values, *feeds)
