@@ -5,7 +5,6 @@ warning when the kernels cannot be built."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import subprocess
@@ -446,22 +445,19 @@ def test_kernel_input_errors_are_reported():
 
 
 def test_output_buffers_are_reused_not_grown():
-    lib = kernels.install()
-    lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
-    lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t
     fwd = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])])
     x = np.ones(300_000, np.float32)
     gc.collect()
     gc.disable()  # no other test's tensors die (and hand blocks back) meanwhile
     try:
-        lib.ortwrap_cpu_cached_bytes(1)
+        kernels.cached_bytes(release=True)
         for _ in range(20):
             fwd.run(None, {"x": x})
-        assert lib.ortwrap_cpu_cached_bytes(0) == 1_200_000  # one block, reused every run
+        assert kernels.cached_bytes() == 1_200_000  # one block, reused every run
     finally:
         gc.enable()
-    lib.ortwrap_cpu_cached_bytes(1)
-    assert lib.ortwrap_cpu_cached_bytes(0) == 0
+    kernels.cached_bytes(release=True)
+    assert kernels.cached_bytes() == 0
 
 
 def test_kernels_that_cannot_build_warn_and_ort_kernels_run(tmp_path):

@@ -130,6 +130,14 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def cached_bytes(release: bool = False) -> int:
+    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them."""
+    lib = install()
+    lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
+    lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t
+    return int(lib.ortwrap_cpu_cached_bytes(1 if release else 0))
+
+
 def set_threads(threads: int) -> None:
     """Let the kernels use ``threads`` threads (the pool only grows)."""
     install().ortwrap_cpu_set_threads(max(1, int(threads)))
