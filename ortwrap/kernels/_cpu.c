@@ -5,16 +5,20 @@
  * ORT 1.19.2's CPU kernels for a few ops that every transformer has are single-threaded, scalar, or split into many
  * memory-bound passes: LayerNormalizationGrad (one Eigen expression with four temporaries on one thread), the erf
  * GELU (a dozen elementwise kernels forward and backward), GatherNDGrad (a scalar loop with a 64-bit division per
- * element).  These kernels compute the same functions in one pass over the data, vectorized by the compiler
- * (built with -O3 -march=native on the machine that runs them) and split over a small fork-join thread pool.
+ * element), SoftmaxCrossEntropyLoss (one thread), SoftmaxGrad.  These kernels compute the same functions in one
+ * pass over the data, vectorized by the compiler (built with -O3 -march=native on the machine that runs them) and
+ * split over a small fork-join thread pool.
  *
- * Entry point: ortwrap_cpu_run(op, n_in, in, n_out, out, err, err_len), called by the ATen executor (_aten.c) without
- * the GIL.  Inputs are ORT's tensors (borrowed: the caller releases them); outputs are allocated here and handed
- * over as DLManagedTensors whose deleter frees them.  Returns 0, or -1 with a message in `err`.
+ * Entry point: ortwrap_cpu_run(op, used, n_in, in, n_out, out, err, err_len), called by the ATen executor (_aten.c)
+ * without the GIL.  Inputs are ORT's tensors (borrowed: the caller releases them); outputs are allocated here and
+ * handed over as DLManagedTensors whose deleter returns their memory to a block cache.  Returns 0, or -1 with a
+ * message in `err`.
  *
  * Only float32 tensors are computed here (the pass rewrites nothing else); every input is checked.
- * Results are deterministic: the thread pool splits work statically, and reductions across rows are summed per
- * thread and then in thread order.
+ * Results are deterministic: work is split into chunks whose bounds depend only on the sizes, and reductions across
+ * rows are summed per chunk and then in chunk order, whichever thread ran which chunk.
+ *
+ * The DLPack structs below repeat _aten.c's on purpose: each file is compiled on its own and cached by its source.
  */
 #define _GNU_SOURCE
 #include <math.h>
