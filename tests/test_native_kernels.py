@@ -6,6 +6,7 @@ warning when the kernels cannot be built."""
 from __future__ import annotations
 
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -249,7 +250,14 @@ def test_pass_layer_norm_and_embedding_conditions():
     """
     p, model = run_pass(body)
     # Only y1 (float, bias, all outputs, stash_type 1) and g1 (int64 ids, not from Range) are rewritten.
-    assert p.rewritten == {"gelu": 0, "layer_norm": 1, "embedding": 1, "cross_entropy": 0, "softmax": 0}, p.rewritten
+    assert p.rewritten == {
+        "gelu": 0,
+        "gelu_tanh": 0,
+        "layer_norm": 1,
+        "embedding": 1,
+        "cross_entropy": 0,
+        "softmax": 0,
+    }, p.rewritten
     ln = next(n for n in model.graph.node if n.op_type == "ATen" and b"layer_norm" in n.attribute[0].s)
     assert list(ln.output) == ["y1", "m1", "r1"]
 
@@ -313,6 +321,78 @@ def test_gelu_kernels_match_pytorch(n):
     (again,) = fwd.run(None, {"x": x.numpy()})
     assert np.array_equal(y, again)  # deterministic
     assert np.isnan(fwd.run(None, {"x": np.array([np.nan], dtype=np.float32)})[0]).all()
+
+
+@pytest.mark.parametrize("n", [1, 17, 100_003])
+def test_gelu_tanh_kernels_match_pytorch(n):
+    x = torch.cat([torch.randn(n) * 3, torch.tensor([0.0, 1e-30, -1e-30, 5.0, -5.0, 12.0, -12.0, 40.0, -40.0])])
+    dy = torch.randn_like(x)
+    fwd = aten_session("gelu_tanh", [("x", F32, ["n"])], [("y", F32, ["n"])])
+    bwd = aten_session("gelu_tanh_backward", [("dy", F32, ["n"]), ("x", F32, ["n"])], [("dx", F32, ["n"])])
+    (y,) = fwd.run(None, {"x": x.numpy()})
+    (dx,) = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy()})
+    # Against float64: PyTorch's own float32 backward is off by up to ~3e-6 here (1 - tanh^2 cancels).
+    ref = F.gelu(x.double(), approximate="tanh").float()
+    torch.testing.assert_close(torch.from_numpy(y), ref, atol=1e-6, rtol=1e-6)
+    ref = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate="tanh").float()
+    torch.testing.assert_close(torch.from_numpy(dx), ref, atol=1e-6, rtol=1e-5)
+
+
+class TanhGelus(nn.Module):
+    """F.gelu(approximate="tanh") and transformers' gelu_new (written with torch.pow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.gelu(self.a(x), approximate="tanh")
+        h = self.b(h)
+        h = 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.c(h)
+
+
+@pytest.mark.usefixtures("exporter")
+def test_gelu_tanh_parity():
+    wrapped = check_parity(TanhGelus, lambda b, g: ((torch.randn(b, 5, 6, generator=g) * 2,), {}))
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert ops["gelu_tanh"] == 2 and ops["gelu_tanh_backward"] == 2 and ops["Tanh"] == 0, ops
+
+
+def test_pass_gelu_tanh_forms():
+    beta, kappa = math.sqrt(2 / math.pi), 0.044715
+    body = f"""
+    agraph (float[4] x, float[4] z) => (float[4] y1, float[4] y2, float[4] y3) {{
+        b = Constant <value = float {{{beta}}}> ()
+        k = Constant <value = float {{{kappa}}}> ()
+        three = Constant <value = float {{3.0}}> ()
+        one = Constant <value = float {{1.0}}> ()
+        half = Constant <value = float {{0.5}}> ()
+        sq = Mul (x, x)
+        cu = Mul (x, sq)
+        kc = Mul (k, cu)
+        s = Add (x, kc)
+        u = Mul (b, s)
+        t = Tanh (u)
+        a = Add (one, t)
+        m = Mul (x, a)
+        y1 = Mul (half, m)
+        p = Pow (z, three)
+        kp = Mul (p, k)
+        s2 = Add (z, kp)
+        u2 = Mul (s2, b)
+        t2 = Tanh (u2)
+        a2 = Add (t2, one)
+        hz = Mul (z, half)
+        y2 = Mul (hz, a2)
+        t3 = Tanh (z)
+        y3 = Mul (t3, half)
+    }}
+    """
+    p, model = run_pass(body)
+    assert p.rewritten["gelu_tanh"] == 2, p.rewritten  # y3 is a plain Tanh
+    ops = native_ops(model)
+    assert ops["gelu_tanh"] == 2 and ops["Tanh"] == 1 and ops["Pow"] == 0, ops
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ kernel                   inputs                                    outputs
 =======================  ========================================  ================================
 gelu                     x                                         y = x * Phi(x)
 gelu_backward            dy, x                                     dx
+gelu_tanh                x                                         0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))
+gelu_tanh_backward       dy, x                                     dx
 layer_norm               x, weight, bias, eps (f32), axis (i64)    y, mean, rstd (shape[:axis]+1s)
 layer_norm_backward      dy, x, weight, mean, rstd, axis           dx, dweight, dbias
 embedding                weight, indices (i64)                     weight[indices]
@@ -68,6 +70,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 #: forward kernel -> (gradient node inputs, gradient node outputs, backward kernel, stop-gradient inputs)
 GRADIENTS: dict[str, tuple[list[str], list[str], str, set[int]]] = {
     "gelu": (["GO(0)", "I(0)"], ["GI(0)"], "gelu_backward", set()),
+    "gelu_tanh": (["GO(0)", "I(0)"], ["GI(0)"], "gelu_tanh_backward", set()),
     "layer_norm": (
         ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
         ["GI(0)", "GI(1)", "GI(2)"],

@@ -447,6 +447,72 @@ static void gelu_backward_part(void* p, int part, int parts) {
   }
 }
 
+/* The tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3). With t = exp(-2|u|), both
+ * 1 + tanh(u) (2/(1+t) for u >= 0, 2t/(1+t) below) and 1 - tanh(u)^2 = 4t/(1+t)^2 come without cancellation. */
+#define GELU_BETA 0.79788456080286536f
+#define GELU_KAPPA 0.044715f
+
+static inline void tanh_terms(float u, float* one_plus, float* sech2) {
+  const float t = exp_nonpos(-2.0f * fabsf(u));
+  const float inv = 1.0f / (1.0f + t);
+  *one_plus = (u < 0.0f ? 2.0f * t : 2.0f) * inv;
+  *sech2 = 4.0f * t * inv * inv;
+}
+
+static void gelu_tanh_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    float one_plus, sech2;
+    tanh_terms(GELU_BETA * (v + GELU_KAPPA * v * v * v), &one_plus, &sech2);
+    y[i] = 0.5f * v * one_plus;
+  }
+}
+
+static void gelu_tanh_backward_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    float one_plus, sech2;
+    tanh_terms(GELU_BETA * (v + GELU_KAPPA * v * v * v), &one_plus, &sech2);
+    const float du = GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * v * v);
+    dx[i] = dy[i] * 0.5f * (one_plus + v * sech2 * du);
+  }
+}
+
+/* gelu_tanh(x) -> y */
+static int op_gelu_tanh(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  Elementwise e = {data_of(x), NULL, y->dl_tensor.data, numel(x)};
+  parallel(gelu_tanh_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = y;
+  return 0;
+}
+
+/* gelu_tanh_backward(dy, x) -> dx */
+static int op_gelu_tanh_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  Elementwise e = {data_of(x), data_of(dy), dx->dl_tensor.data, numel(x)};
+  parallel(gelu_tanh_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = dx;
+  return 0;
+}
+
 /* gelu(x) -> y */
 static int op_gelu(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
   FLOAT_IN(0, "x", x);
@@ -1034,6 +1100,8 @@ static const struct {
 } kOps[] = {
     {"gelu", op_gelu, 1},
     {"gelu_backward", op_gelu_backward, 1},
+    {"gelu_tanh", op_gelu_tanh, 1},
+    {"gelu_tanh_backward", op_gelu_tanh_backward, 1},
     {"layer_norm", op_layer_norm, 3},
     {"layer_norm_backward", op_layer_norm_backward, 3},
     {"embedding", op_embedding, 1},

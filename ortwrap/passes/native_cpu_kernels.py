@@ -6,6 +6,9 @@ whose gradient definition pairs it with its backward kernel:
 * ``Mul(Mul(x, Add(Erf(x * 1/sqrt(2)), 1)), 0.5)`` (both exporters' ``F.gelu``; also with
   ``Div(x, sqrt(2))``, the form before ``UnfuseErfGeluPass``) -> ``gelu(x)``. The intermediate
   values must have no other consumer.
+* The tanh GELU, ``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` (``F.gelu(x,
+  approximate="tanh")`` from either exporter, transformers' ``gelu_new`` with ``Pow``), the 0.5
+  on either side -> ``gelu_tanh(x)``.
 * ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
   them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
   outputs, mean and inverse standard deviation in the same shapes.
@@ -49,6 +52,34 @@ def _const_dtype(value: ir.Value | None) -> ir.DataType | None:
     return None if v is None else ir.DataType.from_numpy(v.dtype)
 
 
+def _const_operand(node: ir.Node) -> tuple[ir.Value | None, float | None]:
+    """For a two-input node with one scalar-constant input: (the other input, the constant)."""
+    a, b = node.inputs
+    for value, const in ((a, b), (b, a)):
+        k = _scalar(const)
+        if k is not None and _scalar(value) is None:
+            return value, k
+    return None, None
+
+
+def _cube_of(value: ir.Value | None, x: ir.Value | None) -> list[ir.Node] | None:
+    """The nodes computing ``value = x ** 3`` (``Pow(x, 3)`` or ``x * (x * x)``), consumers first;
+    None if it is not that or an intermediate has another consumer."""
+    node = value.producer() if value is not None else None
+    if node is None or _only_use(value) is None or x is None:
+        return None
+    if node.op_type == "Pow" and node.domain in _ONNX and node.inputs[0] is x:
+        e = constant_value(node.inputs[1])
+        return [node] if e is not None and e.size == 1 and float(e.reshape(-1)[0]) == 3.0 else None
+    if not _is(node, "Mul") or x not in node.inputs:
+        return None
+    sq = _other(node, x)
+    sq_node = sq.producer() if sq is not None else None
+    if sq is x or not _is(sq_node, "Mul") or list(sq_node.inputs) != [x, x] or _only_use(sq) is not node:
+        return None
+    return [node, sq_node]
+
+
 def _only_use(value: ir.Value) -> ir.Node | None:
     """The single consumer of ``value`` (None if it has several, or is a graph output)."""
     uses = list(value.uses())
@@ -83,12 +114,14 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = {"gelu": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0, "softmax": 0}
+        self.rewritten = {"gelu": 0, "gelu_tanh": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0, "softmax": 0}
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
             if node.op_type == "Erf":
                 self._gelu(graph, node)
+            elif node.op_type == "Tanh":
+                self._gelu_tanh(graph, node)
             elif node.op_type == "LayerNormalization":
                 self._layer_norm(graph, node)
             elif node.op_type == "Gather":
@@ -128,6 +161,62 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         for dead in (mul_x, add, erf, scale):
             graph.remove(dead, safe=True)
         self.rewritten["gelu"] += 1
+
+    def _gelu_tanh(self, graph: ir.Graph, tanh: ir.Node) -> None:
+        # u = sqrt(2/pi) * (x + 0.044715 * cube(x)), cube = Pow(x, 3) | x * (x * x)
+        scale = tanh.inputs[0].producer()
+        if not _is(scale, "Mul") or _only_use(scale.outputs[0]) is not tanh:
+            return
+        s, beta = _const_operand(scale)
+        if s is None or beta is None or abs(beta - math.sqrt(2 / math.pi)) > 1e-6:
+            return
+        add = s.producer()
+        if not _is(add, "Add") or _only_use(s) is not scale:
+            return
+        for x, k in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+            kmul = k.producer() if k is not None else None
+            if not _is(kmul, "Mul") or _only_use(k) is not add:
+                continue
+            cube, kappa = _const_operand(kmul)
+            if cube is None or kappa is None or abs(kappa - 0.044715) > 1e-7:
+                continue
+            cube_nodes = _cube_of(cube, x)
+            if cube_nodes is not None:
+                break
+        else:
+            return
+        if (
+            x is None
+            or (x.dtype or _const_dtype(scale.inputs[0]) or _const_dtype(scale.inputs[1])) != ir.DataType.FLOAT
+        ):
+            return
+        # y = 0.5 * (x * (1 + tanh(u)))  or  (0.5 * x) * (1 + tanh(u)), operands in any order
+        one = _only_use(tanh.outputs[0])
+        if not _is(one, "Add") or _scalar(_other(one, tanh.outputs[0])) != 1.0:
+            return
+        mul = _only_use(one.outputs[0])
+        if not _is(mul, "Mul"):
+            return
+        other = _other(mul, one.outputs[0])
+        if other is x:
+            final = _only_use(mul.outputs[0])
+            if not _is(final, "Mul") or _scalar(_other(final, mul.outputs[0])) != 0.5:
+                return
+            dead = [mul]
+        else:
+            half_x = other.producer() if other is not None else None
+            if not _is(half_x, "Mul") or _only_use(other) is not mul:
+                return
+            hx, half = _const_operand(half_x)
+            if hx is not x or half != 0.5:
+                return
+            final, dead = mul, [half_x]
+        b = NodeBuilder(final.name or f"gelu_tanh_{id(final):x}")
+        gelu = _aten(b, "gelu_tanh", [x], 1)
+        b.replace(graph, final, list(gelu.outputs))
+        for node in (*dead, one, tanh, scale, add, kmul, *cube_nodes):
+            graph.remove(node, safe=True)
+        self.rewritten["gelu_tanh"] += 1
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
