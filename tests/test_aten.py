@@ -3,6 +3,8 @@ as ATen nodes with PyTorch's own kernels, and PyTorch's own backward as their gr
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,13 +14,15 @@ from torch import nn
 from ortwrap import ORTWrap
 
 
-def aten_ops_in(wrapper: ORTWrap) -> list[str]:
+def aten_ops_in(wrapper: ORTWrap, raw: bool = False) -> list[str]:
+    """The operators of the built graph's ATen nodes (without the used-outputs mark unless ``raw``)."""
     graph = wrapper.last_artifacts.graph.model().graph
-    return sorted(
+    ops = (
         next(a.s.decode() for a in n.attribute if a.name == "operator")
         for n in graph.node
         if n.domain == "org.pytorch.aten" and n.op_type == "ATen"
     )
+    return sorted(op if raw else re.sub(r"used=[01]+\|", "", op) for op in ops)
 
 
 def vec(b, g):
@@ -69,6 +73,36 @@ def test_aten_ops_option_runs_gelu_with_torch_kernels(approximate):
     # A string argument ('tanh') crosses as bytes.
     w = check_parity(lambda: GeluMLP(approximate), vec, wrap_options={"aten_ops": ("gelu",)})
     assert aten_ops_in(w) == ["gelu", "ortwrap_vjp::gelu"]
+
+
+class Norms(nn.Module):
+    """nn.RMSNorm (no ONNX export at opset 17: an ATen node under TorchScript) and a LayerNorm whose
+    weight is frozen (its gradient is an unnamed output of the gradient node)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.rms = nn.RMSNorm(8, eps=1e-6)
+        self.ln = nn.LayerNorm(8)
+        self.ln.weight.requires_grad_(False)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(self.ln(self.rms(self.a(x))))
+
+
+@pytest.mark.usefixtures("exporter")
+def test_rms_norm_and_aten_layer_norm_with_a_frozen_weight():
+    # Static dims reach the ATen type inference (rms_norm checks its weight against them), and the
+    # gradient builder's unnamed outputs are left unset (bridge.aten.mark_used_outputs).
+    import parity
+
+    torchscript = parity.EXPORTER == "torchscript"  # aten_ops is a TorchScript option
+    w = check_parity(Norms, vec, wrap_options={"aten_ops": ("layer_norm",)} if torchscript else {})
+    if torchscript:
+        ops = aten_ops_in(w, raw=True)
+        assert "rms_norm" in ops and "layer_norm" in ops, ops
+        assert any(op.startswith("ortwrap_vjp::used=") for op in ops), ops
 
 
 def test_aten_embedding_with_padding_idx():

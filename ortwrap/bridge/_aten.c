@@ -90,7 +90,7 @@ static void release_inputs(size_t n, DLManagedTensor** in, size_t from) {
 /* ortwrap's own CPU kernels (kernels/_cpu.c): ops named "ortwrap_cpu::<name>" run there, without the GIL.
  * int run(const char* name, const char* overload, size_t n_in, DLManagedTensor** in, size_t n_out,
  *         DLManagedTensor** out, char* err, size_t err_len): 0, or -1 with a message. Inputs stay ours to release.
- * (The overload name says which outputs the graph uses; see kernels.mark_used_outputs.) */
+ * (The overload name says which outputs the graph uses; see bridge/aten.py mark_used_outputs.) */
 typedef int (*native_run_fn)(const char*, const char*, size_t, DLManagedTensor**, size_t, DLManagedTensor**, char*,
                              size_t);
 static native_run_fn g_native_run = NULL;

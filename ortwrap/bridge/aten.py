@@ -203,7 +203,11 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             raise RuntimeError(f"{op}: ortwrap's CPU kernels are not loaded in this process")
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
         if op.startswith(VJP_PREFIX):
-            return _encode(_vjp(op[len(VJP_PREFIX) :], overload, tensors, n_out), n_out, op)
+            name, used = _split_used(op[len(VJP_PREFIX) :])
+            grads = _vjp(name, overload, tensors, n_out)
+            if used is not None:  # gradients the graph does not take (see mark_used_outputs)
+                grads = [g if i < len(used) and used[i] == "1" else None for i, g in enumerate(grads)]
+            return _encode(grads, n_out, op)
         plan = resolve(op, overload)
         args, kwargs = plan.decode(op, tensors)
         return _encode(plan.fn(*args, **kwargs), n_out, op)
@@ -217,7 +221,7 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
     if op.startswith(NATIVE_PREFIX):
         return True
     try:
-        plan = resolve(op.removeprefix(VJP_PREFIX), overload)
+        plan = resolve(_split_used(op.removeprefix(VJP_PREFIX))[0], overload)
         schema = plan.fn._schema
         t = (schema.arguments if is_input else schema.returns)[index].type
         if t.kind() == "OptionalType":
@@ -269,14 +273,40 @@ def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
     return out
 
 
-def _types(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
-    """name -> (ONNX element type, rank) for every value whose type and rank are known."""
+def _types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
+    """name -> (ONNX element type, shape with None for symbolic dims) for every value whose type
+    and rank are known."""
     known = {}
     for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
         tt = v.type.tensor_type
         if tt.elem_type and tt.HasField("shape"):
-            known[v.name] = (tt.elem_type, len(tt.shape.dim))
+            known[v.name] = (tt.elem_type, [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim])
     return known
+
+
+#: Sizes that stand in for symbolic dims when an ATen node is evaluated on the meta device.
+_STAND_INS = (2, 3)
+
+
+def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict, stand_in: int):
+    """The node's results on the meta device, symbolic dims set to ``stand_in``; None if an input is unknown."""
+    inputs = []
+    for name in node.input:
+        if not name:
+            inputs.append(None)
+        elif name in constants:
+            inputs.append(constants[name])
+        elif name in known:
+            elem, shape = known[name]
+            dtype = torch.from_numpy(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem))).dtype
+            inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
+        else:
+            return None
+    plan = resolve(op, overload)
+    args, kwargs = plan.decode(op, inputs)
+    meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+    result = plan.fn(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    return result if isinstance(result, (tuple, list)) else (result,)
 
 
 def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto:
@@ -284,8 +314,10 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
 
     ONNX cannot infer the outputs of ``org.pytorch.aten::ATen``, so inference stops at the first
     one. Each round infers what ONNX can, then evaluates every ATen node whose inputs are now known
-    on PyTorch's ``meta`` device (symbolic dimensions set to 2, constants at their values) and
-    records the dtype and rank of its outputs, until nothing changes.
+    on PyTorch's ``meta`` device, static dims at their sizes (ops such as ``rms_norm`` check them
+    against their weights), symbolic dims set to 2 and then to 3, constants at their values. It
+    records each output's dtype and shape: a dim that is the same in both evaluations is static,
+    the others symbolic. Until nothing changes.
     """
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
@@ -299,32 +331,64 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
             op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
             if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):
                 continue
-            inputs = []
-            for name in node.input:
-                if not name:
-                    inputs.append(None)
-                elif name in constants:
-                    inputs.append(constants[name])
-                elif name in known:
-                    elem, rank = known[name]
-                    dtype = torch.from_numpy(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem))).dtype
-                    inputs.append(torch.empty([2] * rank, dtype=dtype, device="meta"))
-                else:
-                    break
-            else:
-                plan = resolve(op, overload)
-                args, kwargs = plan.decode(op, inputs)
-                meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
-                result = plan.fn(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
-                results = result if isinstance(result, (tuple, list)) else (result,)
-                for name, r in zip(node.output, results):
-                    if isinstance(r, torch.Tensor) and name not in known:
-                        elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty((), dtype=r.dtype).numpy().dtype)
-                        model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, [None] * r.dim()))
-                        progress = True
+            runs = [_meta_outputs(node, op, overload, known, constants, s) for s in _STAND_INS]
+            if runs[0] is None:
+                continue
+            for i, (name, r) in enumerate(zip(node.output, runs[0])):
+                if isinstance(r, torch.Tensor) and name not in known:
+                    other = runs[1][i] if runs[1] is not None and i < len(runs[1]) else None
+                    same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
+                    dims = [a if same and a == b else None for a, b in zip(r.shape, other.shape if same else r.shape)]
+                    elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty((), dtype=r.dtype).numpy().dtype)
+                    model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
+                    progress = True
         if not progress:
             return model
     return model
+    return model
+
+
+USED_MARK = "used="
+
+
+def mark_used_outputs(model: onnx.ModelProto) -> bool:
+    """Tell each ATen node of a built graph which of its outputs the graph uses; True if any changed.
+
+    The gradient builder leaves the gradients nobody needs (a frozen weight, an input it does not
+    differentiate) as unnamed outputs, and ORT's ATen kernel fails ("invalid index -1") when the
+    executor hands it a value for one. The flags, ``used=`` and a 1 or 0 per output, go where the
+    executor reads them: the ``overload_name`` of ortwrap's CPU kernels (which have no overloads),
+    and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs marked 0 are
+    returned as nothing.
+    """
+    changed = False
+    for node in model.graph.node:
+        if node.op_type != "ATen" or node.domain != ATEN_DOMAIN or all(node.output):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "operator" not in attrs:
+            continue
+        op = attrs["operator"].s.decode()
+        used = USED_MARK + "".join("1" if o else "0" for o in node.output)
+        if op.startswith(NATIVE_PREFIX):
+            if "overload_name" in attrs:
+                attrs["overload_name"].s = used.encode()
+            else:
+                node.attribute.append(onnx.helper.make_attribute("overload_name", used))
+        elif op.startswith(VJP_PREFIX):
+            attrs["operator"].s = f"{VJP_PREFIX}{used}|{op[len(VJP_PREFIX) :]}".encode()
+        else:
+            continue
+        changed = True
+    return changed
+
+
+def _split_used(op: str) -> tuple[str, str | None]:
+    """``used=101|name`` -> (``name``, ``"101"``); other names unchanged, with None."""
+    if op.startswith(USED_MARK):
+        flags, _, name = op[len(USED_MARK) :].partition("|")
+        return name, flags
+    return op, None
 
 
 def declare_output_types(model: onnx.ModelProto) -> None:

@@ -23,7 +23,8 @@ kernel, split over a small fork-join pool whose workers sleep between kernels.
 They run as ``org.pytorch.aten::ATen`` nodes with ``operator="ortwrap_cpu::<name>"``: ORT's ATen
 kernel hands them to ortwrap's executor (``bridge/_aten.c``), which calls ``_cpu.c`` directly,
 without Python. Their gradients are ORT gradient definitions registered once per process
-(:func:`install`), so the gradient builder pairs each forward kernel with its backward kernel.
+(:func:`install`), so the gradient builder pairs each forward kernel with its backward kernel
+(``bridge.aten.mark_used_outputs`` then tells each node which of its outputs the graph uses).
 ``passes/native_cpu_kernels.py`` rewrites the matching ONNX nodes; ``Options.native_kernels``
 (``ORTWRAP_NATIVE_KERNELS``) turns it off.
 
@@ -57,7 +58,6 @@ import functools
 import os
 import warnings
 
-import onnx
 import torch
 
 from .._ort import C
@@ -107,30 +107,6 @@ def install() -> ctypes.CDLL:
         if stop:
             C.register_custom_stop_gradient_edges(key, stop)
     return lib
-
-
-def mark_used_outputs(model: onnx.ModelProto) -> bool:
-    """Tell each kernel node of a built graph which of its outputs the graph uses; True if any changed.
-
-    The gradient builder leaves the gradients nobody needs (a frozen LayerNorm weight, say) as
-    unnamed outputs, and ORT's ATen kernel fails when handed a value for one. The node's
-    ``overload_name`` (passed to the kernel, unused otherwise) becomes ``used=`` and a 1 or 0 per
-    output; the kernel returns nothing for the zeros.
-    """
-    changed = False
-    for node in model.graph.node:
-        if node.op_type != "ATen" or node.domain != aten.ATEN_DOMAIN or all(node.output):
-            continue
-        attrs = {a.name: a for a in node.attribute}
-        if "operator" not in attrs or not attrs["operator"].s.decode().startswith(PREFIX):
-            continue
-        used = "used=" + "".join("1" if o else "0" for o in node.output)
-        if "overload_name" in attrs:
-            attrs["overload_name"].s = used.encode()
-        else:
-            node.attribute.append(onnx.helper.make_attribute("overload_name", used))
-        changed = True
-    return changed
 
 
 def cached_bytes(release: bool = False) -> int:
