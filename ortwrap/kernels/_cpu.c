@@ -489,52 +489,42 @@ static void gelu_tanh_backward_part(void* p, int part, int parts) {
   }
 }
 
-/* gelu_tanh(x) -> y */
-static int op_gelu_tanh(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+/* An elementwise kernel: part(x) -> y, same shape. */
+static int elementwise_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, chunk_fn part) {
   FLOAT_IN(0, "x", x);
   DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   if (y == NULL) return fail(c, "out of memory");
   Elementwise e = {data_of(x), NULL, y->dl_tensor.data, numel(x)};
-  parallel(gelu_tanh_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  parallel(part, &e, chunks_for(e.n, MAX_CHUNKS));
   out[0] = y;
   return 0;
 }
 
-/* gelu_tanh_backward(dy, x) -> dx */
-static int op_gelu_tanh_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+/* Its backward: part(dy, x) -> dx, same shape. */
+static int elementwise_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, chunk_fn part) {
   FLOAT_IN(0, "dy", dy);
   FLOAT_IN(1, "x", x);
   if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
   DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   if (dx == NULL) return fail(c, "out of memory");
   Elementwise e = {data_of(x), data_of(dy), dx->dl_tensor.data, numel(x)};
-  parallel(gelu_tanh_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  parallel(part, &e, chunks_for(e.n, MAX_CHUNKS));
   out[0] = dx;
   return 0;
 }
 
-/* gelu(x) -> y */
+/* gelu(x) -> y; gelu_backward(dy, x) -> dx; gelu_tanh and gelu_tanh_backward the same */
 static int op_gelu(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
-  FLOAT_IN(0, "x", x);
-  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
-  if (y == NULL) return fail(c, "out of memory");
-  Elementwise e = {data_of(x), NULL, y->dl_tensor.data, numel(x)};
-  parallel(gelu_part, &e, chunks_for(e.n, MAX_CHUNKS));
-  out[0] = y;
-  return 0;
+  return elementwise_op(c, n_in, in, out, gelu_part);
 }
-
-/* gelu_backward(dy, x) -> dx */
 static int op_gelu_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
-  FLOAT_IN(0, "dy", dy);
-  FLOAT_IN(1, "x", x);
-  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
-  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
-  if (dx == NULL) return fail(c, "out of memory");
-  Elementwise e = {data_of(x), data_of(dy), dx->dl_tensor.data, numel(x)};
-  parallel(gelu_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
-  out[0] = dx;
-  return 0;
+  return elementwise_backward_op(c, n_in, in, out, gelu_backward_part);
+}
+static int op_gelu_tanh(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_op(c, n_in, in, out, gelu_tanh_part);
+}
+static int op_gelu_tanh_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_backward_op(c, n_in, in, out, gelu_tanh_backward_part);
 }
 
 /* ------------------------------------------------------------------------------------------ LayerNorm */
@@ -825,16 +815,26 @@ static void embedding_backward_part(void* p, int part, int parts) {
   }
 }
 
-/* The row of each index (Gather's semantics: -rows..-1 count from the end), into `rows_out`. */
-static int resolve_ids(Call* c, const int64_t* ids, int64_t count, int64_t rows, int64_t* rows_out) {
-  for (int64_t k = 0; k < count; ++k) {
-    int64_t r = ids[k] < 0 ? ids[k] + rows : ids[k];
-    if (r < 0 || r >= rows)
-      return fail(c, "index %lld is out of range for an embedding table of %lld rows", (long long)ids[k],
-                  (long long)rows);
-    rows_out[k] = r;
+/* The row of each index (Gather's semantics: -rows..-1 count from the end), in a new array the caller frees;
+ * NULL (with the error set) if an index is out of range. */
+static int64_t* resolve_ids(Call* c, const DLTensor* ids, int64_t rows) {
+  const int64_t count = numel(ids);
+  const int64_t* v = data_of(ids);
+  int64_t* out = (int64_t*)malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
+  if (out == NULL) {
+    fail(c, "out of memory");
+    return NULL;
   }
-  return 0;
+  for (int64_t k = 0; k < count; ++k) {
+    int64_t r = v[k] < 0 ? v[k] + rows : v[k];
+    if (r < 0 || r >= rows) {
+      fail(c, "index %lld is out of range for an embedding table of %lld rows", (long long)v[k], (long long)rows);
+      free(out);
+      return NULL;
+    }
+    out[k] = r;
+  }
+  return out;
 }
 
 /* embedding(table, ids) -> table[ids]   (table: [rows, ...] float32; ids: int64 of any shape) */
@@ -844,12 +844,8 @@ static int op_embedding(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out
   if (w->ndim < 1) return fail(c, "weight must have rank >= 1");
   if (ids->ndim + w->ndim - 1 > MAX_DIMS) return fail(c, "result rank too large");
   int64_t rows = w->shape[0], dim = numel(w) / (rows ? rows : 1), count = numel(ids);
-  int64_t* resolved = (int64_t*)malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
-  if (resolved == NULL) return fail(c, "out of memory");
-  if (resolve_ids(c, data_of(ids), count, rows, resolved)) {
-    free(resolved);
-    return -1;
-  }
+  int64_t* resolved = resolve_ids(c, ids, rows);
+  if (resolved == NULL) return -1;
   int64_t shape[MAX_DIMS];
   int nd = 0;
   for (int i = 0; i < ids->ndim; ++i) shape[nd++] = ids->shape[i];
@@ -874,12 +870,8 @@ static int op_embedding_backward(Call* c, size_t n_in, DLManagedTensor** in, siz
   if (w->ndim < 1) return fail(c, "weight must have rank >= 1");
   int64_t rows = w->shape[0], dim = numel(w) / (rows ? rows : 1), count = numel(ids);
   if (numel(dy) != count * dim) return fail(c, "dy has %lld elements, expected %lld", (long long)numel(dy), (long long)(count * dim));
-  int64_t* resolved = (int64_t*)malloc(sizeof(int64_t) * (size_t)(count ? count : 1));
-  if (resolved == NULL) return fail(c, "out of memory");
-  if (resolve_ids(c, data_of(ids), count, rows, resolved)) {
-    free(resolved);
-    return -1;
-  }
+  int64_t* resolved = resolve_ids(c, ids, rows);
+  if (resolved == NULL) return -1;
   DLManagedTensor* dw = new_tensor(w->ndim, w->shape, kDLFloat, 32);
   if (dw == NULL) {
     free(resolved);
