@@ -13,6 +13,7 @@ import os
 import numpy as np
 import onnx
 import onnx.parser
+import onnx_text
 import onnxruntime as ort
 import pytest
 import torch
@@ -28,9 +29,7 @@ from ortwrap.runtime.host_shapes import HostShapeRunner
 
 
 def _model(body: str, opset: int = 18) -> onnx.ModelProto:
-    model = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n{body}')
-    onnx.checker.check_model(model)
-    return model
+    return onnx_text.parse(body, opset, check=True)
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

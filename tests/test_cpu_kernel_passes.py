@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnx.parser
-import onnx_ir as ir
+import onnx_text
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,11 +30,8 @@ def built_ops(wrapped) -> Counter:
 
 
 def run_pass(pass_, body: str) -> tuple[bool, onnx.ModelProto]:
-    model = onnx.shape_inference.infer_shapes(
-        onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}')
-    )
-    result = pass_(ir.serde.deserialize_model(model))
-    return result.modified, ir.serde.serialize_model(result.model)
+    result, model = onnx_text.run_pass(pass_, body)
+    return result.modified, model
 
 
 # ------------------------------------------------------------------------------ Gather -> GatherND

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.parser
-import onnx_ir as ir
+import onnx_text
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,12 +154,9 @@ def test_out_of_range_index_raises_and_the_wrapper_recovers():
 
 # ------------------------------------------------------------------------------ the pass
 def run_pass(body: str) -> tuple[NativeCPUKernelsPass, onnx.ModelProto]:
-    model = onnx.shape_inference.infer_shapes(
-        onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17]>\n{body}')
-    )
     p = NativeCPUKernelsPass()
-    result = p(ir.serde.deserialize_model(model))
-    return p, ir.serde.serialize_model(result.model)
+    _, model = onnx_text.run_pass(p, body)
+    return p, model
 
 
 def test_pass_rewrites_gelu_forms_and_leaves_shared_intermediates():

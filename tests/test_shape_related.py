@@ -5,6 +5,7 @@ from __future__ import annotations
 import onnx
 import onnx.defs
 import onnx.parser
+import onnx_text
 import pytest
 
 from ortwrap.passes import explain_shape_related_nodes, shape_related_nodes
@@ -12,9 +13,7 @@ from ortwrap.passes.shape_related import HOST_INPUTS, SCOPE_SEPARATOR, host_inpu
 
 
 def _model(body: str, opset: int = 18) -> onnx.ModelProto:
-    model = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n{body}')
-    onnx.checker.check_model(model)
-    return model
+    return onnx_text.parse(body, opset, check=True)
 
 
 def test_upstream_example_reshape_of_concat_of_graph_inputs() -> None:
