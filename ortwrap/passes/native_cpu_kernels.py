@@ -34,6 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ..kernels import GRADIENTS
 from ._build import NodeBuilder, constant_value
 from .gather_to_gathernd import parameter_lookup
 
@@ -114,22 +115,13 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = {"gelu": 0, "gelu_tanh": 0, "layer_norm": 0, "embedding": 0, "cross_entropy": 0, "softmax": 0}
+        self.rewritten = dict.fromkeys(GRADIENTS, 0)  # per forward kernel
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
-            if node.op_type == "Erf":
-                self._gelu(graph, node)
-            elif node.op_type == "Tanh":
-                self._gelu_tanh(graph, node)
-            elif node.op_type == "LayerNormalization":
-                self._layer_norm(graph, node)
-            elif node.op_type == "Gather":
-                self._embedding(graph, node)
-            elif node.op_type == "SoftmaxCrossEntropyLoss":
-                self._cross_entropy(graph, node)
-            elif node.op_type == "Softmax":
-                self._softmax(graph, node)
+            rewrite = _REWRITES.get(node.op_type)
+            if rewrite is not None:
+                rewrite(self, graph, node)
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
     def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
@@ -293,3 +285,14 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         sm = _aten(b, "softmax", [x], 1)
         b.replace(graph, node, list(sm.outputs))
         self.rewritten["softmax"] += 1
+
+
+#: The node each rewrite starts from (GELUs at their Erf or Tanh).
+_REWRITES = {
+    "Erf": NativeCPUKernelsPass._gelu,
+    "Tanh": NativeCPUKernelsPass._gelu_tanh,
+    "LayerNormalization": NativeCPUKernelsPass._layer_norm,
+    "Gather": NativeCPUKernelsPass._embedding,
+    "SoftmaxCrossEntropyLoss": NativeCPUKernelsPass._cross_entropy,
+    "Softmax": NativeCPUKernelsPass._softmax,
+}
