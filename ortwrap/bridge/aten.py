@@ -331,9 +331,12 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
             op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
             if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):
                 continue
-            runs = [_meta_outputs(node, op, overload, known, constants, s) for s in _STAND_INS]
-            if runs[0] is None:
+            first = _meta_outputs(node, op, overload, known, constants, _STAND_INS[0])
+            if first is None:
                 continue
+            symbolic = any(name in known and None in known[name][1] for name in node.input if name not in constants)
+            # Without a symbolic input dim the second evaluation could only repeat the first.
+            runs = [first, _meta_outputs(node, op, overload, known, constants, _STAND_INS[1]) if symbolic else first]
             for i, (name, r) in enumerate(zip(node.output, runs[0])):
                 if isinstance(r, torch.Tensor) and name not in known:
                     other = runs[1][i] if runs[1] is not None and i < len(runs[1]) else None
