@@ -1,9 +1,9 @@
 """Build and load ortwrap's small native libraries (Python.h only) with the system C compiler.
 
 ONNX Runtime 1.19.2 calls its PythonOp runners and its ATen executor through raw function
-pointers, so they must be native code. They are a few hundred lines of C that use only the Python
-C API (and ``kernels/_cpu.c``, ortwrap's CPU kernels, plain C) and are compiled on first use (about 0.2 s) into a cache keyed by the source, the Python
-version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its builds take
+pointers, so they must be native code: a few hundred lines of C that use only the Python C API.
+They, and ortwrap's CPU kernels (``kernels/_cpu.c``, plain C), are compiled on first use (about
+0.2 s; 1 s for the kernels) into a cache keyed by the source, the Python version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its builds take
 about a minute and were a common source of ORTModule install failures.
 
 The cache directory is ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``; the compiler is ``$CC`` or

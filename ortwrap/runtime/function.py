@@ -14,7 +14,7 @@ NOTE: invariants.
 
 NOTE: per-step cost. This runs on every training step, so it keeps Python work to a minimum: what
 depends only on the graph is precomputed by ``TrainingRunner`` (which outputs get gradients, which
-need full shapes, where each gradient goes), and ``apply`` enters autograd's C implementation
+need full shapes, where each gradient goes), and ``run_training_graph`` enters autograd's C implementation
 directly. ``torch.autograd.Function.apply`` adds, per call, a Python frame, a closure, a
 ``setup_context`` check and a generator over every feed (for functorch's dead wrappers); it is used
 only while a functorch transform is active, where it raises its own clear error.
@@ -37,12 +37,6 @@ class RunTrainingGraph(torch.autograd.Function):
     ``values`` are the feeds as OrtValues (``program.bind``); ``program`` holds the
     ``TrainingRunner`` and knows which outputs are non-differentiable (``program.non_differentiable``).
     """
-
-    @classmethod
-    def apply(cls, *args):  # type: ignore[override]
-        if _functorch_active():
-            return super().apply(*args)
-        return _c_apply(*args)
 
     @staticmethod
     def forward(ctx, program, values, *feeds: torch.Tensor):  # type: ignore[override]
@@ -103,7 +97,8 @@ _c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, RunTrainingGra
 
 
 def run_training_graph(program, values, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``RunTrainingGraph.apply(program, values, *feeds)``; the hot path without the classmethod."""
+    """``RunTrainingGraph.apply(program, values, *feeds)``, through autograd's C ``apply`` unless a
+    functorch transform is active (``Function.apply`` then raises its own clear error)."""
     if _functorch_active():
         return RunTrainingGraph.apply(program, values, *feeds)
     return _c_apply(program, values, *feeds)
