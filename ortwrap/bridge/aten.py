@@ -411,7 +411,7 @@ def declare_output_types(model: onnx.ModelProto) -> None:
 _gradient_arity: dict[str, int] = {}
 
 
-def gradient_attribute(name: str, value: str):
+def _gradient_attribute(name: str, value: str):
     """A string attribute of a node in an ORT gradient definition."""
     a = C.GradientNodeAttributeDefinition()
     a.name = name
@@ -419,6 +419,24 @@ def gradient_attribute(name: str, value: str):
     a.dtype = "string"
     a.is_tensor = False
     return a
+
+
+def register_gradient(
+    forward: str, overload: str, inputs: list[str], outputs: list[str], backward: str, stop: set[int]
+) -> str:
+    """Register with ORT that the gradient of ``ATen(operator=forward, overload_name=overload)`` is one
+    ``ATen(operator=backward, overload_name=overload)`` node reading ``inputs`` (``GO(j)``, ``I(i)``,
+    ``O(k)``) and writing ``outputs`` (``GI(i)``); ``stop``: forward inputs that get no gradient.
+    Returns ORT's key of the definition."""
+    key = f"{ATEN_DOMAIN}::ATen::{forward}::{overload}"
+    d = C.GradientNodeDefinition()
+    d.op_type, d.domain = "ATen", ATEN_DOMAIN
+    d.inputs, d.outputs = inputs, outputs
+    d.attributes = [_gradient_attribute("operator", backward), _gradient_attribute("overload_name", overload)]
+    C.register_gradient_definition(key, [d])
+    if stop:
+        C.register_custom_stop_gradient_edges(key, stop)
+    return key
 
 
 def register_gradients(model: onnx.ModelProto) -> list[str]:
@@ -444,20 +462,16 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 f"ATen op {op} appears with {known} and {n_in} inputs; ORT allows one gradient definition per op"
             )
         if known is None:
-            d = C.GradientNodeDefinition()
-            d.op_type, d.domain = "ATen", ATEN_DOMAIN
-            d.inputs = [f"GO({j})" for j in range(n_out)] + [f"I({i})" for i in range(n_in)]
-            d.outputs = [f"GI({i})" for i in range(n_in)]
-            attributes = [gradient_attribute("operator", VJP_PREFIX + op)]
-            if overload:
-                attributes.append(gradient_attribute("overload_name", overload))
-            d.attributes = attributes
-            C.register_gradient_definition(key, [d])
-            plan = resolve(op, overload)
-            schema_args = plan.fn._schema.arguments
+            schema_args = resolve(op, overload).fn._schema.arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            if stop:
-                C.register_custom_stop_gradient_edges(key, stop)
+            register_gradient(
+                op,
+                overload,
+                [f"GO({j})" for j in range(n_out)] + [f"I({i})" for i in range(n_in)],
+                [f"GI({i})" for i in range(n_in)],
+                VJP_PREFIX + op,
+                stop,
+            )
             _gradient_arity[key] = n_in
         keys.append(key)
     return keys

@@ -60,7 +60,6 @@ import warnings
 
 import torch
 
-from .._ort import C
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
 
@@ -95,17 +94,7 @@ def install() -> ctypes.CDLL:
     lib.ortwrap_cpu_set_threads.restype = ctypes.c_int
     aten.set_native(ctypes.cast(lib.ortwrap_cpu_run, ctypes.c_void_p).value)
     for op, (inputs, outputs, backward, stop) in GRADIENTS.items():
-        key = f"{aten.ATEN_DOMAIN}::ATen::{PREFIX}{op}::"
-        d = C.GradientNodeDefinition()
-        d.op_type, d.domain = "ATen", aten.ATEN_DOMAIN
-        d.inputs, d.outputs = inputs, outputs
-        d.attributes = [
-            aten.gradient_attribute("operator", PREFIX + backward),
-            aten.gradient_attribute("overload_name", ""),
-        ]
-        C.register_gradient_definition(key, [d])
-        if stop:
-            C.register_custom_stop_gradient_edges(key, stop)
+        aten.register_gradient(PREFIX + op, "", inputs, outputs, PREFIX + backward, stop)
     return lib
 
 
