@@ -3,9 +3,9 @@
 Rewrites, float32 only, each into one ``org.pytorch.aten::ATen`` node (``operator="ortwrap_cpu::*"``)
 whose gradient definition pairs it with its backward kernel:
 
-* ``Mul(Mul(x, Add(Erf(x * 1/sqrt(2)), 1)), 0.5)`` (both exporters' ``F.gelu``; also with
-  ``Div(x, sqrt(2))``, the form before ``UnfuseErfGeluPass``) -> ``gelu(x)``. The intermediate
-  values must have no other consumer.
+* ``0.5 * x * (1 + Erf(x * 1/sqrt(2)))`` (both exporters' ``F.gelu``; also with ``Div(x,
+  sqrt(2))``, the form before ``UnfuseErfGeluPass``), the 0.5 on either side -> ``gelu(x)``. The
+  intermediate values must have no other consumer.
 * The tanh GELU, ``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` (``F.gelu(x,
   approximate="tanh")`` from either exporter, transformers' ``gelu_new`` with ``Pow``), the 0.5
   on either side -> ``gelu_tanh(x)``.
@@ -138,21 +138,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         # Mul and Div take one type T: x has the constant's type when inference left it unknown.
         if x is None or (x.dtype or _const_dtype(c)) != ir.DataType.FLOAT:
             return
-        add = _only_use(erf.outputs[0])
-        if not _is(add, "Add") or _scalar(_other(add, erf.outputs[0])) != 1.0:
-            return
-        mul_x = _only_use(add.outputs[0])
-        if not _is(mul_x, "Mul") or _other(mul_x, add.outputs[0]) is not x:
-            return
-        half = _only_use(mul_x.outputs[0])
-        if not _is(half, "Mul") or _scalar(_other(half, mul_x.outputs[0])) != 0.5:
-            return
-        b = NodeBuilder(half.name or f"gelu_{id(half):x}")
-        gelu = _aten(b, "gelu", [x], 1)
-        b.replace(graph, half, list(gelu.outputs))
-        for dead in (mul_x, add, erf, scale):
-            graph.remove(dead, safe=True)
-        self.rewritten["gelu"] += 1
+        self._gelu_tail(graph, "gelu", x, erf, [scale])
 
     def _gelu_tanh(self, graph: ir.Graph, tanh: ir.Node) -> None:
         # u = sqrt(2/pi) * (x + 0.044715 * cube(x)), cube = Pow(x, 3) | x * (x * x)
@@ -182,9 +168,14 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             or (x.dtype or _const_dtype(scale.inputs[0]) or _const_dtype(scale.inputs[1])) != ir.DataType.FLOAT
         ):
             return
-        # y = 0.5 * (x * (1 + tanh(u)))  or  (0.5 * x) * (1 + tanh(u)), operands in any order
-        one = _only_use(tanh.outputs[0])
-        if not _is(one, "Add") or _scalar(_other(one, tanh.outputs[0])) != 1.0:
+        self._gelu_tail(graph, "gelu_tanh", x, tanh, [scale, add, kmul, *cube_nodes])
+
+    def _gelu_tail(self, graph: ir.Graph, kernel: str, x: ir.Value, core: ir.Node, inner: list[ir.Node]) -> None:
+        """Both GELUs end ``0.5 * (x * (1 + core))`` or ``(0.5 * x) * (1 + core)``, operands in any
+        order (``core``: the Erf or Tanh node; ``inner``: the nodes before it, consumers first). If
+        this one does, replace it all with ``kernel(x)``."""
+        one = _only_use(core.outputs[0])
+        if not _is(one, "Add") or _scalar(_other(one, core.outputs[0])) != 1.0:
             return
         mul = _only_use(one.outputs[0])
         if not _is(mul, "Mul"):
@@ -203,12 +194,12 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             if hx is not x or half != 0.5:
                 return
             final, dead = mul, [half_x]
-        b = NodeBuilder(final.name or f"gelu_tanh_{id(final):x}")
-        gelu = _aten(b, "gelu_tanh", [x], 1)
+        b = NodeBuilder(final.name or f"{kernel}_{id(final):x}")
+        gelu = _aten(b, kernel, [x], 1)
         b.replace(graph, final, list(gelu.outputs))
-        for node in (*dead, one, tanh, scale, add, kmul, *cube_nodes):
+        for node in (*dead, one, core, *inner):
             graph.remove(node, safe=True)
-        self.rewritten["gelu_tanh"] += 1
+        self.rewritten[kernel] += 1
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
