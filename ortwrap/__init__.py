@@ -5,8 +5,12 @@
 
 from __future__ import annotations
 
-from .api import FallbackWarning, ORTWrap
-from .errors import (
+from ._compat.torch import UnsupportedTorchWarning, check_torch_version
+
+check_torch_version()  # before anything else: a clear ImportError on a torch older than supported
+
+from .api import FallbackWarning, ORTWrap  # noqa: E402
+from .errors import (  # noqa: E402
     ExportError,
     GradientBuildError,
     ORTWrapError,
@@ -15,10 +19,11 @@ from .errors import (
     SessionError,
     UnsupportedFunctionError,
     UnsupportedInputError,
+    UnsupportedTorchError,
     VerificationError,
 )
-from .options import ENV_VARS, Options
-from .program import BuildArtifacts
+from .options import ENV_VARS, Options  # noqa: E402
+from .program import BuildArtifacts  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -36,5 +41,7 @@ __all__ = [
     "SessionError",
     "UnsupportedFunctionError",
     "UnsupportedInputError",
+    "UnsupportedTorchError",
+    "UnsupportedTorchWarning",
     "VerificationError",
 ]

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 from .options import env_flag
 
@@ -52,6 +54,25 @@ def _preload_cuda_libraries() -> list[str]:
 
 PRELOADED_CUDA_LIBRARIES = _preload_cuda_libraries() if env_flag("ORTWRAP_PRELOAD_CUDA", True) else []
 
+class _NoORTModule(importlib.abc.MetaPathFinder):
+    """Refuses ``onnxruntime.training`` while ``onnxruntime`` is first imported.
+
+    The training wheel's ``onnxruntime/__init__.py`` imports ``onnxruntime.training.ortmodule`` to
+    validate the package: ORTModule, which imports DeepSpeed and reaches into torch internals at
+    import time, and on newer torch fails there (an error ``import onnxruntime`` re-raises).
+    ortwrap replaces it and needs only the C module ``onnxruntime.capi._pybind_state``: for the
+    length of that first import, ``onnxruntime.training`` raises ImportError, which onnxruntime
+    takes as "no ORTModule in this package". Importing it later (by the user) is unaffected.
+    """
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "onnxruntime.training" or name.startswith("onnxruntime.training."):
+            raise ImportError(f"{name} is not imported by ortwrap")
+        return None
+
+
+_blocker = _NoORTModule()
+sys.meta_path.insert(0, _blocker)
 try:
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state as C
@@ -61,6 +82,8 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
         "(onnxruntime-training-cpu==1.19.2) or 'ortwrap[cuda]' (onnxruntime-training==1.19.2). "
         "Install only one of them, and not plain onnxruntime beside it."
     ) from e
+finally:
+    sys.meta_path.remove(_blocker)
 
 if not hasattr(C, "OrtModuleGraphBuilder"):  # pragma: no cover
     raise ImportError(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import _tree
+from ._compat import torch as compat
 from ._logging import configure, logger
 from .bridge import state as bridge_state
 from .errors import (
@@ -70,6 +71,8 @@ class ORTWrap(nn.Module):
         check_wrappable(module)
         super().__init__()
         self.module = module
+        # The submodule table itself (not a copy), as a plain attribute: read on every step.
+        object.__setattr__(self, "_submodules", compat.submodule_table(self))
         self._options = Options.resolve(**options)
         configure(self._options.logging_level)
         self._programs: dict[tuple, Program] = {}
@@ -80,7 +83,7 @@ class ORTWrap(nn.Module):
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
         self._params: list[nn.Parameter] = list(module.parameters())
-        self._register_load_state_dict_pre_hook(_add_module_prefix, with_module=True)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
 
     # ------------------------------------------------------------------ public state
     @property
@@ -112,31 +115,12 @@ class ORTWrap(nn.Module):
         self._params = list(self.module.parameters())
         return result
 
-    def _apply(self, fn: Any, recurse: bool = True) -> ORTWrap:
-        out = super()._apply(fn, recurse)
-        self._params = list(self.module.parameters())
-        return out
-
     # ------------------------------------------------------------------ forward
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # NOTE: per-step cost. nn.Module.__call__ goes through _wrapped_call_impl and _call_impl
         # (~2 us) to reach forward when no hook, compiled call or tracer is active; those are
-        # checked here the same way, and anything else takes nn.Module's path.
-        if (
-            _fast_call
-            and self._compiled_call_impl is None
-            and not (
-                self._forward_pre_hooks
-                or self._forward_hooks
-                or self._backward_pre_hooks
-                or self._backward_hooks
-                or _nn_module._global_forward_pre_hooks
-                or _nn_module._global_forward_hooks
-                or _nn_module._global_backward_pre_hooks
-                or _nn_module._global_backward_hooks
-                or _tracing_state()
-            )
-        ):
+        # checked the same way (compat.call_skips_hooks), and anything else takes nn.Module's path.
+        if _call_skips_hooks(self):
             return self.forward(*args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
@@ -160,7 +144,7 @@ class ORTWrap(nn.Module):
             structure = in_spec
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
-            self._modules["module"].training,  # not self.module: nn.Module.__getattr__ costs ~1.5 us
+            self._submodules["module"].training,  # not self.module: nn.Module.__getattr__ costs ~1.5 us
             needs_grad,
             structure,
             tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
@@ -311,18 +295,7 @@ class ORTWrap(nn.Module):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-_nn_module = torch.nn.modules.module
-_tracing_state = torch._C._get_tracing_state
-#: The hook registries ORTWrap.__call__ checks exist in this torch (else it always takes nn.Module's path).
-_fast_call = all(
-    hasattr(_nn_module, name)
-    for name in (
-        "_global_forward_pre_hooks",
-        "_global_forward_hooks",
-        "_global_backward_pre_hooks",
-        "_global_backward_hooks",
-    )
-) and hasattr(nn.Module, "_compiled_call_impl")
+_call_skips_hooks = compat.call_skips_hooks
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 

@@ -16,6 +16,7 @@ __all__ = [
     "SessionError",
     "UnsupportedFunctionError",
     "UnsupportedInputError",
+    "UnsupportedTorchError",
     "VerificationError",
 ]
 
@@ -73,6 +74,12 @@ class UnsupportedFunctionError(ORTWrapError, TypeError):
     """A torch.autograd.Function in the module cannot run inside ONNX Runtime (non-tensor outputs)."""
 
     phase = "bridge"
+
+
+class UnsupportedTorchError(ORTWrapError):
+    """The running torch lacks a private API ortwrap needs (see ``ortwrap._compat.torch``)."""
+
+    phase = "compat"
 
 
 class VerificationError(ORTWrapError):

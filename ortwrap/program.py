@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import kernels
+from ._compat import torch as compat
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
@@ -92,7 +93,7 @@ class _StateRef:
 
     def table(self) -> dict[str, torch.Tensor]:
         """The owner's ``_parameters`` or ``_buffers``: the dict that ``table()[attr]`` reads."""
-        return self.owner._parameters if self.is_param else self.owner._buffers
+        return compat.parameter_table(self.owner) if self.is_param else compat.buffer_table(self.owner)
 
 
 class Program:
@@ -184,9 +185,9 @@ def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
 def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
     refs: dict[str, _StateRef] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for attr in sub._parameters:
+        for attr in compat.parameter_table(sub):
             refs.setdefault(f"{prefix}.{attr}" if prefix else attr, _StateRef(sub, attr, True))
-        for attr in sub._buffers:
+        for attr in compat.buffer_table(sub):
             refs.setdefault(f"{prefix}.{attr}" if prefix else attr, _StateRef(sub, attr, False))
     return refs
 

@@ -24,6 +24,7 @@ from parity import ATOL, RTOL
 from torch import nn
 
 from ortwrap import ExportError, FallbackWarning, ORTWrap, UnsupportedInputError
+from ortwrap.bridge.intercept import in_function
 from ortwrap.integrations.distributed import DoneWork, collective_stubs, stubs_active
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -155,7 +156,9 @@ def test_stub_returns_completed_work_and_leaves_outputs_as_allocated():
             return g[: g.shape[0] // 2]
 
     x = torch.ones(3, 2)
-    with collective_stubs():  # no process group needed: nothing is communicated
+    # No process group needed: nothing is communicated. (An export sets the "inside a bridged
+    # Function" state itself; here the test does.)
+    with collective_stubs(), in_function(Probe, bridged=True):
         out = Probe.apply(x)
     assert out.shape == (6, 2) and bool((out == 7).all()), "the stub wrote into the output"
     assert bool((x == 1).all())

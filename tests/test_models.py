@@ -53,21 +53,58 @@ class EncoderWithMask(nn.Module):
 
 def test_transformer_encoder_layer_with_padding_mask():
     def inputs(b, g):
-        x = torch.randn(b, 6, 32, generator=g)
-        mask = torch.zeros(b, 6, dtype=torch.bool)
+        t = {4: 6, 7: 7, 3: 9}[b]  # the sequence length changes between steps
+        x = torch.randn(b, t, 32, generator=g)
+        mask = torch.zeros(b, t, dtype=torch.bool)
         mask[:, -2:] = True  # last two positions are padding
         return (x, mask), {}
 
     # The fast path of TransformerEncoderLayer is off in training and under autograd; both sides
     # take the same math path.
-    check_parity(EncoderWithMask, inputs)
+    w = check_parity(EncoderWithMask, inputs)
+    assert w.export_count == 1, "a new sequence length must not re-export"
+
+
+class Attention(nn.Module):
+    def __init__(self, batch_first: bool, masks: str) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=batch_first)
+        self.batch_first = batch_first
+        self.masks = masks
+
+    def forward(self, x, pad):
+        t = x.shape[1] if self.batch_first else x.shape[0]
+        attn_mask = None
+        if "causal" in self.masks:
+            attn_mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), diagonal=1)
+        kpm = pad if "padding" in self.masks else None
+        out, weights = self.attn(x, x, x, key_padding_mask=kpm, attn_mask=attn_mask, need_weights=True)
+        return out, weights
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("masks", ["none", "padding", "causal+padding"])
+def test_multihead_attention_across_sequence_lengths(batch_first, masks):
+    """The sequence length of every step differs (6, then 7, then 9): nothing traced may keep it."""
+
+    def inputs(b, g):
+        t = {4: 6, 7: 7, 3: 9}[b]
+        x = torch.randn(b, t, 16, generator=g)
+        pad = torch.zeros(b, t, dtype=torch.bool)
+        pad[0, -2:] = True
+        return ((x if batch_first else x.transpose(0, 1).contiguous()), pad), {}
+
+    w = check_parity(lambda: Attention(batch_first, masks), inputs)
+    assert w.export_count == 1
 
 
 def test_gpt_lm_with_loss_inside():
     cfg = GPTConfig(vocab=97, d=32, heads=4, layers=2, max_len=16)
 
+    lengths = iter((13, 9, 16))  # the sequence length changes every step
+
     def inputs(b, g):
-        data = torch.randint(0, cfg.vocab, (b, 13), generator=g)
+        data = torch.randint(0, cfg.vocab, (b, next(lengths)), generator=g)
         return (data[:, :-1], data[:, 1:]), {}
 
     w = check_parity(lambda: TinyGPT(cfg), inputs, batch_sizes=(2, 3, 2), loss_fn=lambda out: out[0])

@@ -53,8 +53,9 @@ def lm_inputs(b, g):
 
 
 def classification_inputs(b, g):
-    ids = torch.randint(0, VOCAB, (b, 12), generator=g)
-    mask = torch.ones(b, 12, dtype=torch.long)
+    t = {4: 12, 7: 9, 3: 14}[b]  # the sequence length changes with the batch size
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
     mask[1:, -3:] = 0  # padded rows
     return (), {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (b,), generator=g)}
 

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 import torch
 
+from .._compat import torch as compat
 from .._ort import C
 from . import state
 from ._native import load
@@ -43,8 +44,9 @@ VJP_PREFIX = "ortwrap_vjp::"
 #: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
 NATIVE_PREFIX = "ortwrap_cpu::"
 
-_from_dlpack = torch._C._from_dlpack
-_to_dlpack = torch._C._to_dlpack
+# Public entry points until install() swaps in the C one (ortwrap/_compat/torch.py).
+_from_dlpack = torch.utils.dlpack.from_dlpack
+_to_dlpack = torch.utils.dlpack.to_dlpack
 
 _SCALAR_TYPES = {
     0: torch.uint8,
@@ -96,7 +98,7 @@ class _Plan:
     __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple")
 
     def __init__(self, fn) -> None:
-        schema = fn._schema
+        schema = compat.op_schema(fn)
         self.fn = fn
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
@@ -222,7 +224,7 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
         return True
     try:
         plan = resolve(_split_used(op.removeprefix(VJP_PREFIX))[0], overload)
-        schema = plan.fn._schema
+        schema = compat.op_schema(plan.fn)
         t = (schema.arguments if is_input else schema.returns)[index].type
         if t.kind() == "OptionalType":
             t = t.getElementType()
@@ -234,6 +236,8 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
 @functools.cache
 def install() -> None:
     """Build (first time only), load and register the ATen executor with ORT. Once per process."""
+    global _from_dlpack
+    _from_dlpack = compat.from_dlpack()
     lib = load("_aten")
     lib.ortwrap_aten_init.argtypes = [ctypes.py_object, ctypes.py_object]
     lib.ortwrap_aten_init.restype = ctypes.c_int
@@ -462,7 +466,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 f"ATen op {op} appears with {known} and {n_in} inputs; ORT allows one gradient definition per op"
             )
         if known is None:
-            schema_args = resolve(op, overload).fn._schema.arguments
+            schema_args = compat.op_schema(resolve(op, overload).fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
             register_gradient(
                 op,

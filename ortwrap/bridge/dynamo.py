@@ -1,8 +1,9 @@
 """autograd.Functions under the dynamo exporter: one custom op per call, one PythonOp per node.
 
 ``torch.export`` traces through ``Function.forward`` and silently drops the Function's backward.
-While ortwrap captures, every ``Function.apply`` (``bridge.symbolic``'s dispatcher) instead calls
-the custom op ``ortwrap::function_call(Tensor[] inputs, int call_id) -> Tensor[]``:
+While ortwrap captures, every Function call (routed by ``bridge/intercept.py``: ``apply`` runs, but
+the class's forward is ortwrap's) returns the outputs of the custom op
+``ortwrap::function_call(Tensor[] inputs, int call_id) -> Tensor[]`` instead of running the forward:
 
 * ``call_id`` indexes a :class:`_Call` record that holds the Function class and every non-tensor
   argument, which never enter the FX graph;
@@ -28,16 +29,16 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from . import state
+from .._compat import torch as compat
+from . import intercept, state
+from .runner import install
 from .symbolic import (
     _BOOL,
     _ONNX_TYPES,
     _UINT8,
-    NOT_HANDLED,
     BridgeExportError,
     ExportScope,
     encode_call,
-    function_scope,
 )
 
 PLACEHOLDER_DOMAIN = "ortwrap.dynamo"
@@ -81,30 +82,54 @@ class CaptureScope(ExportScope):
 
 
 _current: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar("ortwrap_capture", default=None)
-#: Set while the custom op runs (its autograd wrapper, its fake implementation running the
-#: Function's forward): Functions called there run as they are.
-_in_fake = contextvars.ContextVar("ortwrap_in_fake", default=False)
 
 
 @contextlib.contextmanager
 def capture_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[CaptureScope]:
-    """Bridge the Functions called while ``torch.export`` captures."""
+    """Bridge the Functions called while ``torch.export`` captures.
+
+    Raises (on exit):
+        BridgeExportError: a Function class was created during the capture (it was not intercepted,
+            so its backward would be silently ignored).
+    """
+    install()
     _define_op()
     scope = CaptureScope(with_backward=with_backward, inline=inline)
     token = _current.set(scope)
+    before = intercept.function_classes()
     try:
-        with function_scope(scope, _bridge_call):
+        with intercept.intercept_functions(_bridge_call):
             yield scope
+        new = [c for c in intercept.new_function_classes(before) if _called(c, scope)]
+        if new:
+            raise BridgeExportError(
+                f"torch.autograd.Function {state.qualified_name(new[0])} was defined while the module ran, so "
+                "ortwrap could not route it to its own backward. Define the class at module level, or use "
+                "exporter='torchscript'"
+            )
     finally:
         _current.reset(token)
 
 
-def _bridge_call(cls, args: tuple, kwargs: dict):
-    """``Function.apply`` during capture: one ``ortwrap::function_call``."""
-    if _in_fake.get():
-        return NOT_HANDLED  # run the Function as it is
+def _called(cls: type, scope: CaptureScope) -> bool:
+    """Whether a Function class that appeared during the capture belongs to the user's code (torch
+    creates some lazily, for its own custom ops)."""
+    return not (cls.__module__ or "").startswith(("torch.", "ortwrap."))
+
+
+def _bridge_call(cls: type, forward, args: tuple, kwargs: dict):
+    """A Function call during capture (``bridge/intercept.py``): one ``ortwrap::function_call``,
+    or the forward itself for an inlined Function."""
     scope = _current.get()
     qualname = state.qualified_name(cls)
+    if scope is None:
+        return forward(*args, **kwargs)
+    if qualname in scope.inline:
+        with intercept.in_function(cls, bridged=False):
+            return forward(*args, **kwargs)
+    ctx = None
+    if not compat.has_setup_context(cls):  # forward(ctx, *args): apply made ctx
+        ctx, args = args[0], args[1:]
     if kwargs:
         raise BridgeExportError(
             f"torch.autograd.Function {qualname} was called with keyword arguments {sorted(kwargs)}; "
@@ -120,16 +145,16 @@ def _bridge_call(cls, args: tuple, kwargs: dict):
             stored.append(a)
     call_id = next(_ids)
     scope.calls[call_id] = _Call(cls, tuple(stored), positions, [t.requires_grad for t in tensors])
-    token = _in_fake.set(True)  # the op's own autograd wrapper is a Function: let it run
-    try:
-        outs = torch.ops.ortwrap.function_call(tensors, call_id)
-    finally:
-        _in_fake.reset(token)
+    with intercept.passthrough():  # the op's own autograd wrapper is a Function: let it run
+        outs = list(torch.ops.ortwrap.function_call(tensors, call_id))
     call = scope.calls[call_id]
     for k, j in call.dirty:
-        # In eager the input IS the output afterwards: later uses of it must see the new values
-        # (and send their gradient through the Function's backward).
+        # In eager the input IS the output afterwards (marked dirty): later uses of it must see the
+        # new values, and apply must see the input returned.
         tensors[k].copy_(outs[j])
+        outs[j] = tensors[k]
+    if call.dirty and ctx is not None:
+        ctx.mark_dirty(*[tensors[k] for k, _ in call.dirty])
     return outs[0] if call.single else tuple(outs)
 
 
@@ -146,16 +171,13 @@ def _run_forward(call: _Call, tensors: list[torch.Tensor]):
         copies.append(t)
     cls = call.cls
     ctx = torch.autograd.function.FunctionCtx()
-    token = _in_fake.set(True)
-    try:
-        with torch.no_grad():
-            if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
-                out = cls.forward(*args)
-                cls.setup_context(ctx, tuple(args), out)
-            else:
-                out = cls.forward(ctx, *args)
-    finally:
-        _in_fake.reset(token)
+    # The forward runs in Python at run time: its collectives are real then (and stubs now).
+    with intercept.passthrough(), intercept.in_function(cls, bridged=True), torch.no_grad():
+        if compat.has_setup_context(cls):
+            out = cls.forward(*args)
+            cls.setup_context(ctx, tuple(args), out)
+        else:
+            out = cls.forward(ctx, *args)
     return out, copies, getattr(ctx, "dirty_tensors", ())
 
 

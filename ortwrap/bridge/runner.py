@@ -39,16 +39,19 @@ import weakref
 
 import torch
 
+from .._compat import torch as compat
 from .._ort import C
 from ..errors import UnsupportedFunctionError
 from . import state
 from ._native import load
 
-_from_dlpack = torch._C._from_dlpack
-_to_dlpack = torch._C._to_dlpack
+# Public entry points until install() swaps in the C ones (ortwrap/_compat/torch.py): nothing
+# private is touched at import time.
+_from_dlpack = torch.utils.dlpack.from_dlpack
+_to_dlpack = torch.utils.dlpack.to_dlpack
 _Tensor = torch.Tensor
-_set_grad_enabled = torch._C._set_grad_enabled
-_is_grad_enabled = torch._C.is_grad_enabled
+_set_grad_enabled = torch.set_grad_enabled
+_is_grad_enabled = torch.is_grad_enabled
 _zeros = torch.zeros
 
 BOOL_MARK = "|bool="
@@ -57,6 +60,9 @@ BOOL_MARK = "|bool="
 @functools.cache
 def install() -> None:
     """Build (first time only), load and register the native runners with ORT. Once per process."""
+    global _from_dlpack, _set_grad_enabled
+    _from_dlpack = _GENERATED_GLOBALS["from_dlpack"] = compat.from_dlpack()
+    _set_grad_enabled = compat.set_grad_enabled()
     lib = load("_runner")
     lib.ortwrap_bridge_set_handlers.argtypes = [ctypes.py_object] * 5
     lib.ortwrap_bridge_set_handlers.restype = ctypes.c_int
@@ -208,11 +214,9 @@ class _Kernel:
             raise RuntimeError(f"PythonOp {func_name!r}: no torch.autograd.Function is registered under this name")
         self.cls = cls
         self.forward = cls.forward
-        base = torch.autograd.function._SingleLevelFunction
         # torch documents ``vjp`` as an alias of ``backward``: a Function may define either.
-        self.backward = cls.vjp if cls.backward is base.backward else cls.backward
-        has_setup = cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context
-        self.setup_context = cls.setup_context if has_setup else None
+        self.backward = cls.vjp if cls.backward is torch.autograd.Function.backward else cls.backward
+        self.setup_context = cls.setup_context if compat.has_setup_context(cls) else None
         self.n_args = len(tensor_flags)
         self.tensor_pos = tuple(i for i, f in enumerate(tensor_flags) if f)
         self.rg_pos = frozenset(i for i in self.tensor_pos if requires_grad[i]) if training else frozenset()

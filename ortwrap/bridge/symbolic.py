@@ -1,7 +1,7 @@
 """Export of ``torch.autograd.Function`` calls as ``com.microsoft::PythonOp`` nodes.
 
-The TorchScript exporter, run with ``autograd_inlining=False``, keeps each Function call as a
-``prim::PythonOp`` node; ortwrap's symbolic for it (installed only during ortwrap's exports)
+The TorchScript exporter keeps each Function call as a ``prim::PythonOp`` node (with the ops its
+forward ran as a sub-block); ortwrap's symbolic for it (installed only during ortwrap's exports)
 emits one PythonOp whose attributes encode the call, following ORT 1.19.2's schema:
 
 ==============================  ==================================================================
@@ -18,8 +18,9 @@ anything else                   ``input_pointer_scalars`` (the object's address)
 attributes; pass a float by pointer if it must be exact: wrap it in a 1-tuple of mixed types.)
 
 Outputs: ORT's context id (added by ``passes/pythonop_context.py`` as output 0), then the tensors.
-A Function listed in ``Options.inline_functions`` is not bridged: its ``apply`` calls ``forward``
-directly while ortwrap traces, so its forward's ops are exported (and differentiated by ORT).
+A Function listed in ``Options.inline_functions`` is not bridged: the symbolic exports the ops of
+the node's sub-block instead (differentiated by ORT). How calls are routed through ortwrap while it
+exports, without touching ``Function.apply``: ``bridge/intercept.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import state
+from .._compat import torch as compat
+from . import intercept, state
 from .runner import BOOL_MARK, install
 
 _BOOL = 9
@@ -185,6 +187,9 @@ def pythonop_symbolic(g, *args, **kwargs):
         raise BridgeExportError(
             f"torch.autograd.Function {qualname}: argument count does not match its calling convention"
         )
+    if qualname in scope.inline:  # the forward's ops, recorded in the node's sub-block
+        outs = compat.ts_inline_block(g, node, [a for a, c in zip(args, cconv) if c == "d"])
+        return outs[0] if len(outs) == 1 else tuple(outs)
     items: list[tuple[str, object]] = []
     cast_inputs = []
     for i, (a, c) in enumerate(zip(args, cconv)):
@@ -218,69 +223,19 @@ def pythonop_symbolic(g, *args, **kwargs):
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _inline_call(cls, args: tuple, kwargs: dict):
-    """Call a Function's forward as plain ops (traced, then differentiated by ORT)."""
-    ctx = torch.autograd.function.FunctionCtx()
-    if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
-        out = cls.forward(*args, **kwargs)
-        cls.setup_context(ctx, args, out)
-        return out
-    return cls.forward(ctx, *args, **kwargs)
-
-
-def _subclasses(root: type) -> list[type]:
-    seen, stack = [], [root]
-    while stack:
-        for sub in stack.pop().__subclasses__():
-            if sub not in seen:
-                seen.append(sub)
-                stack.append(sub)
-    return seen
-
-
-def _dispatching_code():
-    """Code for ``Function.apply`` that inlines listed classes, with the original's one free cell.
-
-    NOTE: swapping the *code* of ``Function.apply`` (not the attribute) also reaches aliases bound
-    before export, such as ``scaled_softmax = ScaledSoftmax.apply`` at import time (apex, Megatron).
-    """
-    __class__ = None
-
-    def apply(cls, *args, **kwargs):
-        __class__  # noqa: B018
-        # Runs with torch.autograd.function's globals: reach ortwrap through the class.
-        return cls._ortwrap_dispatch(cls, args, kwargs)
-
-    return apply.__code__
-
-
-_original_apply = torch.autograd.Function.apply.__func__
-_original_code = _original_apply.__code__
-_original_copy = type(_original_apply)(
-    _original_code, _original_apply.__globals__, "apply", _original_apply.__defaults__, _original_apply.__closure__
-)
-
-
-#: Returned by a call hook that leaves the call to ``Function.apply``.
-NOT_HANDLED = object()
-_call_hook: contextvars.ContextVar = contextvars.ContextVar("ortwrap_call_hook", default=None)
-
-
-def _dispatch(cls, args: tuple, kwargs: dict):
+def _trace_handler(cls: type, forward, args: tuple, kwargs: dict):
+    """A Function call while the TorchScript exporter traces (``bridge/intercept.py``): the tracer
+    records it as a ``prim::PythonOp`` whatever the forward does; the forward runs as usual."""
     scope = _scope.get()
-    if scope is not None and scope.inline and state.qualified_name(cls) in scope.inline:
-        return _inline_call(cls, args, kwargs)
-    hook = _call_hook.get()
-    if hook is not None:
-        out = hook(cls, args, kwargs)
-        if out is not NOT_HANDLED:
-            return out
-    out = _original_copy(cls, *args, **kwargs)
-    if scope is not None and hook is None and not _all_tensors(out):
+    qualname = state.qualified_name(cls)
+    inlined = scope is not None and qualname in scope.inline
+    with intercept.in_function(cls, bridged=not inlined):
+        out = forward(*args, **kwargs)
+    if not inlined and not _all_tensors(out):
         # Autograd does not track such outputs: the tracer would record the forward's ops and ORT
         # would differentiate them, silently ignoring the Function's backward.
         raise BridgeExportError(
-            f"torch.autograd.Function {state.qualified_name(cls)} returned {type(out).__name__}"
+            f"torch.autograd.Function {qualname} returned {type(out).__name__}"
             f"{'' if not isinstance(out, (tuple, list)) else ' holding ' + ', '.join(type(o).__name__ for o in out)}; "
             "ortwrap can only run Functions whose outputs are a tensor or a tuple of tensors inside ONNX Runtime"
         )
@@ -294,41 +249,32 @@ def _all_tensors(out) -> bool:
 
 
 @contextlib.contextmanager
-def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[ExportScope]:
-    """Bridge the Functions called while the TorchScript exporter traces; inline those in ``inline``."""
-    scope = ExportScope(with_backward=with_backward, inline=inline)
-    with function_scope(scope):
-        yield scope
+def hidden_symbolics() -> Iterator[None]:
+    """Hide the ONNX ``symbolic`` staticmethods of Function classes (Megatron defines some).
+
+    The TorchScript exporter calls a Function's own ``symbolic`` instead of ortwrap's PythonOp
+    symbolic: it would emit the forward's ops, which ORT would differentiate instead of calling the
+    Function's backward. During ortwrap's export those attributes are hidden, so every call is bridged.
+    """
+    hidden = [(c, c.__dict__["symbolic"]) for c in intercept.function_classes() if "symbolic" in c.__dict__]
+    for c, _ in hidden:
+        delattr(c, "symbolic")
+    try:
+        yield
+    finally:
+        for c, fn in hidden:
+            c.symbolic = fn
 
 
 @contextlib.contextmanager
-def function_scope(scope: ExportScope, hook=None) -> Iterator[ExportScope]:
-    """Route every ``Function.apply`` through ortwrap while an export runs.
-
-    Args:
-        scope: what the export's PythonOps refer to.
-        hook: ``hook(cls, args, kwargs)`` replaces a call (the dynamo capture's custom op), or
-            returns :data:`NOT_HANDLED` to let ``apply`` run.
-
-    A Function's own ``symbolic`` staticmethod (Megatron defines some) would make the exporter
-    emit its forward's ops, which ORT would differentiate instead of calling the Function's
-    backward: during ortwrap's export those attributes are hidden, so every call is bridged.
-    """
+def export_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[ExportScope]:
+    """Bridge the Functions called while the TorchScript exporter traces; inline those in ``inline``
+    (the exporter must run with ``autograd_inlining=True``, which keeps each call's ops as a sub-block)."""
     install()
+    scope = ExportScope(with_backward=with_backward, inline=inline)
     token = _scope.set(scope)
-    hook_token = _call_hook.set(hook)
-    hidden = [(c, c.__dict__["symbolic"]) for c in _subclasses(torch.autograd.Function) if "symbolic" in c.__dict__]
-    for c, _ in hidden:
-        delattr(c, "symbolic")
-    # Every Function call during the trace goes through _dispatch: inlining, output checks.
-    torch.autograd.Function._ortwrap_dispatch = staticmethod(_dispatch)
-    _original_apply.__code__ = _dispatching_code()
     try:
-        yield scope
+        with hidden_symbolics(), intercept.intercept_functions(_trace_handler):
+            yield scope
     finally:
-        _original_apply.__code__ = _original_code
-        del torch.autograd.Function._ortwrap_dispatch
-        for c, fn in hidden:
-            c.symbolic = fn
-        _call_hook.reset(hook_token)
         _scope.reset(token)

@@ -12,6 +12,9 @@ embedding                      ``padding_idx``: ONNX ``Gather`` would send gradi
                                the weight (``ortwrap::StopGradient``, resolved by a pass).
 cross_entropy_loss             ``label_smoothing`` is refused by torch's symbolic; emitted as
                                ``SoftmaxCrossEntropyLoss`` (both outputs) plus the smoothing term.
+unflatten                      torch's symbolic lets shape inference bake the traced sizes of the
+                               dimensions before the split (``nn.MultiheadAttention``: a new
+                               sequence length failed); ortwrap's keeps them symbolic.
 scaled_dot_product_attention   ``enable_gqa=True`` (Llama's grouped-query attention) is refused by
                                torch's symbolic; key/value heads are repeated for their query group.
 adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size into a fixed
@@ -30,6 +33,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .._compat import torch as compat
+
 #: Domain of the marker ops ortwrap's symbolics emit; passes resolve them before the gradient build.
 ORTWRAP_DOMAIN = "ortwrap"
 
@@ -37,22 +42,9 @@ ORTWRAP_DOMAIN = "ortwrap"
 _static_reasons: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ortwrap_static", default=None)
 
 
-def _registry():
-    from torch.onnx._internal.torchscript_exporter import registration
-
-    return registration.registry
-
-
-def _helper():
-    from torch.onnx._internal.torchscript_exporter import symbolic_helper
-
-    return symbolic_helper
-
-
 def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
-    sh = _helper()
-    padding_idx = sh._maybe_get_const(padding_idx, "i")
-    if sh._maybe_get_const(scale_grad_by_freq, "b"):
+    padding_idx = compat.ts_constant(padding_idx, "i")
+    if compat.ts_constant(scale_grad_by_freq, "b"):
         raise RuntimeError("ortwrap: nn.Embedding(scale_grad_by_freq=True) has no ONNX Runtime equivalent")
     gathered = g.op("Gather", weight, indices)
     if padding_idx is None or padding_idx < 0:
@@ -66,12 +58,11 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
 
 
 def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, label_smoothing):
-    sh = _helper()
-    reduction = sh._maybe_get_const(reduction, "i")
-    ignore_index = sh._maybe_get_const(ignore_index, "i")
-    label_smoothing = float(sh._maybe_get_const(label_smoothing, "f") or 0.0)
+    reduction = compat.ts_constant(reduction, "i")
+    ignore_index = compat.ts_constant(ignore_index, "i")
+    label_smoothing = float(compat.ts_constant(label_smoothing, "f") or 0.0)
     mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
-    has_weight = not sh._is_none(weight)
+    has_weight = not compat.ts_is_none(weight)
     inputs = [logits, target] + ([weight] if has_weight else [])
     loss, _log_prob = g.op("SoftmaxCrossEntropyLoss", *inputs, reduction_s=mode, ignore_index_i=ignore_index, outputs=2)
     if label_smoothing == 0.0:
@@ -80,11 +71,7 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
         raise RuntimeError("ortwrap: cross_entropy with both class weights and label_smoothing is not supported")
     # torch: (1 - eps) * nll + eps / C * sum_c(-log p_c), zero at ignored targets, reduced like nll.
     # (Cast, not CastLike: ORT 1.19.2 has no gradient for CastLike.)
-    from torch.onnx._internal.torchscript_exporter import _type_utils
-
-    scalar = _type_utils.JitScalarType.from_value(logits, _type_utils.JitScalarType.FLOAT)
-    onnx_type = scalar.onnx_type()
-    torch_dtype = scalar.dtype()
+    onnx_type, torch_dtype = compat.ts_scalar_type(logits)
 
     def const(v: float):
         return g.op("Constant", value_t=torch.tensor(v, dtype=torch_dtype))
@@ -110,7 +97,7 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
 
 def _adaptive_pool(name: str, default: Callable) -> Callable:
     def symbolic(g, x, output_size, *rest):
-        sizes = _helper()._maybe_get_const(output_size, "is")
+        sizes = compat.ts_constant(output_size, "is")
         if not isinstance(sizes, (list, tuple)) or any(s != 1 for s in sizes):
             reasons = _static_reasons.get()
             if reasons is not None:
@@ -123,6 +110,32 @@ def _adaptive_pool(name: str, default: Callable) -> Callable:
 _ADAPTIVE = [f"aten::adaptive_{kind}_pool{d}d" for kind in ("avg", "max") for d in (1, 2, 3)]
 
 
+def _unflatten(g, x, dim, sizes):
+    """``x.unflatten(dim, sizes)`` as one Reshape whose shape keeps every other dimension symbolic.
+
+    torch's symbolic computes the split position with Add/Mod on the rank and slices the shape with
+    it; its shape inference then folds the dimensions before the split to the sizes seen while
+    tracing (``nn.MultiheadAttention``'s packed in-projection: ``k.view(k.shape[0], ...)`` became
+    ``Reshape(k, [6, ...])``, so a new sequence length failed). Here the dimensions before ``dim``
+    are ``0`` (copy) and those after it are read from ``Shape(x)`` one by one."""
+    rank = compat.ts_rank(x)
+    d = compat.ts_constant(dim, "i")
+    if rank is None or not isinstance(d, int):
+        raise RuntimeError("ortwrap: unflatten needs a known rank and a constant dim")
+    d = d % rank
+
+    def const(values):
+        return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+    parts = [const([0] * d)] if d else []
+    known = compat.ts_constant(sizes, "is")
+    parts.append(const(list(known)) if isinstance(known, (list, tuple)) else sizes)
+    if d + 1 < rank:
+        shape = g.op("Shape", x)
+        parts += [g.op("Gather", shape, const([i]), axis_i=0) for i in range(d + 1, rank)]
+    return g.op("Reshape", x, g.op("Concat", *parts, axis_i=0) if len(parts) > 1 else parts[0])
+
+
 def _sdpa(default: Callable) -> Callable:
     """``enable_gqa=True`` (grouped-query attention: fewer key/value heads than query heads, as in
     Llama) is refused by torch's symbolic. Each key/value head is repeated for its group of query
@@ -130,10 +143,9 @@ def _sdpa(default: Callable) -> Callable:
     torch's symbolic runs on the expanded tensors."""
 
     def symbolic(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        sh = _helper()
-        if not sh._maybe_get_const(enable_gqa, "b"):
+        if not compat.ts_constant(enable_gqa, "b"):
             return default(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if sh._get_tensor_rank(query) != 4 or sh._get_tensor_rank(key) != 4:
+        if compat.ts_rank(query) != 4 or compat.ts_rank(key) != 4:
             raise RuntimeError("ortwrap: scaled_dot_product_attention(enable_gqa=True) needs 4-D (B, H, T, D) inputs")
 
         def const(values):
@@ -162,11 +174,9 @@ def _aten_symbolic(name: str) -> Callable:
     """Export ``aten::<name>`` as an ATen node running PyTorch's own kernel (``Options.aten_ops``)."""
 
     def symbolic(g, *args, **kwargs):
-        from torch.onnx._internal.torchscript_exporter.utils import _get_aten_op_overload_name
-
         node = g.original_node
         outputs = list(node.outputs())
-        result = g.aten_op(name, *args, overload_name=_get_aten_op_overload_name(node), outputs=len(outputs))
+        result = g.aten_op(name, *args, overload_name=compat.ts_overload_name(node), outputs=len(outputs))
         results = list(result) if isinstance(result, (list, tuple)) else [result]
         for r, o in zip(results, outputs):
             r.setType(o.type())
@@ -178,32 +188,28 @@ def _aten_symbolic(name: str) -> Callable:
 @contextlib.contextmanager
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
-    registry = _registry()
     from ..bridge.symbolic import pythonop_symbolic
 
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
+        "aten::unflatten": _unflatten,
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
     }
     for op in aten_ops:
         symbolics[f"aten::{op}"] = _aten_symbolic(op)
-    if opset >= 14:  # registers torch's symbolics of that opset (imported lazily otherwise)
-        import torch.onnx._internal.torchscript_exporter.symbolic_opset14  # noqa: F401
-    group = registry.get_function_group("aten::scaled_dot_product_attention")
-    default_sdpa = group.get(opset) if group is not None else None
+    compat.ts_load_opset_symbolics(opset)
+    default_sdpa = compat.ts_symbolic("aten::scaled_dot_product_attention", opset)
     if default_sdpa is not None:
         symbolics["aten::scaled_dot_product_attention"] = _sdpa(default_sdpa)
     for name in _ADAPTIVE:
-        group = registry.get_function_group(name)
-        default = group.get(opset) if group is not None else None
+        default = compat.ts_symbolic(name, opset)
         if default is not None:
             symbolics[name] = _adaptive_pool(name.split("::")[1], default)
     saved: dict[str, Callable | None] = {}
     for name, fn in symbolics.items():
-        group = registry.get_function_group(name)
-        saved[name] = group._functions[opset] if group is not None and group._functions.overridden(opset) else None
-        registry.register(name, opset, fn, custom=True)
+        saved[name] = compat.ts_custom_symbolic(name, opset)
+        compat.ts_register(name, opset, fn)
     reasons: list[str] = []
     token = _static_reasons.set(reasons)
     try:
@@ -211,6 +217,6 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[li
     finally:
         _static_reasons.reset(token)
         for name, prev in saved.items():
-            registry.unregister(name, opset)
+            compat.ts_unregister(name, opset)
             if prev is not None:
-                registry.register(name, opset, prev, custom=True)
+                compat.ts_register(name, opset, prev)

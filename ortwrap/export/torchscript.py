@@ -19,6 +19,7 @@ import onnx
 import torch
 from torch import nn
 
+from .._compat import torch as compat
 from ..bridge.symbolic import export_scope
 from ..errors import ExportError
 from ..integrations.distributed import collective_stubs
@@ -32,14 +33,14 @@ def _buffers_as_inputs(module: nn.Module) -> Iterator[None]:
     """The TorchScript exporter feeds only ``state_dict()`` entries as inputs and bakes the rest in:
     a non-persistent buffer (rotary tables, masks) would become a constant, stale once the module
     changes it. During export every buffer is persistent, so each one is a graph input."""
-    saved = [(m, set(m._non_persistent_buffers_set)) for m in module.modules() if m._non_persistent_buffers_set]
-    for m, _ in saved:
-        m._non_persistent_buffers_set.clear()
+    saved = [(s, set(s)) for s in map(compat.non_persistent_buffers, module.modules()) if s]
+    for names, _ in saved:
+        names.clear()
     try:
         yield
     finally:
-        for m, names in saved:
-            m._non_persistent_buffers_set.update(names)
+        for names, kept in saved:
+            names.update(kept)
 
 
 def export_torchscript(
@@ -101,7 +102,10 @@ def export_torchscript(
                 opset_version=opset,
                 input_names=input_names,
                 dynamic_axes=dynamic_axes,
-                autograd_inlining=False,
+                # With Functions to inline, each call keeps its forward's ops as a sub-block of its
+                # prim::PythonOp, which ortwrap's symbolic exports for those (bridge/symbolic.py).
+                # Off otherwise: torch's sub-block conversion fails on some Functions it never needs.
+                autograd_inlining=bool(inline_functions),
                 # Ops without an ONNX translation become ATen nodes that run PyTorch's kernels.
                 operator_export_type=torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK,
             )

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import torch as compat
+
 
 def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
                            momentum=0.1, eps=1e-5):  # fmt: skip
@@ -172,7 +174,7 @@ def training_translations() -> dict:
     """The ``custom_translation_table`` entries ortwrap always passes to the dynamo exporter."""
     table = {}
     aten = torch.ops.aten
-    table[aten._native_batch_norm_legit_functional.default] = _batch_norm_functional
+    table[compat.batch_norm_functional_op().default] = _batch_norm_functional
     table[aten.embedding.default] = _embedding
     table[aten.cross_entropy_loss.default] = _cross_entropy
     table[aten.gelu.default] = _gelu

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._compat import torch as compat
 from .._logging import logger
 from .._tree import flatten
 from ..errors import UnsupportedInputError
@@ -79,14 +80,6 @@ def _status(name: str) -> Any:
 
 # --------------------------------------------------------------------------- DeepSpeed's module hooks
 
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-_HOOK_SIDE_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
 
 def _is_deepspeed_hook(hook: Any) -> bool:
     fn = getattr(hook, "func", hook)  # functools.partial
@@ -99,10 +92,7 @@ def _deepspeed_hooks_hidden(root: nn.Module) -> Iterator[int]:
     saved: list[tuple[dict, dict]] = []
     hidden = 0
     for m in root.modules():
-        for attr in _HOOK_DICTS:
-            hooks = m.__dict__.get(attr)
-            if not hooks:
-                continue
+        for hooks, side_tables in compat.hook_tables(m):
             ids = [k for k, h in hooks.items() if _is_deepspeed_hook(h)]
             if not ids:
                 continue
@@ -110,9 +100,8 @@ def _deepspeed_hooks_hidden(root: nn.Module) -> Iterator[int]:
             for k in ids:
                 del hooks[k]
             hidden += len(ids)
-            for side in _HOOK_SIDE_DICTS:
-                extra = m.__dict__.get(side)
-                if extra and any(k in extra for k in ids):
+            for extra in side_tables:
+                if any(k in extra for k in ids):
                     saved.append((extra, dict(extra)))
                     for k in ids:
                         extra.pop(k, None)
@@ -264,9 +253,7 @@ def _on_backward(wrapper: ORTWrap, node_ref: weakref.ref | None) -> Any:
                     st.pending.discard(node)
                 _release_if_idle(w, st)
 
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: torch.autograd.Variable._execution_engine.queue_callback(release)
-        )
+        compat.queue_backward_callback(lambda: compat.queue_backward_callback(release))
 
     return hook
 

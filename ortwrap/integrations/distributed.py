@@ -16,6 +16,8 @@ NOTE: a collective called while exporting but *not* inside a bridged Function's 
 a module's forward, or in a Function listed in ``inline_functions``) would silently vanish from the
 exported graph. The stub refuses it with an :class:`~ortwrap.ExportError` naming the collective
 instead (ortwrap then falls back to PyTorch with a warning, or raises with ``fallback=False``).
+Whether a call is inside a bridged Function's forward is explicit state that the export's Function
+routing sets (``bridge.intercept.current_function``), never read from Python frames.
 
 NOTE: the stubs are process-wide attributes, but only the thread that entered the context sees
 them: any other thread calling a collective meanwhile gets the real one.
@@ -26,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..bridge.intercept import current_function
 from ..errors import ExportError, UnsupportedInputError
 
 __all__ = [
@@ -154,11 +156,6 @@ _lock = threading.Lock()
 _depth: dict[int, int] = {}  # thread id -> nesting depth of collective_stubs()
 _installed: list[tuple[object, str, object]] = []  # (namespace, name, original)
 
-_APPLY_FILE = os.path.normcase(os.path.abspath(inspect.getfile(torch.autograd.function)))
-_BRIDGE_MODULE = "ortwrap.bridge.symbolic"
-#: (module, function) of the frames in which ortwrap's dynamo capture runs a Function's forward.
-_BRIDGED_FORWARD_FRAMES = frozenset({("ortwrap.bridge.dynamo", "_run_forward")})
-
 
 def stubs_active() -> bool:
     """Whether the calling thread is inside :func:`collective_stubs`."""
@@ -188,33 +185,6 @@ def _cell_is_set(cell: Any) -> bool:
     return True
 
 
-def _enclosing_function_call() -> tuple[bool, str | None]:
-    """Whether the caller runs inside a ``torch.autograd.Function`` call that ortwrap runs as a PythonOp,
-    and, if not, the name of the inlined Function it runs in (``inline_functions``), if any."""
-    frame = sys._getframe(2)
-    inlined: str | None = None
-    pending_inline = False  # inside an inlined Function, whose _dispatch frame comes next
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "apply" and os.path.normcase(code.co_filename) == _APPLY_FILE:
-            return True, None  # Function.apply itself: the call becomes a PythonOp
-        module = frame.f_globals.get("__name__")
-        if (module, code.co_name) in _BRIDGED_FORWARD_FRAMES:
-            return True, None  # the dynamo capture runs the forward of a Function it bridges
-        if module == _BRIDGE_MODULE:
-            if code.co_name == "_inline_call":
-                pending_inline = True
-                if inlined is None:
-                    cls = frame.f_locals.get("cls")
-                    inlined = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else "?"
-            elif code.co_name == "_dispatch":
-                if not pending_inline:
-                    return True, None  # a call ortwrap's dispatch hook turns into an op of its own
-                pending_inline = False
-        frame = frame.f_back
-    return False, inlined
-
-
 def _make_stub(qualname: str, original: Callable) -> Callable:
     short = qualname.rsplit(".", 1)[1]
     signature: list[inspect.Signature | None] = []  # computed on first use: exports rarely call collectives
@@ -237,11 +207,11 @@ def _make_stub(qualname: str, original: Callable) -> Callable:
     def stub(*args: Any, **kwargs: Any) -> Any:
         if not stubs_active():  # another thread: the real collective
             return original(*args, **kwargs)
-        inside, inlined = _enclosing_function_call()
-        if not inside:
+        function = current_function()  # explicit state that the export's Function routing sets
+        if function is None or not function.bridged:
             where = (
-                f"in torch.autograd.Function {inlined}, which inline_functions lists"
-                if inlined
+                f"in torch.autograd.Function {function.name}, which inline_functions lists"
+                if function is not None
                 else "outside the forward of a torch.autograd.Function"
             )
             raise ExportError(

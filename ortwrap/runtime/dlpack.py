@@ -12,12 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
+from .._compat import torch as compat
 from .._ort import C
 
-# The C entry points: torch.utils.dlpack's wrappers add Python checks that cost microseconds a
-# tensor on every step.
-to_dlpack = torch._C._to_dlpack
-from_dlpack = torch._C._from_dlpack
+#: torch.utils.dlpack.to_dlpack is autograd's C entry point itself. (Its from_dlpack adds Python
+#: checks that cost about a microsecond a tensor on every step: runners take the C entry point
+#: from ``compat.from_dlpack()`` when they are created, never at import.)
+to_dlpack = torch.utils.dlpack.to_dlpack
 
 
 def push_tensor(vec: C.OrtValueVector, t: torch.Tensor) -> None:
@@ -77,7 +78,7 @@ def to_tensors(values: C.OrtValueVector, may_hold_bool: bool = True) -> list[tor
 
     ``may_hold_bool=False`` skips looking for bool tensors (which cross as uint8).
     """
-    out = values.to_dlpacks(from_dlpack)
+    out = values.to_dlpacks(compat.from_dlpack())
     if may_hold_bool:
         for i in values.bool_tensor_indices():
             out[i] = out[i].view(torch.bool)

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import torch as compat
 from ..bridge.runner import RunRecord
 from .session import TrainingRunner
 
-_functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -92,13 +92,23 @@ class RunTrainingGraph(torch.autograd.Function):
         return runner.place_grads(results)
 
 
-#: autograd's C ``apply`` bound to RunTrainingGraph (see the module's NOTE on per-step cost).
-_c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, RunTrainingGraph)
+_c_apply = None
+_functorch_active = None
 
 
 def run_training_graph(program, values, *feeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``RunTrainingGraph.apply(program, values, *feeds)``, through autograd's C ``apply`` unless a
     functorch transform is active (``Function.apply`` then raises its own clear error)."""
+    if _c_apply is None:
+        _bind()
     if _functorch_active():
         return RunTrainingGraph.apply(program, values, *feeds)
     return _c_apply(program, values, *feeds)
+
+
+def _bind() -> None:
+    """On the first step: autograd's C ``apply`` bound to RunTrainingGraph (see the module's NOTE on
+    per-step cost) and the functorch check, from the compat boundary (never at import)."""
+    global _c_apply, _functorch_active
+    _functorch_active = compat.functorch_transforms_active()
+    _c_apply = compat.autograd_c_apply(RunTrainingGraph)

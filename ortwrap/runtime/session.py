@@ -5,12 +5,13 @@ from __future__ import annotations
 import onnx
 import torch
 
+from .._compat import torch as compat
 from .._ort import C, ort
 from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..options import Options
-from .dlpack import from_dlpack, to_dlpack, to_tensors
+from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
 _pending = bridge_state._pending
@@ -162,6 +163,7 @@ class TrainingRunner:
             raise SessionError(f"onnxruntime could not create a TrainingAgent: {e}") from e
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
+        self._from_dlpack = compat.from_dlpack()
         model = graph.model()
         self._bool_outputs = _has_bool_outputs(graph, model)
         self.grad_outputs = tuple(
@@ -198,7 +200,7 @@ class TrainingRunner:
             _raise_run_error("forward", e)
         if _pending:
             bridge_state.reraise_pending(None)
-        outputs = fetches.to_dlpacks(from_dlpack)
+        outputs = fetches.to_dlpacks(self._from_dlpack)
         if self._bool_outputs:
             for i in fetches.bool_tensor_indices():
                 outputs[i] = outputs[i].view(torch.bool)
@@ -223,7 +225,7 @@ class TrainingRunner:
             _raise_run_error("backward", e)
         if _pending:
             bridge_state.reraise_pending(None)
-        return fetches.to_dlpacks(from_dlpack)  # gradients are never bool
+        return fetches.to_dlpacks(self._from_dlpack)  # gradients are never bool
 
     def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """``results`` (ORT's gradients) as autograd wants them from ``RunTrainingGraph.backward``:

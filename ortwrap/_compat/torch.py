@@ -1,0 +1,432 @@
+"""Every private PyTorch API ortwrap uses, the releases each was checked on, and the version flags.
+
+ORTModule died because it reached into torch internals that moved. ortwrap reaches into some too
+(the C entry points that keep a training step cheap, the TorchScript exporter's symbolic registry,
+``nn.Module``'s hook and parameter tables), but only here:
+
+- each private name is declared once in :data:`PRIVATE_APIS` with the torch releases whose full
+  test suite ran against it;
+- nothing private is touched when ``ortwrap`` is imported: every accessor resolves its name on
+  first use (and caches it);
+- a name missing from the running torch raises :class:`~ortwrap.errors.UnsupportedTorchError`, which
+  names it, the releases it was checked on and the supported range, or, where a public equivalent
+  exists, the accessor uses that instead (slower, same result);
+- ``tests/test_compat.py`` fails when any other module of the package uses a private torch name,
+  and resolves every entry of :data:`PRIVATE_APIS` on the running torch.
+
+Supported releases: :data:`SUPPORTED_RANGE`. ``import ortwrap`` on an older torch raises an
+``ImportError`` that says so; on a newer one it warns once (:func:`check_torch_version`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHECKED_RELEASES",
+    "PRIVATE_APIS",
+    "SUPPORTED_RANGE",
+    "TORCH_VERSION",
+    "UnsupportedTorchWarning",
+    "check_torch_version",
+]
+
+#: torch releases the whole test suite ran on (``.ci/run`` runs both ends of the range).
+CHECKED_RELEASES: tuple[str, ...] = ("2.13.0", "2.14.1")
+#: The range pyproject declares: ``torch>=2.13,<2.16``.
+MIN_VERSION = (2, 13)
+MAX_VERSION_EXCLUSIVE = (2, 16)
+SUPPORTED_RANGE = ">=2.13,<2.16"
+
+
+def _parse(version: str) -> tuple[int, int, int]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if match is None:
+        return (0, 0, 0)
+    return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
+
+
+#: (major, minor, patch) of the running torch, from the public ``torch.__version__``.
+TORCH_VERSION: tuple[int, int, int] = _parse(torch.__version__)
+
+
+class UnsupportedTorchWarning(UserWarning):
+    """The running torch is newer than the releases ortwrap was tested with."""
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Refuse a torch older than the supported range; warn once about a newer one.
+
+    Called by ``ortwrap/__init__.py`` before anything else is imported. Uses only ``torch.__version__``.
+
+    Raises:
+        ImportError: the torch release predates the supported range.
+    """
+    text = torch.__version__ if version is None else version
+    v = _parse(text)[:2]
+    supported = f"torch{SUPPORTED_RANGE} (tested on {', '.join(CHECKED_RELEASES)})"
+    if v < MIN_VERSION:
+        raise ImportError(
+            f"ortwrap supports {supported}; this environment has torch {text}. "
+            f"Install a supported release first, pinned: pip install torch=={CHECKED_RELEASES[-1]}"
+        )
+    if v >= MAX_VERSION_EXCLUSIVE:
+        warnings.warn(
+            f"ortwrap was tested with {supported}; torch {text} is newer. Parts of ortwrap that use torch "
+            "internals may fail with UnsupportedTorchError naming what is missing.",
+            UnsupportedTorchWarning,
+            stacklevel=3,
+        )
+
+
+# ------------------------------------------------------------------------------- the declarations
+
+#: Every private torch name ortwrap uses -> the releases it was checked on. Attribute names of
+#: torch classes are written ``Class.name``.
+PRIVATE_APIS: dict[str, tuple[str, ...]] = {}
+
+
+def _declare(name: str, checked: tuple[str, ...] = CHECKED_RELEASES) -> str:
+    PRIVATE_APIS[name] = checked
+    return name
+
+
+def _missing(name: str, cause: BaseException | None = None) -> Exception:
+    from ..errors import UnsupportedTorchError
+
+    checked = ", ".join(PRIVATE_APIS.get(name, CHECKED_RELEASES))
+    return UnsupportedTorchError(
+        f"ortwrap needs torch's private {name} (checked on torch {checked}), which torch {torch.__version__} "
+        f"does not have. ortwrap supports torch{SUPPORTED_RANGE}: install one of those releases, or report this "
+        "with your torch version"
+    )
+
+
+def _resolve(name: str) -> Any:
+    """Import the longest importable module prefix of dotted ``name`` and walk the rest as attributes."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise _missing(name, e) from e
+        return obj
+    raise _missing(name)
+
+
+def _first(*names: str) -> Any:
+    """The first of ``names`` that resolves (a private module that moved between releases)."""
+    error: Exception | None = None
+    for name in names:
+        try:
+            return _resolve(name)
+        except Exception as e:
+            error = e
+    assert error is not None
+    raise error
+
+
+# Tensors and autograd ---------------------------------------------------------------------------
+_FROM_DLPACK = _declare("torch._C._from_dlpack")
+_SET_GRAD_ENABLED = _declare("torch._C._set_grad_enabled")
+_FUNCTORCH_ACTIVE = _declare("torch._C._are_functorch_transforms_active")
+_FUNCTION_BASE = _declare("torch._C._FunctionBase")
+_TRACING_STATE = _declare("torch._C._get_tracing_state")
+_EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
+# nn.Module internals ----------------------------------------------------------------------------
+_MODULE_GLOBAL_HOOKS = tuple(
+    _declare(f"torch.nn.modules.module.{n}")
+    for n in (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+)
+#: nn.Module instance attributes ortwrap reads (Module.<name> in PRIVATE_APIS).
+MODULE_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+MODULE_HOOK_SIDE_TABLES = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+_MODULE_ATTRS = (
+    *MODULE_HOOK_TABLES,
+    *MODULE_HOOK_SIDE_TABLES,
+    "_compiled_call_impl",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+)
+for _name in _MODULE_ATTRS:
+    _declare(f"Module.{_name}")
+# The TorchScript exporter -----------------------------------------------------------------------
+_TS = "torch.onnx._internal.torchscript_exporter"
+_TS_REGISTRY = _declare(f"{_TS}.registration.registry")
+_declare("_SymbolicFunctionGroup._functions")  # the registry's per-opset table of one op
+_TS_HELPER = _declare(f"{_TS}.symbolic_helper")
+_TS_TYPE_UTILS = _declare(f"{_TS}._type_utils.JitScalarType")
+_TS_OVERLOAD_NAME = _declare(f"{_TS}.utils._get_aten_op_overload_name")
+_TS_OPSET14 = _declare(f"{_TS}.symbolic_opset14")
+_TS_ONNX_BLOCK = _declare("torch._C._jit_pass_onnx_block")
+# Operators --------------------------------------------------------------------------------------
+_declare("OpOverload._schema")
+_BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
+
+
+# ------------------------------------------------------------------------------- tensors, autograd
+
+
+@functools.cache
+def from_dlpack() -> Callable[[Any], torch.Tensor]:
+    """DLPack capsule -> tensor: the C entry point (``torch.utils.dlpack.from_dlpack`` adds Python
+    checks costing about a microsecond a tensor on every step), or the public function."""
+    try:
+        return _resolve(_FROM_DLPACK)
+    except Exception:
+        import torch.utils.dlpack
+
+        return torch.utils.dlpack.from_dlpack
+
+
+def to_dlpack() -> Callable[[torch.Tensor], Any]:
+    """Tensor -> DLPack capsule (the public function is the C entry point itself)."""
+    import torch.utils.dlpack
+
+    return torch.utils.dlpack.to_dlpack
+
+
+@functools.cache
+def set_grad_enabled() -> Callable[[bool], Any]:
+    """``f(mode)`` that sets grad mode without a context manager object."""
+    try:
+        return _resolve(_SET_GRAD_ENABLED)
+    except Exception:
+        return torch.set_grad_enabled  # calling it sets the mode at once
+
+
+@functools.cache
+def functorch_transforms_active() -> Callable[[], bool]:
+    """``f()``: is a functorch transform (vmap, grad, ...) active? Without the private check,
+    always True, which makes callers take ``Function.apply``'s own path (slower, same result)."""
+    try:
+        return _resolve(_FUNCTORCH_ACTIVE)
+    except Exception:
+        return lambda: True
+
+
+def autograd_c_apply(function_cls: type) -> Callable[..., Any]:
+    """autograd's C ``apply`` bound to ``function_cls``, without ``Function.apply``'s Python frame
+    (torch 2.13 writes ``apply`` in Python; 2.14 makes it the C builtin itself); public ``apply``
+    where the C entry point is missing."""
+    try:
+        return _resolve(_FUNCTION_BASE).__dict__["apply"].__get__(None, function_cls)
+    except Exception:
+        return function_cls.apply
+
+
+@functools.cache
+def tracing_state() -> Callable[[], Any]:
+    """``f()``: the TorchScript tracer's state, falsy when not tracing (``torch.jit.is_tracing`` is
+    the public, slower equivalent)."""
+    try:
+        return _resolve(_TRACING_STATE)
+    except Exception:
+        return torch.jit.is_tracing
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (autograd engine's callback queue)."""
+    _resolve(_EXECUTION_ENGINE).queue_callback(callback)
+
+
+def has_setup_context(function_cls: type) -> bool:
+    """Whether a ``torch.autograd.Function`` defines ``setup_context`` (forward without ctx)."""
+    return function_cls.setup_context is not torch.autograd.Function.setup_context
+
+
+# ------------------------------------------------------------------------------- nn.Module internals
+
+
+@functools.cache
+def _global_hook_tables() -> tuple[dict, ...] | None:
+    try:
+        return tuple(_resolve(n) for n in _MODULE_GLOBAL_HOOKS)
+    except Exception:
+        return None
+
+
+def call_skips_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module(...)`` would go straight to ``forward``: no module or global hooks, no
+    ``torch.compile``'d call and no TorchScript tracer. False when that cannot be told (callers
+    then take ``nn.Module.__call__``)."""
+    tables = _global_hook_tables()
+    if tables is None:
+        return False
+    d = module.__dict__
+    try:
+        if d["_compiled_call_impl"] is not None:
+            return False
+        if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]:
+            return False
+    except KeyError:
+        return False
+    return not (tables[0] or tables[1] or tables[2] or tables[3] or tracing_state()())
+
+
+def parameter_table(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
+    """The module's own ``name -> Parameter`` dict (what ``module.name`` reads), not a copy."""
+    return module.__dict__["_parameters"]
+
+
+def buffer_table(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """The module's own ``name -> buffer`` dict, not a copy."""
+    return module.__dict__["_buffers"]
+
+
+def submodule_table(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """The module's own ``name -> submodule`` dict, not a copy."""
+    return module.__dict__["_modules"]
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """The mutable set of the module's buffer names left out of ``state_dict``."""
+    return module.__dict__["_non_persistent_buffers_set"]
+
+
+def hook_tables(module: torch.nn.Module) -> list[tuple[dict, list[dict]]]:
+    """Each non-empty forward/backward hook table of ``module`` with its side tables (kwargs and
+    always-called flags keyed by the same hook ids)."""
+    d = module.__dict__
+    out = []
+    for name in MODULE_HOOK_TABLES:
+        table = d.get(name)
+        if table:
+            out.append((table, [d[s] for s in MODULE_HOOK_SIDE_TABLES if d.get(s) is not None]))
+    return out
+
+
+# ------------------------------------------------------------------------------- the TorchScript exporter
+
+
+def _ts_registry() -> Any:
+    return _first(_TS_REGISTRY, "torch.onnx._internal.registration.registry")
+
+
+def ts_symbolic(name: str, opset: int) -> Callable[..., Any] | None:
+    """The symbolic the TorchScript exporter uses for ``name`` (``"aten::embedding"``) at ``opset``."""
+    group = _ts_registry().get_function_group(name)
+    return group.get(opset) if group is not None else None
+
+
+def ts_custom_symbolic(name: str, opset: int) -> Callable[..., Any] | None:
+    """The custom symbolic registered for ``name`` at exactly ``opset`` (a user's, or ortwrap's), or None."""
+    group = _ts_registry().get_function_group(name)
+    if group is None:
+        return None
+    table = group._functions
+    return table[opset] if table.overridden(opset) else None
+
+
+def ts_register(name: str, opset: int, fn: Callable[..., Any]) -> None:
+    """Register ``fn`` as the custom symbolic of ``name`` at ``opset``."""
+    _ts_registry().register(name, opset, fn, custom=True)
+
+
+def ts_unregister(name: str, opset: int) -> None:
+    """Remove the custom symbolic of ``name`` at ``opset``."""
+    _ts_registry().unregister(name, opset)
+
+
+def _ts_helper() -> Any:
+    return _first(_TS_HELPER, "torch.onnx.symbolic_helper")
+
+
+def ts_constant(value: Any, desc: str) -> Any:
+    """A symbolic argument's constant value (``desc``: ``"i"``, ``"f"``, ``"b"``, ``"is"``...), or the value."""
+    return _ts_helper()._maybe_get_const(value, desc)
+
+
+def ts_is_none(value: Any) -> bool:
+    """Whether a symbolic argument is an absent optional (``None``)."""
+    return _ts_helper()._is_none(value)
+
+
+def ts_rank(value: Any) -> int | None:
+    """The rank of a symbolic argument, if known."""
+    return _ts_helper()._get_tensor_rank(value)
+
+
+def ts_scalar_type(value: Any, default: str = "FLOAT") -> tuple[int, torch.dtype]:
+    """(ONNX element type, torch dtype) of a symbolic argument."""
+    jst = _first(_TS_TYPE_UTILS, "torch.onnx._type_utils.JitScalarType")
+    scalar = jst.from_value(value, getattr(jst, default))
+    return scalar.onnx_type(), scalar.dtype()
+
+
+def ts_overload_name(node: Any) -> str:
+    """The ATen overload name of a TorchScript node (``""`` for the default overload)."""
+    return _first(_TS_OVERLOAD_NAME, "torch.onnx.utils._get_aten_op_overload_name")(node)
+
+
+def ts_load_opset_symbolics(opset: int) -> None:
+    """Register torch's symbolics of ``opset`` (imported lazily by the exporter otherwise)."""
+    if opset >= 14:
+        _first(_TS_OPSET14, "torch.onnx.symbolic_opset14")
+
+
+def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
+    """Export the ops a ``prim::PythonOp`` node recorded (its sub-block, with
+    ``autograd_inlining=True``) into the graph being built, instead of the node itself.
+
+    Args:
+        g: the symbolic's graph context.
+        node: the ``prim::PythonOp`` node.
+        tensor_args: the ONNX values of the node's tensor arguments, in order.
+
+    Returns:
+        The ONNX values of the node's outputs.
+    """
+    blocks = list(node.blocks())
+    if not blocks:
+        raise RuntimeError("the Function call recorded no sub-block (export with autograd_inlining=True)")
+    block = blocks[0]
+    env = dict(g.env)
+    for block_input, value in zip(block.inputs(), tensor_args):
+        env[block_input] = value
+    env = _resolve(_TS_ONNX_BLOCK)(
+        block,
+        g.block,
+        torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK,
+        env,
+        set(g.values_in_env) | set(tensor_args),
+        True,
+    )
+    return [env[o] for o in block.outputs()]
+
+
+# ------------------------------------------------------------------------------- operators
+
+
+def op_schema(op: Any) -> Any:
+    """The ``FunctionSchema`` of an ``OpOverload`` (``torch.ops.aten.add.Tensor``)."""
+    return op._schema
+
+
+def batch_norm_functional_op() -> Any:
+    """``torch.ops.aten._native_batch_norm_legit_functional``: BatchNorm in training mode as
+    ``torch.export`` writes it."""
+    return _resolve(_BN_FUNCTIONAL)
