@@ -1,31 +1,48 @@
 # Two commands set up a fresh machine: `make demo` and `make test` (see README.md).
 # ORT_EXTRA=cpu (default) installs onnxruntime-training-cpu; ORT_EXTRA=cuda installs the CUDA build.
+# TORCH picks the torch release (pinned, installed first, so pip never resolves an open-ended torch):
+# 2.13.0 in .venv (the default), any other in its own .venv-<release>, e.g. `TORCH=2.14.1 make test`.
 PYTHON ?= python3
-VENV := .venv
+TORCH ?= 2.13.0
+ifeq ($(TORCH),2.13.0)
+VENV ?= .venv
+else
+VENV ?= .venv-$(TORCH)
+endif
 PY := $(VENV)/bin/python
 ORT_EXTRA ?= cpu
 PYTEST_ARGS ?=
+STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-all bench bench-scale lint clean
 
-$(VENV)/.installed-$(ORT_EXTRA): pyproject.toml Makefile
-	@echo ">> creating $(VENV) and installing torch==2.13.0 first, then ortwrap[$(ORT_EXTRA),dev]"
+$(STAMP): pyproject.toml Makefile
+	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==$(TORCH)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[$(ORT_EXTRA),dev]'
+	@$(PY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(TORCH)' else 'torch changed to ' + v)"
 	@touch $@
 
-demo: $(VENV)/.installed-$(ORT_EXTRA)
+demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(VENV)/.installed-$(ORT_EXTRA)
+test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-$(ORT_EXTRA)
+# The suite on both ends of the tested torch range (what .ci/run does).
+test-all:
+	$(MAKE) test TORCH=2.13.0
+	$(MAKE) test TORCH=2.14.1
+
+bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-lint: $(VENV)/.installed-$(ORT_EXTRA)
+bench-scale: $(STAMP)
+	$(PY) benchmarks/bench_scale.py
+
+lint: $(STAMP)
 	$(PY) -m ruff check ortwrap tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf .venv .venv-* *.egg-info .pytest_cache

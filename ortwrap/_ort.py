@@ -54,6 +54,7 @@ def _preload_cuda_libraries() -> list[str]:
 
 PRELOADED_CUDA_LIBRARIES = _preload_cuda_libraries() if env_flag("ORTWRAP_PRELOAD_CUDA", True) else []
 
+
 class _NoORTModule(importlib.abc.MetaPathFinder):
     """Refuses ``onnxruntime.training`` while ``onnxruntime`` is first imported.
 

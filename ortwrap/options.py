@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_EXPORTERS = ("torchscript", "dynamo")
+_EXPORTERS = ("auto", "torchscript", "dynamo")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -44,7 +44,14 @@ class Options:
         "Directory where every build saves its exported, pre-gradient and forward+backward ONNX models.",
     )
     opset: int = _opt(17, "ORTWRAP_OPSET", "ONNX opset the TorchScript exporter targets (ORT 1.19.2 takes <= 21).")
-    exporter: str = _opt("torchscript", "ORTWRAP_EXPORTER", f"Exporter, one of {', '.join(_EXPORTERS)}.")
+    exporter: str = _opt(
+        "auto",
+        "ORTWRAP_EXPORTER",
+        f"Exporter, one of {', '.join(_EXPORTERS)}. 'auto' tries 'dynamo' (torch.export) first on every torch "
+        "release where torch.onnx deprecates the TorchScript exporter (2.9 and later, so all supported releases), "
+        "and the TorchScript exporter when the dynamo capture fails (a data-dependent branch in an autograd.Function, "
+        "say), saying so once; before 2.9 it is 'torchscript' (docs/exporters.md).",
+    )
     intra_op_threads: int = _opt(
         0,
         "ORTWRAP_INTRA_OP_THREADS",
@@ -100,6 +107,7 @@ class Options:
         object.__setattr__(self, "log_level", level)
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")
         for name in ("inline_functions", "aten_ops"):
@@ -137,6 +145,17 @@ class Options:
             except ValueError as e:
                 raise ValueError(f"environment variable {env}={raw!r} is invalid: {e}") from e
         return cls(**values)
+
+    @property
+    def exporters(self) -> tuple[str, ...]:
+        """The exporters to try, in order: the chosen one, or for ``"auto"`` the release's default
+        first and the TorchScript exporter after it (while torch still ships it)."""
+        if self.exporter != "auto":
+            return (self.exporter,)
+        from ._compat.torch import default_exporter
+
+        first = default_exporter()
+        return (first, "torchscript") if first != "torchscript" else (first,)
 
     @property
     def logging_level(self) -> int:

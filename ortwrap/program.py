@@ -47,6 +47,7 @@ class BuildArtifacts:
         training: exported in training mode.
         with_backward: built with a backward graph.
         exports: how many exports the build took (2 when a graph needed static spatial shapes).
+        exporter: the exporter that produced the graph (``"dynamo"`` or ``"torchscript"``).
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -62,6 +63,7 @@ class BuildArtifacts:
     exports: int = 1
     static_reasons: list[str] = field(default_factory=list)
     host_shapes: HostShapeSplit | None = None
+    exporter: str = ""
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -192,6 +194,64 @@ def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
     return refs
 
 
+_EXPORTERS = {"torchscript": export_torchscript, "dynamo": export_dynamo}
+
+
+def _export(
+    module: nn.Module,
+    leaves: list[torch.Tensor],
+    in_spec: tuple,
+    input_paths: list[str],
+    exporters: tuple[str, ...],
+    export_kw: dict,
+) -> tuple[ExportedModel, int, list[str], str]:
+    """Export with the first of ``exporters`` that succeeds: (the export, how many exports it took,
+    why its non-batch dimensions are static, the exporter's name).
+
+    Raises:
+        ExportError: the first exporter's error, when every exporter failed.
+    """
+    errors: list[tuple[str, ExportError]] = []
+    for i, name in enumerate(exporters):
+        export = _EXPORTERS[name]
+        exports = 0  # of this exporter (a failed attempt of another one is not counted)
+        try:
+            try:
+                exported: ExportedModel | None = export(module, leaves, in_spec, input_paths, **export_kw)
+            except ExportError as e:
+                # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
+                if "input size not accessible" not in str(e):
+                    raise
+                exported = None
+                reasons = ["the exporter needs static spatial sizes"]
+            else:
+                reasons = list(exported.static_reasons)
+            exports += 1
+            if exported is None or exported.static_reasons:
+                logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
+                exported = export(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
+                exports += 1
+        except ExportError as e:
+            errors.append((name, e))
+            if i + 1 < len(exporters):
+                logger.warning(
+                    "the %s exporter failed for %s (%s); trying the %s exporter",
+                    name,
+                    type(module).__name__,
+                    str(e).split(". ")[0][:300],
+                    exporters[i + 1],
+                )
+            continue
+        return exported, exports, reasons, name
+    name, first = errors[0]
+    if len(errors) == 1:
+        raise first
+    others = "; ".join(
+        f"the {n} exporter also failed: {str(e).removeprefix('[ortwrap:export] ')}" for n, e in errors[1:]
+    )
+    raise type(first)(f"{str(first).removeprefix('[ortwrap:export] ')} ({others})") from first
+
+
 def compile_program(
     module: nn.Module,
     leaves: list[torch.Tensor],
@@ -216,23 +276,8 @@ def compile_program(
         inline_functions=options.inline_functions,
         aten_ops=options.aten_ops,
     )
-    export = export_dynamo if options.exporter == "dynamo" else export_torchscript
     t0 = time.perf_counter()
-    try:
-        exported = export(module, leaves, in_spec, input_paths, **export_kw)
-    except ExportError as e:
-        # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
-        if "input size not accessible" not in str(e):
-            raise
-        exported = None
-        reasons = ["the exporter needs static spatial sizes"]
-    else:
-        reasons = list(exported.static_reasons)
-    exports = 1
-    if exported is None or exported.static_reasons:
-        logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
-        exported = export(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
-        exports = 2
+    exported, exports, reasons, exporter = _export(module, leaves, in_spec, input_paths, options.exporters, export_kw)
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)
     t1 = time.perf_counter()
@@ -302,6 +347,7 @@ def compile_program(
         exports,
         sorted(set(reasons + exported.static_reasons)) if exported.static_spatial else [],
         host_pass.split if host_pass is not None else None,
+        exporter,
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(

@@ -183,6 +183,10 @@ def _resolve_declared(name: str) -> object:
         return getattr(module, attr)
     if cls == "OpOverload":
         return getattr(torch.ops.aten.add.Tensor, attr)
+    if cls == "ExportedProgram":
+        program = torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
+        assert attr in vars(program), f"ExportedProgram has no {attr}"
+        return getattr(program, attr)
     if cls == "_SymbolicFunctionGroup":
         group = compat._ts_registry().get_function_group("aten::add")
         return getattr(group, attr)

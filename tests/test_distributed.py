@@ -193,7 +193,7 @@ def test_export_runs_stubs_and_run_time_runs_real_collective(one_rank_group):
     SEEN.clear()
     torch.manual_seed(0)
     model = GatherNet()
-    wrapped = ORTWrap(model, fallback=False)
+    wrapped = ORTWrap(model, fallback=False, exporter="torchscript")  # one export: the collective runs once
     x = torch.randn(5, 3)
     out = wrapped(x)
     out.sum().backward()
@@ -227,7 +227,7 @@ def test_stubs_restored_when_export_fails(one_rank_group):
     before = _collectives()
     SEEN.clear()
     with pytest.raises(ExportError, match="this forward fails after its collective"):
-        ORTWrap(GatherNet(fail=True), fallback=False)(torch.randn(4, 3))
+        ORTWrap(GatherNet(fail=True), fallback=False, exporter="torchscript")(torch.randn(4, 3))
     assert SEEN == [(True, True)], "the export did not reach the collective under the stubs"
     assert _collectives() == before
     assert not stubs_active()

@@ -42,7 +42,11 @@ def test_environment_selects_the_dynamo_exporter(monkeypatch):
     w(torch.randn(2, 4)).sum().backward()
     assert _opset(w.last_artifacts.exported) >= 18  # the dynamo exporter's opset; TorchScript's is 17
     monkeypatch.delenv("ORTWRAP_EXPORTER")
-    assert ORTWrap(nn.Linear(4, 3)).options.exporter == "torchscript"  # the default
+    # The default: dynamo where torch deprecates the TorchScript exporter (every supported release),
+    # TorchScript when the dynamo capture fails.
+    default = ORTWrap(nn.Linear(4, 3)).options
+    assert default.exporter == "auto" and default.exporters == ("dynamo", "torchscript")
+    assert ORTWrap(nn.Linear(4, 3), exporter="torchscript").options.exporters == ("torchscript",)
     with pytest.raises(ValueError, match="exporter='fx'"):
         ORTWrap(nn.Linear(4, 3), exporter="fx")
 
@@ -196,28 +200,64 @@ def test_sequence_ops_on_the_gradient_path_are_refused():
     run_passes(model, [RefuseSequenceOpsPass()])  # integer-only sequence ops pass
 
 
-def test_an_op_without_translation_falls_back_naming_it():
-    class MatrixExp(nn.Module):
+class MatrixExp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 16)
+
+    def forward(self, x):
+        return torch.linalg.matrix_exp(self.l(x).view(-1, 4, 4) * 0.1)
+
+
+def _aten_operators(w) -> set[str]:
+    return {
+        a.s.decode()
+        for n in w.last_artifacts.pre_grad.graph.node
+        if n.op_type == "ATen"
+        for a in n.attribute
+        if a.name == "operator"
+    }
+
+
+def test_an_op_without_translation_runs_as_an_aten_node():
+    """torchlib has no translation (and torch no decomposition) for matrix_exp: as with the
+    TorchScript exporter, it runs PyTorch's kernel inside the graph, with PyTorch's gradient."""
+    w = check_parity(
+        MatrixExp, lambda b, g: ((torch.randn(b, 4, generator=g),), {}), wrap_options={"exporter": "dynamo"}
+    )
+    assert "linalg_matrix_exp" in _aten_operators(w)
+    assert w.last_artifacts.exporter == "dynamo"
+
+
+def test_an_op_that_cannot_run_anywhere_falls_back_naming_it():
+    """An op with neither a translation nor an argument the ATen bridge can carry (a list of
+    tensors) falls back to PyTorch, naming the op (or raises with fallback=False)."""
+
+    class ListOfTensors(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.l = nn.Linear(4, 16)
+            self.l = nn.Linear(4, 4)
 
         def forward(self, x):
-            return torch.linalg.matrix_exp(self.l(x).view(-1, 4, 4)).sum()
+            h = self.l(x)
+            return torch.ops.aten._foreach_mul([h, h], 2.0)[0].sum()
 
-    w = ORTWrap(MatrixExp(), exporter="dynamo")
+    w = ORTWrap(ListOfTensors(), exporter="dynamo")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         w(torch.randn(3, 4)).backward()
     messages = [str(c.message) for c in caught if issubclass(c.category, FallbackWarning)]
-    assert len(messages) == 1 and "aten.linalg_matrix_exp" in messages[0], messages
-    with pytest.raises(ExportError, match=r"aten\.linalg_matrix_exp"):
-        ORTWrap(MatrixExp(), exporter="dynamo", fallback=False)(torch.randn(3, 4))
+    assert len(messages) == 1 and "_foreach_mul" in messages[0], messages
+    with pytest.raises(ExportError, match=r"_foreach_mul"):
+        ORTWrap(ListOfTensors(), exporter="dynamo", fallback=False)(torch.randn(3, 4))
 
 
-def test_aten_ops_option_is_refused_with_dynamo():
-    with pytest.raises(ExportError, match=r"aten_ops=.*exporter='torchscript'"):
-        ORTWrap(nn.Linear(3, 3), exporter="dynamo", aten_ops=("gelu",), fallback=False)(torch.randn(2, 3))
+def test_aten_ops_option_with_dynamo():
+    """``aten_ops`` runs the listed ops on PyTorch's kernels with the dynamo exporter too."""
+    make = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))  # noqa: E731
+    w = check_parity(make, lambda b, g: ((torch.randn(b, 4, generator=g),), {}),
+                     wrap_options={"exporter": "dynamo", "aten_ops": ("gelu",)})  # fmt: skip
+    assert "gelu" in _aten_operators(w)
 
 
 def test_parameters_keep_their_identity():

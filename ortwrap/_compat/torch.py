@@ -20,11 +20,12 @@ Supported releases: :data:`SUPPORTED_RANGE`. ``import ortwrap`` on an older torc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,8 +39,10 @@ __all__ = [
     "check_torch_version",
 ]
 
-#: torch releases the whole test suite ran on (``.ci/run`` runs both ends of the range).
-CHECKED_RELEASES: tuple[str, ...] = ("2.13.0", "2.14.1")
+#: torch releases the whole test suite ran on: ``.ci/run`` runs 2.13.0 and 2.14.1 (both on this
+#: machine's disk) on every change; 2.15.0 (from the package registry, above the machine's pip cap)
+#: was checked by hand in a throwaway venv (docs/compat.md says how).
+CHECKED_RELEASES: tuple[str, ...] = ("2.13.0", "2.14.1", "2.15.0")
 #: The range pyproject declares: ``torch>=2.13,<2.16``.
 MIN_VERSION = (2, 13)
 MAX_VERSION_EXCLUSIVE = (2, 16)
@@ -55,6 +58,17 @@ def _parse(version: str) -> tuple[int, int, int]:
 
 #: (major, minor, patch) of the running torch, from the public ``torch.__version__``.
 TORCH_VERSION: tuple[int, int, int] = _parse(torch.__version__)
+
+
+#: torch.onnx.export(dynamo=False), the TorchScript exporter, warns that it is deprecated from 2.9 on
+#: (and dynamo=True became torch.onnx.export's default then).
+TORCHSCRIPT_EXPORT_DEPRECATED = TORCH_VERSION[:2] >= (2, 9)
+
+
+def default_exporter() -> str:
+    """ortwrap's default exporter on the running torch: ``"dynamo"`` where the TorchScript exporter
+    is deprecated, ``"torchscript"`` before."""
+    return "dynamo" if TORCHSCRIPT_EXPORT_DEPRECATED else "torchscript"
 
 
 class UnsupportedTorchWarning(UserWarning):
@@ -182,6 +196,15 @@ _TS_TYPE_UTILS = _declare(f"{_TS}._type_utils.JitScalarType")
 _TS_OVERLOAD_NAME = _declare(f"{_TS}.utils._get_aten_op_overload_name")
 _TS_OPSET14 = _declare(f"{_TS}.symbolic_opset14")
 _TS_ONNX_BLOCK = _declare("torch._C._jit_pass_onnx_block")
+# The dynamo (torch.export-based) ONNX exporter -------------------------------------------------
+_DYN = "torch.onnx._internal.exporter"
+_DYN_REGISTRY = _declare(f"{_DYN}._registration.ONNXRegistry")
+_DYN_TRANSLATE = _declare(f"{_DYN}._core._exported_program_to_onnx_program")
+_DYN_PREPARE = _declare(f"{_DYN}._core._prepare_exported_program_for_export")
+_DYN_PROMOTE = _declare(f"{_DYN}._fx_passes.insert_type_promotion_nodes")
+_DYN_NO_ASSERTS = _declare(f"{_DYN}._fx_passes.remove_assertion_nodes")
+_DYN_FLAGS = _declare(f"{_DYN}._flags._is_onnx_exporting")
+_declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
@@ -418,7 +441,117 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
     return [env[o] for o in block.outputs()]
 
 
+# ------------------------------------------------------------------------------- the dynamo exporter
+
+_registries: dict[tuple, Any] = {}
+
+
+def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
+    """torchlib's registry at ``opset`` with ``table``'s translations, built once per (opset, table)
+    (``torch.onnx.export`` builds a new one, about 0.3 s, on every call)."""
+    key = (opset, tuple(table.items()))
+    registry = _registries.get(key)
+    if registry is None:
+        registry = _resolve(_DYN_REGISTRY)().from_torchlib(opset_version=opset)
+        for op, fn in table.items():
+            registry.register_op(op, fn, is_complex=False)
+        _registries[key] = registry
+    return registry
+
+
+def _assert_metadata() -> Any:
+    return getattr(torch.ops.aten, "_assert_tensor_metadata").default  # noqa: B009 (a private op name)
+
+
+@contextlib.contextmanager
+def _onnx_exporting() -> Iterator[None]:
+    """What ``torch.onnx.export`` sets while it runs (``torch.onnx.is_in_onnx_export()``)."""
+    flags = importlib.import_module(_DYN_FLAGS.rpartition(".")[0])
+    _resolve(_DYN_FLAGS)
+    flags._is_onnx_exporting = True
+    try:
+        yield
+    finally:
+        flags._is_onnx_exporting = False
+
+
+#: ``extra(program, is_registered, allow_missing) -> {op: translation} | None``: translations that
+#: depend on the graph (ATen nodes for ops without one); None: "decompose first".
+ExtraTranslations = Callable[[Any, Callable[[Any], bool], bool], "dict[Any, Callable[..., Any]] | None"]
+
+
+def _with_extra(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
+    """A copy of ``registry`` whose first choice for each op of ``extra`` is ``extra``'s translation."""
+    import copy
+
+    if not extra:
+        return registry
+    out = copy.copy(registry)
+    out.functions = dict(registry.functions)
+    for op in extra:
+        out.functions[op.name()] = list(registry.functions.get(op.name(), []))
+    for op, fn in extra.items():
+        out.register_op(op, fn, is_complex=False)
+    return out
+
+
+def dynamo_to_onnx(
+    program: torch.export.ExportedProgram,
+    *,
+    table: dict[Any, Callable[..., Any]],
+    opset: int,
+    decompose: bool,
+    extra: ExtraTranslations | None = None,
+) -> tuple[Any, bool]:
+    """``torch.onnx.export(program, dynamo=True, optimize=False, custom_translation_table=table)``'s
+    ``ir.Model``, and whether the graph was decomposed first.
+
+    ``decompose=False`` first tries to translate the captured graph as it is: when torchlib (or
+    ``table``) has a translation for every op, that skips the exporter's ``run_decompositions``, which
+    retraces the whole graph with symbolic shapes (most of the exporter's time). Ops it cannot
+    translate as they are send it down the exporter's own path, which decomposes them; ops that still
+    have no translation then get ``extra``'s (ATen nodes).
+    """
+    registry = _dynamo_registry(opset, table)
+    if not decompose:
+        try:
+            with _onnx_exporting():
+                gm = program.graph_module
+                for node in list(gm.graph.nodes):  # checks of the capture's own metadata: no value
+                    if node.op == "call_function" and node.target is _assert_metadata() and not node.users:
+                        gm.graph.erase_node(node)
+                chosen = extra(program, registry.is_registered, False) if extra is not None else {}
+                if chosen is not None:
+                    _resolve(_DYN_PROMOTE)(gm)
+                    gm = _resolve(_DYN_NO_ASSERTS)(gm)
+                    if gm is not program.graph_module:
+                        program._graph_module = gm
+                    translated = _resolve(_DYN_TRANSLATE)(program, registry=_with_extra(registry, chosen))
+                    return translated.model, False
+        except Exception as e:
+            import logging
+
+            logging.getLogger("ortwrap").debug(
+                "dynamo: translating without decompositions failed (%s): %s", type(e).__name__, e
+            )
+    with _onnx_exporting():
+        prepared = _resolve(_DYN_PREPARE)(program, registry=registry)
+        chosen = extra(prepared, registry.is_registered, True) if extra is not None else {}
+        translated = _resolve(_DYN_TRANSLATE)(prepared, registry=_with_extra(registry, chosen or {}))
+    return translated.model, True
+
+
 # ------------------------------------------------------------------------------- operators
+
+
+@functools.cache
+def _op_overload_type() -> type:
+    return type(torch.ops.aten.add.Tensor)
+
+
+def is_op_overload(target: Any) -> bool:
+    """Whether an FX node's target is one ATen (or custom) operator overload."""
+    return isinstance(target, _op_overload_type())
 
 
 def op_schema(op: Any) -> Any:

@@ -24,6 +24,7 @@ import contextvars
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -31,6 +32,7 @@ import torch
 
 from .._compat import torch as compat
 from . import intercept, state
+from .aten import ATEN_DOMAIN
 from .runner import install
 from .symbolic import (
     _BOOL,
@@ -63,22 +65,29 @@ class _Call:
 
 @dataclass
 class CaptureScope(ExportScope):
-    """An :class:`ExportScope` that also records the calls made during one capture."""
+    """An :class:`ExportScope` that also records the calls made during one capture: Function calls
+    (PythonOps to be) and ops that run as ATen nodes (``export/aten_fallback.py``)."""
 
     calls: dict[int, _Call] = field(default_factory=dict)
+    aten_calls: dict[int, Any] = field(default_factory=dict)
 
     def translation_table(self) -> dict:
         return {torch.ops.ortwrap.function_call.default: _translate}
 
     def finish(self, model: ir.Model) -> None:
-        """Replace the placeholder nodes of ``model`` with PythonOps."""
+        """Replace the placeholder nodes of ``model`` with PythonOps and ATen nodes."""
         for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             if node.domain != PLACEHOLDER_DOMAIN:
                 continue
-            call = self.calls[node.attributes["call_id"].as_int()]
-            _replace_placeholder(node, call, self)
+            call_id = node.attributes["call_id"].as_int()
+            if call_id in self.aten_calls:
+                _replace_with_aten(node, self.aten_calls[call_id])
+            else:
+                _replace_placeholder(node, self.calls[call_id], self)
         model.opset_imports.pop(PLACEHOLDER_DOMAIN, None)
         model.opset_imports.setdefault("com.microsoft", 1)
+        if self.aten_calls:
+            model.opset_imports.setdefault(ATEN_DOMAIN, 1)
 
 
 _current: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar("ortwrap_capture", default=None)
@@ -191,7 +200,12 @@ def _fake_function_call(inputs: list[torch.Tensor], call_id: int) -> list[torch.
     single = isinstance(out, torch.Tensor)
     outs = (out,) if single else out
     if not isinstance(outs, tuple) or not all(isinstance(o, torch.Tensor) for o in outs):
-        kinds = ", ".join(type(o).__name__ for o in outs) if isinstance(outs, (tuple, list)) else type(out).__name__
+        kind = lambda o: "Tensor" if isinstance(o, torch.Tensor) else type(o).__name__  # noqa: E731
+        kinds = (
+            f"{type(outs).__name__} holding {', '.join(map(kind, outs))}"
+            if isinstance(outs, (tuple, list))
+            else kind(out)
+        )
         raise BridgeExportError(
             f"torch.autograd.Function {qualname} returned {kinds}; ortwrap can only run Functions whose outputs "
             "are a tensor or a tuple of tensors inside ONNX Runtime"
@@ -225,7 +239,35 @@ def _define_op() -> None:
     _defined = True
 
 
+def new_call_id() -> int:
+    """A placeholder node's ``call_id``, unique in the process."""
+    return next(_ids)
+
+
+def _replace_with_aten(node: ir.Node, call: Any) -> None:
+    """The ATen node a placeholder stands for: same outputs, the absent optional inputs restored."""
+    inputs: list[ir.Value | None] = list(node.inputs)
+    for i in call.absent:
+        inputs.insert(i, None)
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    attrs = [ir.AttrString("operator", call.operator), ir.AttrString("overload_name", call.overload)]
+    aten = ir.Node(ATEN_DOMAIN, "ATen", inputs, attributes=attrs, num_outputs=len(node.outputs), name=node.name)
+    graph = node.graph
+    graph.insert_before(node, aten)
+    for old, new in zip(node.outputs, aten.outputs):
+        new.dtype, new.shape, new.name = old.dtype, old.shape, old.name
+        old.name = None
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+
+
 _schemas: set[int] = set()
+
+
+def placeholder_schema(n_outputs: int) -> str:
+    """The name of the placeholder op with ``n_outputs`` outputs (its ONNX schema registered once)."""
+    return _placeholder_schema(n_outputs)
 
 
 def _placeholder_schema(n_outputs: int) -> str:

@@ -27,6 +27,10 @@ ATen op                                                 torchlib 0.7 does / ortw
                                                         ortwrap writes both forms out in elementwise
                                                         ops, as the TorchScript exporter does (ORT
                                                         fuses the erf form back into ``Gelu``).
+``aten.squeeze.dim``/``dims`` of a dim that is not 1      ``Squeeze`` of that axis, which fails where
+                                                        torch's is a no-op. ortwrap squeezes only the
+                                                        axes whose size is a static 1 (torch.export
+                                                        assumes symbolic dims are at least 2).
 ``aten.native_layer_norm`` without weight               ``LayerNormalization`` without its scale
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
@@ -170,6 +174,94 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
     return _native_layer_norm(input, normalized_shape, weight, bias, eps)[0]
 
 
+# Ops torch.export leaves in its (training) graph that torchlib has no translation for: the exporter
+# decomposes them with ``run_decompositions``, which retraces the whole graph with symbolic shapes
+# (seconds, most of the dynamo export). Translating the few that HF models use here lets ortwrap
+# skip that retrace (``compat.dynamo_to_onnx(decompose=False)``).
+
+
+def _cast_or_identity(x, dtype):
+    from onnxscript import opset18 as op
+
+    if dtype is None or dtype == -1:
+        return op.Identity(x)
+    return op.Cast(x, to=dtype)
+
+
+def _to_dtype(self, dtype, non_blocking=False, copy=False, memory_format=None):
+    return _cast_or_identity(self, dtype)
+
+
+def _to_dtype_layout(
+    self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, copy=False, memory_format=None
+):
+    return _cast_or_identity(self, dtype)
+
+
+def _to_device(self, device, dtype, non_blocking=False, copy=False, memory_format=None):
+    return _cast_or_identity(self, dtype)
+
+
+def _identity(self):
+    from onnxscript import opset18 as op
+
+    return op.Identity(self)
+
+
+def _bitwise_and(self, other):
+    from onnxscript import opset18 as op
+
+    if self.dtype == 9:  # bool (the dtype of an onnxscript value is an ir.DataType, ONNX's numbering)
+        return op.And(self, other)
+    return op.BitwiseAnd(self, other)
+
+
+def _diff(self, n=1, dim=-1, prepend=None, append=None):
+    from onnxscript import opset18 as op
+
+    if n != 1 or prepend is not None or append is not None:
+        raise NotImplementedError("ortwrap translates diff(n=1) without prepend/append only")
+    axis = op.Constant(value_ints=[dim])
+    head = op.Slice(self, op.Constant(value_ints=[1]), op.Constant(value_ints=[2**62]), axis)
+    tail = op.Slice(self, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]), axis)
+    if self.dtype == 9:
+        return op.Xor(head, tail)
+    return op.Sub(head, tail)
+
+
+def _squeeze_axes(self, dims) -> list[int] | None:
+    """The dims of ``dims`` that are 1 in ``self``'s static shape; None if the rank is unknown.
+
+    torchlib writes ``squeeze(dim)`` as ``Squeeze(axes=[dim])``, which fails (ORT) where torch's is a
+    no-op: a dim that is not 1. A symbolic dim is not 1 either: torch.export specializes dims of
+    size 0 and 1 and assumes the others are at least 2."""
+    shape = self.shape
+    if shape is None:
+        return None
+    rank = len(shape)
+    out = []
+    for d in dims:
+        d = d % rank if rank else 0
+        if rank and isinstance(shape[d], int) and shape[d] == 1 and d not in out:
+            out.append(d)
+    return out
+
+
+def _squeeze_dims(self, dim):
+    from onnxscript import opset18 as op
+
+    axes = _squeeze_axes(self, list(dim))
+    if axes is None:
+        return op.Squeeze(self, op.Constant(value_ints=list(dim)))
+    if not axes:
+        return op.Identity(self)
+    return op.Squeeze(self, op.Constant(value_ints=sorted(axes)))
+
+
+def _squeeze_dim(self, dim):
+    return _squeeze_dims(self, [dim])
+
+
 def training_translations() -> dict:
     """The ``custom_translation_table`` entries ortwrap always passes to the dynamo exporter."""
     table = {}
@@ -180,4 +272,12 @@ def training_translations() -> dict:
     table[aten.gelu.default] = _gelu
     table[aten.native_layer_norm.default] = _native_layer_norm
     table[aten.layer_norm.default] = _layer_norm
+    table[aten.to.dtype] = _to_dtype
+    table[aten.to.dtype_layout] = _to_dtype_layout
+    table[aten.to.device] = _to_device
+    table[aten.__and__.Tensor] = _bitwise_and
+    table[aten.detach_.default] = _identity
+    table[aten.diff.default] = _diff
+    table[aten.squeeze.dim] = _squeeze_dim
+    table[aten.squeeze.dims] = _squeeze_dims
     return table

@@ -69,6 +69,10 @@ def constant_value(value: ir.Value | None) -> np.ndarray | None:
         return np.array(node.attributes["value_float"].as_float(), dtype=np.float32)
     if node.op_type == "Constant" and "value_int" in node.attributes:
         return np.array(node.attributes["value_int"].as_int(), dtype=np.int64)
+    if node.op_type == "Constant" and "value_floats" in node.attributes:
+        return np.array(node.attributes["value_floats"].as_floats(), dtype=np.float32)
+    if node.op_type == "Constant" and "value_ints" in node.attributes:
+        return np.array(node.attributes["value_ints"].as_ints(), dtype=np.int64)
     if node.op_type not in ("Concat", "Identity", "Cast"):
         return None  # before recursing: walking every producer up a deep graph takes exponential time
     args = [constant_value(v) for v in node.inputs]
