@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import check_parity
+from parity import check_parity, seq_len
 from test_models import SmallCNN, mlp
 from tiny_gpt import GPTConfig, TinyGPT
 
@@ -26,7 +26,7 @@ def test_gpt_on_cuda(exporter):
     cfg = GPTConfig(vocab=97, d=32, heads=4, layers=2, max_len=16)
 
     def inputs(b, g):
-        data = torch.randint(0, cfg.vocab, (b, 13), generator=g)
+        data = torch.randint(0, cfg.vocab, (b, seq_len(b, 13)), generator=g)
         return (data[:, :-1], data[:, 1:]), {}
 
     check_parity(

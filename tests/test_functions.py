@@ -25,7 +25,7 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import assert_close, check_parity
+from parity import assert_close, check_parity, seq_len
 from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
@@ -877,6 +877,37 @@ def test_function_called_inside_another_functions_forward():
     assert BACKWARD_CALLS["InnerRound"] == 0  # neither eager nor ORT calls the inner backward
 
 
+def test_function_inside_an_inlined_function_is_bridged(exporter):
+    """Inline the outer Function: its ops are exported and ORT differentiates them, and the inner
+    Function it calls is still a PythonOp whose own backward runs. y = Inner(4x)/4 + x with
+    Inner's backward g*100 gives dy/dx = 100 + 1 everywhere (eager's Outer.backward would give 7)."""
+    BACKWARD_CALLS.clear()
+    w = ORTWrap(
+        Identityish(OuterUsesInner.apply), fallback=False, exporter=exporter,
+        inline_functions=[qualified_name(OuterUsesInner)],
+    )  # fmt: skip
+    x = torch.randn(3, 5, requires_grad=True)
+    y = w(x)
+    torch.testing.assert_close(y.detach(), (x * 4.0).round() / 4.0 + x.detach())
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 101.0))
+    assert BACKWARD_CALLS["InnerRound"] == 1 and BACKWARD_CALLS.get("OuterUsesInner", 0) == 0
+    names = pythonop_names(w.last_artifacts.pre_grad)
+    assert _names_of(names, InnerRound) and not _names_of(names, OuterUsesInner), names
+
+
+class Identityish(nn.Module):
+    """Calls ``fn`` on the input and nothing else (a parameter keeps the module trainable)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.fn(x) * self.scale
+
+
 class Quantize(Function):
     @staticmethod
     def forward(ctx, x, step):
@@ -1227,7 +1258,7 @@ class QuantizedWeightModel(nn.Module):
 @pytest.mark.usefixtures("exporter")
 def test_functions_on_parameters_and_an_int64_index_input():
     def inputs(b, g):
-        return (torch.randint(0, 10, (b, 5), generator=g),), {}
+        return (torch.randint(0, 10, (b, seq_len(b, 5)), generator=g),), {}
 
     run_parity(QuantizedWeightModel, inputs, {ScaledEmbeddingLookup: 1, RoundClippedSTE: 1})
 

@@ -21,7 +21,7 @@ import onnx_text
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_parity
+from parity import check_parity, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
@@ -68,16 +68,23 @@ class Transformerish(nn.Module):
         return h @ self.tok.weight.t()
 
 
+#: Transformerish's LayerNorm over (3, 4) with eps=1e-3 amplifies rounding: at sequence length 12,
+#: eager float32 and ORT float32 each differ from a float64 run by ~1e-5 in ln3's gradients (measured),
+#: so after an optimizer step they differ from each other by up to ~7e-5.
+TRANSFORMERISH_ATOL = 1e-4
+
+
 def token_inputs(b, g):
-    ids = torch.randint(0, 23, (b, 9), generator=g)
+    t = seq_len(b, 9)
+    ids = torch.randint(0, 23, (b, t), generator=g)
     ids[:, :3] = 5  # repeated rows: their gradients add up
     ids[0, -2:] = 0  # padding rows: no gradient
-    return (ids, torch.randint(0, 7, (b, 9), generator=g)), {}
+    return (ids, torch.randint(0, 7, (b, t), generator=g)), {}
 
 
 @pytest.mark.usefixtures("exporter")
 def test_parity_with_native_kernels():
-    wrapped = check_parity(Transformerish, token_inputs)
+    wrapped = check_parity(Transformerish, token_inputs, atol=TRANSFORMERISH_ATOL)
     ops = native_ops(wrapped.last_artifacts.graph.model())
     assert ops["gelu"] == 2 and ops["gelu_backward"] == 2, ops
     assert ops["layer_norm"] == 3 and ops["layer_norm_backward"] == 3, ops
@@ -89,7 +96,9 @@ def test_parity_with_native_kernels():
 
 @pytest.mark.usefixtures("exporter")
 def test_same_parity_with_ort_kernels():
-    wrapped = check_parity(Transformerish, token_inputs, wrap_options={"native_kernels": False})
+    wrapped = check_parity(
+        Transformerish, token_inputs, wrap_options={"native_kernels": False}, atol=TRANSFORMERISH_ATOL
+    )
     ops = native_ops(wrapped.last_artifacts.graph.model())
     assert not any(k in ops for k in ("gelu", "layer_norm", "embedding")), ops
     assert ops["LayerNormalizationGrad"] == 3, ops
@@ -102,7 +111,7 @@ def test_lm_parity_and_kernels():
     cfg = GPTConfig(layers=2, d=32, heads=2, max_len=16)
 
     def inputs(b, g):
-        data = torch.randint(0, cfg.vocab, (b, 17), generator=g)
+        data = torch.randint(0, cfg.vocab, (b, seq_len(b, 13)), generator=g)
         return (data[:, :-1], data[:, 1:]), {}
 
     wrapped = check_parity(lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out[0])
@@ -124,9 +133,10 @@ class Classifier(nn.Module):
 
 
 def classifier_inputs(b, g):
-    target = torch.randint(0, 11, (b, 3), generator=g)
+    t = seq_len(b, 3)
+    target = torch.randint(0, 11, (b, t), generator=g)
     target[0, 1] = -100  # ignored
-    return (torch.randn(b, 3, 6, generator=g), target), {}
+    return (torch.randn(b, t, 6, generator=g), target), {}
 
 
 @pytest.mark.usefixtures("exporter")
@@ -351,7 +361,7 @@ class TanhGelus(nn.Module):
 
 @pytest.mark.usefixtures("exporter")
 def test_gelu_tanh_parity():
-    wrapped = check_parity(TanhGelus, lambda b, g: ((torch.randn(b, 5, 6, generator=g) * 2,), {}))
+    wrapped = check_parity(TanhGelus, lambda b, g: ((torch.randn(b, seq_len(b, 5), 6, generator=g) * 2,), {}))
     ops = native_ops(wrapped.last_artifacts.graph.model())
     assert ops["gelu_tanh"] == 2 and ops["gelu_tanh_backward"] == 2 and ops["Tanh"] == 0, ops
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_parity
+from parity import check_parity, seq_len
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("exporter")
@@ -99,7 +99,7 @@ class EmbedLM(nn.Module):
 
 
 def ids_inputs(b, g):
-    ids = torch.randint(0, 20, (b, 6), generator=g)
+    ids = torch.randint(0, 20, (b, seq_len(b, 6)), generator=g)
     ids[:, -2:] = 0  # padding tokens
     return (ids,), {}
 

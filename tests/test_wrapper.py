@@ -10,7 +10,7 @@ import warnings
 import onnx
 import pytest
 import torch
-from parity import assert_close
+from parity import assert_close, seq_len
 from torch import nn
 
 import ortwrap
@@ -392,9 +392,10 @@ def test_squeeze_of_a_non_batch_dimension_trains_with_static_dims():
     from parity import check_parity
 
     def inputs(b, g):
-        mask = torch.zeros(b, 1, 4, 4, dtype=torch.bool)
+        t = seq_len(b, 4)  # the length changes: each one gets its own static-shape program
+        mask = torch.zeros(b, 1, t, 4, dtype=torch.bool)
         mask[..., -1] = True
-        return (torch.randn(b, 4, 4, generator=g), mask), {}
+        return (torch.randn(b, t, 4, generator=g), mask), {}
 
     w = check_parity(SqueezeMask, inputs)
     assert any("If node" in r for r in w.last_artifacts.static_reasons)

@@ -208,6 +208,7 @@ _declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
+_ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
 
 
 # ------------------------------------------------------------------------------- tensors, autograd
@@ -460,7 +461,7 @@ def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
 
 
 def _assert_metadata() -> Any:
-    return getattr(torch.ops.aten, "_assert_tensor_metadata").default  # noqa: B009 (a private op name)
+    return _resolve(_ASSERT_METADATA).default
 
 
 @contextlib.contextmanager
