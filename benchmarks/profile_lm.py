@@ -1,6 +1,6 @@
 """Where the time of a (b) GPT LM training step goes: ORT kernels by op type next to eager's ATen ops.
 
-    python benchmarks/profile_lm.py [steps]
+    python benchmarks/profile_lm.py [steps] [rows] [--size lm|small|gpt2]
 
 ORT's profiler (enabled for this script's session only) gives each kernel's time; torch.profiler
 gives eager's self CPU time per ATen op. Both are per step, over ``steps`` steady-state steps after
@@ -48,7 +48,9 @@ def _ort_profile(model, ids, tgt, steps: int) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
     finally:
         ort_session.session_options = plain
-    runner = next(iter(wrapped._programs.values())).runner
+    entry = next(iter(wrapped._programs.values()))
+    program = entry[0] if isinstance(entry, list) else next(iter(entry.values())) if isinstance(entry, dict) else entry
+    runner = program.runner
     # ATen nodes are listed by their operator (ortwrap's CPU kernels: ortwrap_cpu::gelu, ...).
     operators = {
         n.name: a.s.decode() for n in runner.graph.model().graph.node for a in n.attribute if a.name == "operator"
@@ -83,11 +85,16 @@ def _eager_profile(model, ids, tgt, steps: int) -> dict[str, float]:
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("aten::")}
 
 
-def main(steps: int = 10, rows: int = 16) -> None:
-    torch.manual_seed(0)
-    cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
-    model = TinyGPT(cfg)
-    ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
+def main(steps: int = 10, rows: int = 16, size: str = "lm") -> None:
+    if size == "lm":
+        torch.manual_seed(0)
+        cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
+        model = TinyGPT(cfg)
+        ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
+    else:  # the scale benchmark's models (bench_scale.py --size)
+        import bench_scale
+
+        model, ids, tgt = bench_scale.make(size)
     ours = sorted(_ort_profile(model, ids, tgt, steps).items(), key=lambda kv: -kv[1])
     eager = sorted(_eager_profile(copy.deepcopy(model), ids, tgt, steps).items(), key=lambda kv: -kv[1])
     print(f"\n== (b) GPT LM, ms per step over {steps} steps: ORT kernels by op type | eager ATen ops (self CPU)")
@@ -99,4 +106,11 @@ def main(steps: int = 10, rows: int = 16) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10, int(sys.argv[2]) if len(sys.argv) > 2 else 16)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("steps", nargs="?", type=int, default=10)
+    parser.add_argument("rows", nargs="?", type=int, default=16)
+    parser.add_argument("--size", choices=["lm", "small", "gpt2"], default="lm", help="lm: (b); small/gpt2: bench_scale's")
+    a = parser.parse_args()
+    main(a.steps, a.rows, a.size)

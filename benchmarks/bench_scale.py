@@ -1,0 +1,214 @@
+"""A GPT-2-small-sized LM at training scale: eager, torch.compile and ortwrap, against the GEMM limit.
+
+    python benchmarks/bench_scale.py                 # --size gpt2: 12 layers, d=768, 12 heads, vocab 8192,
+                                                     #   seq 256, batch 4 (98M parameters), AdamW
+    python benchmarks/bench_scale.py --size small    # 4 layers, d=256: a quick run of the same script
+    python benchmarks/bench_scale.py --no-compile --iters 5
+
+Prints, from one interleaved run (each step: forward, loss.backward, AdamW step, zero_grad):
+
+- the median step of eager, torch.compile (default mode) and ortwrap, and the ratios to eager;
+- the GEMM limit: the time 6 * N * tokens FLOPs take at the best float32 GEMM rate this machine
+  reaches on the model's own matmul shapes (each shape of the forward and both backward GEMMs,
+  through torch and through ONNX Runtime's MatMul, measured in the same run), and each variant's
+  fraction of it (limit / step);
+- the first ortwrap step (build + run) and ortwrap's stage times;
+- the peak RSS of each variant, each in its own fresh process (``--no-rss`` skips).
+
+Run on an otherwise idle machine, and name the CPU (printed from /proc/cpuinfo) with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import _harness  # noqa: F401  (puts examples/ on sys.path)
+import numpy as np
+import torch
+from _harness import interleaved, median_ms, report
+
+SIZES = {
+    "gpt2": dict(vocab=8192, d=768, heads=12, layers=12, seq=256, batch=4),
+    "small": dict(vocab=8192, d=256, heads=4, layers=4, seq=128, batch=4),
+}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    feats = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{name} ({os.cpu_count()} cores; {' '.join(feats) or 'no AVX2'})"
+
+
+def make(size: str):
+    from tiny_gpt import GPTConfig, TinyGPT, batch
+
+    s = SIZES[size]
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=s["vocab"], d=s["d"], heads=s["heads"], layers=s["layers"], max_len=s["seq"])
+    model = TinyGPT(cfg)
+    ids, tgt = batch(cfg, s["batch"], s["seq"], torch.Generator().manual_seed(0))
+    return model, ids, tgt
+
+
+def step_fn(model, ids, tgt):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss, _ = model(ids, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def matmul_shapes(size: str) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every parameter GEMM of one training step: forward, input grad, weight grad."""
+    s = SIZES[size]
+    rows = s["batch"] * s["seq"]
+    d = s["d"]
+    linears = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * s["layers"] + [(d, s["vocab"])]
+    shapes = []
+    for k, n in linears:
+        shapes += [(rows, k, n), (rows, n, k), (k, rows, n)]
+    return shapes
+
+
+def _best_rate(shapes: list[tuple[int, int, int]], reps: int = 3) -> tuple[float, float]:
+    """FLOP/s of the whole list of GEMMs (one after the other, as a step runs them), best of
+    ``reps``, through torch and through ONNX Runtime."""
+    from ortwrap._ort import ort
+
+    flops = sum(2 * m * k * n for m, k, n in shapes)
+    unique = sorted(set(shapes))
+    mats = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2])) for s in unique}
+    best_torch = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for s in shapes:
+            a, b = mats[s]
+            torch.mm(a, b)
+        best_torch = min(best_torch, time.perf_counter() - t0)
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["c"])],
+        "mm",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", "k"]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["k", "n"]),
+        ],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, ["m", "n"])],
+    )
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sess = ort.InferenceSession(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8).SerializeToString(), so
+    )
+    np_mats = {s: (a.numpy(), b.numpy()) for s, (a, b) in mats.items()}
+    best_ort = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for s in shapes:
+            a, b = np_mats[s]
+            sess.run(None, {"a": a, "b": b})
+        best_ort = min(best_ort, time.perf_counter() - t0)
+    return flops / best_torch, flops / best_ort
+
+
+def _rss_child(size: str, variant: str, steps: int) -> dict:
+    code = f"""
+import json, sys, time
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
+import bench_scale as b
+import torch
+torch.set_num_threads({torch.get_num_threads()})
+model, ids, tgt = b.make({size!r})
+if {variant!r} == "compile":
+    model = torch.compile(model)
+elif {variant!r} == "ortwrap":
+    from ortwrap import ORTWrap
+    model = ORTWrap(model, fallback=False)
+step = b.step_fn(model, ids, tgt)
+for _ in range({steps}):
+    step()
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print("RSS " + json.dumps(hwm / 1024))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RSS "):
+            return {"variant": variant, "peak_rss_mib": json.loads(line[4:])}
+    return {"variant": variant, "error": proc.stderr[-1500:]}
+
+
+def main(size: str = "gpt2", iters: int = 6, compile_: bool = True, rss: bool = True) -> None:
+    from ortwrap import ORTWrap
+
+    s = SIZES[size]
+    print(f"\n== scale: {size} {s}, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"   CPU: {cpu_name()}")
+    eager, ids, tgt = make(size)
+    n_params = sum(p.numel() for p in eager.parameters())
+    tokens = s["batch"] * s["seq"]
+    steps = {"eager": step_fn(eager, ids, tgt)}
+    if compile_:
+        compiled = torch.compile(copy.deepcopy(eager))
+        t0 = time.perf_counter()
+        steps["torch.compile"] = step_fn(compiled, ids, tgt)
+        steps["torch.compile"]()
+        print(f"   torch.compile first step {time.perf_counter() - t0:.1f} s")
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False)
+    steps["ortwrap"] = step_fn(ours, ids, tgt)
+    t0 = time.perf_counter()
+    steps["ortwrap"]()
+    first = time.perf_counter() - t0
+    stages = ", ".join(f"{k} {v:.2f}" for k, v in ours.last_artifacts.seconds.items())
+    print(f"   ortwrap first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
+    times = interleaved(steps, warmup=1, iters=iters)
+    rate_torch, rate_ort = _best_rate(matmul_shapes(size))
+    rate = max(rate_torch, rate_ort)
+    limit = 6 * n_params * tokens / rate
+    report(f"scale {size}: {n_params / 1e6:.1f}M parameters, {tokens} tokens/step", times)
+    print(
+        f"  GEMM rate on the model's shapes: torch {rate_torch / 1e9:.1f} GFLOP/s, ORT {rate_ort / 1e9:.1f} GFLOP/s; "
+        f"GEMM limit (6*N*tokens at the best) {limit * 1e3:.0f} ms"
+    )
+    for name, ts in times.items():
+        print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the GEMM limit")
+    if rss:
+        print("\n== peak RSS, each variant in its own process (3 steps)")
+        variants = ["eager", "ortwrap"] + (["compile"] if compile_ else [])
+        results = {r["variant"]: r for r in (_rss_child(size, v, 3) for v in variants)}
+        base = results["eager"].get("peak_rss_mib")
+        for v, r in results.items():
+            if "error" in r:
+                print(f"  {v:<16} failed: {r['error'][-300:]}")
+            else:
+                ratio = f"  ({r['peak_rss_mib'] / base:.2f}x eager)" if base else ""
+                print(f"  {v:<16} {r['peak_rss_mib']:8.0f} MiB{ratio}")
+    np.set_printoptions()  # (numpy imported for ORT's inputs)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpt2")
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-rss", action="store_true")
+    a = parser.parse_args()
+    main(a.size, a.iters, not a.no_compile, not a.no_rss)
