@@ -15,7 +15,6 @@ import collections
 import copy
 import json
 import os
-import sys
 import tempfile
 
 import _harness  # noqa: F401  (puts examples/ on sys.path)
@@ -111,6 +110,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("steps", nargs="?", type=int, default=10)
     parser.add_argument("rows", nargs="?", type=int, default=16)
-    parser.add_argument("--size", choices=["lm", "small", "gpt2"], default="lm", help="lm: (b); small/gpt2: bench_scale's")
+    parser.add_argument(
+        "--size", choices=["lm", "small", "gpt2"], default="lm", help="lm: (b); small/gpt2: bench_scale's"
+    )
     a = parser.parse_args()
     main(a.steps, a.rows, a.size)

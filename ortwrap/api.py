@@ -267,6 +267,7 @@ class ORTWrap(nn.Module):
                     with_backward=needs_grad,
                     device=device,
                     options=self._options,
+                    build_index=self._export_count + 1,
                 )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2

@@ -1,17 +1,23 @@
 """A compiled program: what one input schema of one module runs, and how it was built.
 
-``compile_program`` runs the stages in order: export -> passes -> gradient build -> session. Each
-stage raises its own ortwrap error; the caller (``ORTWrap``) decides whether to fall back.
+``compile_program`` runs the build as data (``pipeline.py``): the export stages of an exporter
+(``export_stages``: capture, translate), then ``build_stages`` (native kernels, type inference,
+each graph pass, host split, ATen gradients, gradient build, session, program). Each stage
+declares what it requires and provides and returns it; each is timed and, with ``debug_dir``,
+snapshotted. Each raises its own ortwrap error; the caller (``ORTWrap``) decides whether to fall back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
+import onnx_ir as ir
 import torch
 from torch import nn
 
@@ -20,15 +26,19 @@ from ._compat import torch as compat
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
-from .bridge.aten import ATEN_DOMAIN
-from .errors import ExportError, GradientBuildError
-from .export import ExportedModel, export_dynamo, export_torchscript
+from .bridge.aten import ATEN_DOMAIN, infer_types
+from .errors import ExportError, GradientBuildError, PassError
+from .export import ExportedModel
+from .export.dynamo import capture_dynamo, translate_dynamo
+from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options
-from .passes import PassRecord, default_passes, run_passes
+from .passes import PassRecord, default_passes, run_pass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
+from .passes.native_cpu_kernels import NativeCPUKernelsPass
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
+from .pipeline import Stage, StageRecord, run_stages, stage
 from .runtime import InferenceRunner, TrainingRunner
 from .runtime.dlpack import StateValueCache, push_tensor
 from .runtime.host_shapes import HostShapeRunner
@@ -48,6 +58,8 @@ class BuildArtifacts:
         with_backward: built with a backward graph.
         exports: how many exports the build took (2 when a graph needed static spatial shapes).
         exporter: the exporter that produced the graph (``"dynamo"`` or ``"torchscript"``).
+        stage_seconds: wall time of each stage of the build (``pipeline.Stage``), in order.
+        stages: each stage's record (time, debug snapshots).
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -64,6 +76,8 @@ class BuildArtifacts:
     static_reasons: list[str] = field(default_factory=list)
     host_shapes: HostShapeSplit | None = None
     exporter: str = ""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    stages: list[StageRecord] = field(default_factory=list)
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -194,30 +208,84 @@ def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
     return refs
 
 
-_EXPORTERS = {"torchscript": export_torchscript, "dynamo": export_dynamo}
+@dataclass(frozen=True)
+class BuildRequest:
+    """What every build stage may read: the module, this call's inputs and how to build."""
+
+    module: nn.Module
+    leaves: list[torch.Tensor]
+    in_spec: tuple
+    input_paths: list[str]
+    training: bool
+    with_backward: bool
+    device: torch.device
+    options: Options
+
+    @property
+    def kind(self) -> str:
+        return "train" if self.with_backward else ("infer_trainmode" if self.training else "infer")
+
+    def describe(self) -> str:
+        return f"{'training' if self.with_backward else 'inference'} program for {type(self.module).__name__}"
+
+
+#: exporter name -> (capture, translate): the two export stages of each exporter.
+_EXPORTERS = {
+    "torchscript": (capture_torchscript, translate_torchscript),
+    "dynamo": (capture_dynamo, translate_dynamo),
+}
+
+
+def export_stages(exporter: str) -> list[Stage]:
+    """The export stages of ``exporter``: capture the module, translate the capture to ONNX."""
+    capture_fn, translate_fn = _EXPORTERS[exporter]
+
+    @stage("export", ("request", "static_spatial"), ("capture",), group="export")
+    def capture(request: BuildRequest, static_spatial: bool) -> dict:
+        o = request.options
+        return {
+            "capture": capture_fn(
+                request.module,
+                request.leaves,
+                request.in_spec,
+                request.input_paths,
+                training=request.training,
+                opset=o.opset,
+                static_spatial=static_spatial,
+                with_backward=request.with_backward,
+                inline_functions=o.inline_functions,
+                aten_ops=o.aten_ops,
+            )
+        }
+
+    @stage("translate", ("capture",), ("exported",), group="export")
+    def translate(capture: Any) -> dict:
+        return {"exported": translate_fn(capture)}
+
+    return [capture, translate]
 
 
 def _export(
-    module: nn.Module,
-    leaves: list[torch.Tensor],
-    in_spec: tuple,
-    input_paths: list[str],
-    exporters: tuple[str, ...],
-    export_kw: dict,
+    request: BuildRequest, records: list[StageRecord], debug: dict
 ) -> tuple[ExportedModel, int, list[str], str]:
-    """Export with the first of ``exporters`` that succeeds: (the export, how many exports it took,
-    why its non-batch dimensions are static, the exporter's name).
+    """Run the export stages of the first of ``request.options.exporters`` that succeeds: (the export,
+    how many exports it took, why its non-batch dimensions are static, the exporter's name).
+
+    A graph that needs static non-batch dimensions (see ``export.adapter``) is exported again
+    with them. Only the successful exporter's exports are counted.
 
     Raises:
-        ExportError: the first exporter's error, when every exporter failed.
+        ExportError: the first exporter's error (naming the others'), when every exporter failed.
     """
+    exporters = request.options.exporters
     errors: list[tuple[str, ExportError]] = []
     for i, name in enumerate(exporters):
-        export = _EXPORTERS[name]
-        exports = 0  # of this exporter (a failed attempt of another one is not counted)
+        stages = export_stages(name)
+        exports = 0
         try:
             try:
-                exported: ExportedModel | None = export(module, leaves, in_spec, input_paths, **export_kw)
+                values = run_stages(stages, {"request": request, "static_spatial": False}, records=records, **debug)
+                exported: ExportedModel | None = values["exported"]
             except ExportError as e:
                 # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
                 if "input size not accessible" not in str(e):
@@ -229,7 +297,8 @@ def _export(
             exports += 1
             if exported is None or exported.static_reasons:
                 logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
-                exported = export(module, leaves, in_spec, input_paths, static_spatial=True, **export_kw)
+                values = run_stages(stages, {"request": request, "static_spatial": True}, records=records, **debug)
+                exported = values["exported"]
                 exports += 1
         except ExportError as e:
             errors.append((name, e))
@@ -237,7 +306,7 @@ def _export(
                 logger.warning(
                     "the %s exporter failed for %s (%s); trying the %s exporter",
                     name,
-                    type(module).__name__,
+                    type(request.module).__name__,
                     str(e).split(". ")[0][:300],
                     exporters[i + 1],
                 )
@@ -252,6 +321,157 @@ def _export(
     raise type(first)(f"{str(first).removeprefix('[ortwrap:export] ')} ({others})") from first
 
 
+def build_stages(request: BuildRequest) -> list[Stage]:
+    """Every stage after the export, in order: native kernels, type inference, each graph pass
+    (``passes.default_passes``), the host split (``aggressive_cpu_fallback``), ATen gradients, the
+    gradient build, the session, the program."""
+    o = request.options
+    with_backward, device = request.with_backward, request.device
+
+    @stage("native_kernels", (), ("native",), group="passes")
+    def native_kernels() -> dict:
+        """Whether ortwrap's CPU kernels serve this build (compiled on first use in a process)."""
+        native = (
+            o.native_kernels
+            and with_backward
+            and device.type == "cpu"
+            and kernels.available(o.intra_op_threads or torch.get_num_threads())
+        )
+        return {"native": native}
+
+    @stage("type_inference", ("exported",), ("ir_model", "pass_records"), group="passes")
+    def type_inference(exported: ExportedModel) -> dict:
+        """ONNX shape inference, extended through ATen nodes; the model as onnx_ir for the passes."""
+        try:
+            typed = infer_types(exported.model)
+        except Exception as e:
+            raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
+        return {"ir_model": ir.serde.deserialize_model(typed), "pass_records": []}
+
+    def pass_stage(p: ir.passes.PassBase) -> Stage:
+        name = type(p).__name__
+
+        def run(ir_model: ir.Model, pass_records: list[PassRecord]) -> dict:
+            start = time.perf_counter()
+            result = run_pass(p, ir_model)
+            record = PassRecord(name, result.modified, time.perf_counter() - start)
+            return {"ir_model": result.model, "pass_records": [*pass_records, record]}
+
+        return Stage(name, ("ir_model", "pass_records"), ("ir_model", "pass_records"), run, "passes", _modified)
+
+    @stage("host_split", ("ir_model", "pass_records", "exported"), ("ir_model", "pass_records", "host_split"), "passes")
+    def host_split(ir_model: ir.Model, pass_records: list[PassRecord], exported: ExportedModel) -> dict:
+        """With ``aggressive_cpu_fallback``: shape computations move to a host-side program (last:
+        it splits the final forward graph)."""
+        if not o.aggressive_cpu_fallback:
+            return {"ir_model": ir_model, "pass_records": pass_records, "host_split": None}
+        p = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})
+        start = time.perf_counter()
+        result = run_pass(p, ir_model)
+        record = PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)
+        return {"ir_model": result.model, "pass_records": [*pass_records, record], "host_split": result.split}
+
+    @stage("serialize", ("ir_model",), ("pre_grad",), group="passes")
+    def serialize(ir_model: ir.Model) -> dict:
+        return {"pre_grad": ir.serde.serialize_model(ir_model)}
+
+    @stage("aten_gradients", ("pre_grad",), ("pre_grad",), group="gradient_build")
+    def aten_gradients(pre_grad: onnx.ModelProto) -> dict:
+        """ATen nodes: install the executor, declare their output types, register their gradients."""
+        if any(n.domain == ATEN_DOMAIN for n in pre_grad.graph.node):
+            aten.install()
+            aten.declare_output_types(pre_grad)
+            if with_backward:
+                try:
+                    aten.register_gradients(pre_grad)
+                except Exception as e:
+                    raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
+        return {"pre_grad": pre_grad}
+
+    @stage("gradient_build", ("pre_grad", "exported", "host_split"), ("graph", "feeds"), group="gradient_build")
+    def gradient_build(pre_grad: onnx.ModelProto, exported: ExportedModel, host_split: HostShapeSplit | None) -> dict:
+        feeds = _final_feeds(exported, pre_grad, host_split)
+        trainable = [
+            n
+            for n, t in feeds.state_inputs.items()
+            if isinstance(t, nn.Parameter) and t.requires_grad and not n.endswith(STOP_GRADIENT_SUFFIX)
+        ]
+        require_grad = [
+            name
+            for name, t in zip(feeds.user_input_names, request.leaves)
+            if name is not None and t.requires_grad and (t.is_floating_point() or t.is_complex())
+        ]
+        graph = build_graph(
+            pre_grad,
+            state_names=list(feeds.state_inputs),
+            trainable_names=trainable if with_backward else [],
+            input_names_require_grad=require_grad if with_backward else [],
+            build_gradient=with_backward,
+            log_level=o.logging_level,
+        )
+        return {"graph": graph, "feeds": feeds}
+
+    @stage("session", ("graph",), ("runner",), group="session")
+    def session(graph: TrainingGraph) -> dict:
+        return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
+
+    @stage("program", ("feeds", "graph", "runner", "host_split"), ("program",), group="session")
+    def program(feeds: ExportedModel, graph: TrainingGraph, runner: Any, host_split: HostShapeSplit | None) -> dict:
+        prog = Program(feeds, graph, runner, request.module)
+        if host_split is not None and host_split.feeds:
+            host_index = {n: i for i, n in enumerate(feeds.user_input_names[: len(request.leaves)]) if n is not None}
+            prog.host_shapes_runner = HostShapeRunner(host_split, host_index)
+        return {"program": prog}
+
+    passes = default_passes(with_backward=with_backward, device_type=device.type, native_kernels=True)
+    return [
+        native_kernels,
+        type_inference,
+        *[_native_gate(pass_stage(p)) if isinstance(p, NativeCPUKernelsPass) else pass_stage(p) for p in passes],
+        host_split,
+        serialize,
+        aten_gradients,
+        gradient_build,
+        session,
+        program,
+    ]
+
+
+def _native_gate(st: Stage) -> Stage:
+    """The CPU-kernel pass runs only where the ``native_kernels`` stage found the kernels usable."""
+
+    def run(ir_model: ir.Model, pass_records: list[PassRecord], native: bool) -> dict:
+        if not native:
+            return {"ir_model": ir_model, "pass_records": pass_records}
+        return st.run(ir_model=ir_model, pass_records=pass_records)
+
+    return Stage(st.name, (*st.requires, "native"), st.provides, run, st.group, st.snapshot_if)
+
+
+def _modified(out: dict) -> bool:
+    """Snapshot a pass's result only when it changed the model."""
+    records = out["pass_records"]
+    return bool(records) and records[-1].modified
+
+
+def _final_feeds(
+    exported: ExportedModel, pre_grad: onnx.ModelProto, host_split: HostShapeSplit | None
+) -> ExportedModel:
+    """The export as the built graph is fed: the rewritten model, the host-fed inputs after the
+    user's tensors, the buffer outputs the passes kept, the stop-gradient duplicates' tensors."""
+    remaining = {o.name for o in pre_grad.graph.output}
+    feeds = dataclasses.replace(
+        exported,
+        model=pre_grad,
+        user_input_names=[*exported.user_input_names, *(f.name for f in (host_split.feeds if host_split else []))],
+        state_inputs=dict(exported.state_inputs),
+        state_names=dict(exported.state_names),
+        buffer_outputs={k: v for k, v in exported.buffer_outputs.items() if k in remaining},
+    )
+    _add_stop_gradient_inputs(feeds)
+    return feeds
+
+
 def compile_program(
     module: nn.Module,
     leaves: list[torch.Tensor],
@@ -262,99 +482,53 @@ def compile_program(
     with_backward: bool,
     device: torch.device,
     options: Options,
+    build_index: int = 0,
 ) -> tuple[Program, BuildArtifacts]:
-    """Export, rewrite, build and load ``module`` for one input schema.
+    """Export, rewrite, build and load ``module`` for one input schema: :func:`export_stages` (with
+    the exporter fallback and static re-export of :func:`_export`), then :func:`build_stages`.
 
     Raises:
         ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
     """
-    seconds: dict[str, float] = {}
-    export_kw = dict(
-        training=training,
-        opset=options.opset,
-        with_backward=with_backward,
-        inline_functions=options.inline_functions,
-        aten_ops=options.aten_ops,
-    )
+    request = BuildRequest(module, leaves, in_spec, input_paths, training, with_backward, device, options)
+    records: list[StageRecord] = []
+    debug = {
+        "what": request.describe(),
+        "debug_dir": options.debug_dir,
+        "snapshot_prefix": f"build{build_index:02d}_{request.kind}",
+    }
     t0 = time.perf_counter()
-    exported, exports, reasons, exporter = _export(module, leaves, in_spec, input_paths, options.exporters, export_kw)
+    exported, exports, reasons, exporter = _export(request, records, debug)
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)
-    t1 = time.perf_counter()
-    seconds["export"] = t1 - t0
-    native = (
-        options.native_kernels
-        and with_backward
-        and device.type == "cpu"
-        and kernels.available(options.intra_op_threads or torch.get_num_threads())
-    )
-    passes = default_passes(with_backward=with_backward, device_type=device.type, native_kernels=native)
-    host_pass = None
-    if options.aggressive_cpu_fallback:  # last: it splits the final forward graph
-        host_pass = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})
-        passes.append(host_pass)
-    exported.model, records = run_passes(exported.model, passes)
-    host_index = {n: i for i, n in enumerate(exported.user_input_names) if n is not None}
-    if host_pass is not None:  # the host-fed inputs follow the user's flat tensors
-        exported.user_input_names += [f.name for f in host_pass.split.feeds]
-    t2 = time.perf_counter()
-    seconds["passes"] = t2 - t1
-    remaining = {o.name for o in exported.model.graph.output}
-    exported.buffer_outputs = {k: v for k, v in exported.buffer_outputs.items() if k in remaining}
-    _add_stop_gradient_inputs(exported)
-    if any(n.domain == ATEN_DOMAIN for n in exported.model.graph.node):
-        aten.install()
-        aten.declare_output_types(exported.model)
-        if with_backward:
-            try:
-                aten.register_gradients(exported.model)
-            except Exception as e:
-                raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
-    state = list(exported.state_inputs)
-    trainable = [
-        n
-        for n, t in exported.state_inputs.items()
-        if isinstance(t, nn.Parameter) and t.requires_grad and not n.endswith(STOP_GRADIENT_SUFFIX)
-    ]
-    require_grad = [
-        name
-        for name, t in zip(exported.user_input_names, leaves)
-        if name is not None and t.requires_grad and (t.is_floating_point() or t.is_complex())
-    ]
-    graph = build_graph(
-        exported.model,
-        state_names=state,
-        trainable_names=trainable if with_backward else [],
-        input_names_require_grad=require_grad if with_backward else [],
-        build_gradient=with_backward,
-        log_level=options.logging_level,
-    )
-    t3 = time.perf_counter()
-    seconds["gradient_build"] = t3 - t2
-    runner = (TrainingRunner if with_backward else InferenceRunner)(graph, device, options)
-    seconds["session"] = time.perf_counter() - t3
-    program = Program(exported, graph, runner, module)
-    if host_pass is not None and host_pass.split.feeds:
-        program.host_shapes_runner = HostShapeRunner(host_pass.split, host_index)
+    values = run_stages(build_stages(request), {"request": request, "exported": exported}, records=records, **debug)
+    program = values["program"]
+    seconds: dict[str, float] = {"export": 0.0, "passes": 0.0, "gradient_build": 0.0, "session": 0.0}
+    stage_seconds: dict[str, float] = {}
+    for r in records:
+        seconds[r.group] = seconds.get(r.group, 0.0) + r.seconds
+        stage_seconds[r.name] = stage_seconds.get(r.name, 0.0) + r.seconds
+    host_split = values["host_split"]
     artifacts = BuildArtifacts(
         exported_proto,
-        exported.model,
-        graph,
-        records,
+        values["pre_grad"],
+        values["graph"],
+        values["pass_records"],
         seconds,
         training,
         with_backward,
         exports,
         sorted(set(reasons + exported.static_reasons)) if exported.static_spatial else [],
-        host_pass.split if host_pass is not None else None,
+        host_split,
         exporter,
+        stage_seconds,
+        records,
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(
-            "built %s program for %s in %.2fs (%s)",
-            "training" if with_backward else "inference",
-            type(module).__name__,
-            sum(seconds.values()),
-            ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()),
+            "built %s in %.2fs (%s)",
+            request.describe(),
+            time.perf_counter() - t0,
+            ", ".join(f"{k} {v:.2f}s" for k, v in stage_seconds.items() if v >= 0.01),
         )
     return program, artifacts

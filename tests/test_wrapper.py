@@ -280,12 +280,20 @@ def test_debug_dir_and_last_artifacts(tmp_path):
     )
     w(torch.randn(2, 3)).sum().backward()
     files = sorted(os.listdir(tmp_path))
-    assert files == [
+    assert {
         "build01_train_exported.onnx",
         "build01_train_forward_backward.onnx",
         "build01_train_pre_grad.onnx",
-    ]
+    } <= set(files)
+    # Every stage that provides an ONNX model left a snapshot; passes only where they changed it.
+    snapshots = [f for f in files if f.startswith("build01_train_") and f[len("build01_train_") :][:2].isdigit()]
+    stages = [f.split("_", 3)[3].rsplit("_", 1)[0] for f in snapshots]
+    for name in ("translate", "type_inference", "RestoreOptionalOutputsPass", "serialize", "gradient_build"):
+        assert any(s.startswith(name) for s in stages), (name, snapshots)
+    assert not any(s.startswith("RefuseControlFlowPass") for s in stages)  # changed nothing
     art = w.last_artifacts
+    assert list(art.stage_seconds)[:2] == ["export", "translate"] and "gradient_build" in art.stage_seconds
+    assert [r.name for r in art.stages] == list(art.stage_seconds)
     ops = [n.op_type for n in art.graph.model().graph.node]
     assert "YieldOp" in ops and "LayerNormalizationGrad" in ops
     ln = next(n for n in art.pre_grad.graph.node if n.op_type == "LayerNormalization")
@@ -293,6 +301,25 @@ def test_debug_dir_and_last_artifacts(tmp_path):
     assert "RestoreOptionalOutputsPass" in [p.name for p in art.passes if p.modified]
     assert set(art.seconds) == {"export", "passes", "gradient_build", "session"}
     onnx.checker.check_model(onnx.load(str(tmp_path / "build01_train_exported.onnx")))
+
+
+def test_a_failed_build_keeps_its_snapshots_and_the_error(tmp_path):
+    class SqueezeBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x).squeeze(0)
+
+    w = ORTWrap(SqueezeBatch(), exporter="torchscript", debug_dir=str(tmp_path), fallback=False)
+    with pytest.raises(ortwrap.PassError, match="control flow"):
+        w(torch.randn(1, 3, 4))
+    files = sorted(os.listdir(tmp_path))
+    failed = [f for f in files if f.endswith("_FAILED.txt")]
+    assert len(failed) == 1 and "RefuseControlFlowPass" in failed[0], files
+    assert "control flow" in (tmp_path / failed[0]).read_text()
+    assert any("type_inference" in f for f in files)  # the snapshots before the failure stay
 
 
 def test_user_export_unaffected_by_wrapper(tmp_path):

@@ -120,6 +120,16 @@ def capture_scope(*, with_backward: bool, inline: frozenset[str]) -> Iterator[Ca
         _current.reset(token)
 
 
+@contextlib.contextmanager
+def translating(scope: CaptureScope) -> Iterator[CaptureScope]:
+    """Translate a capture's graph: its placeholder translations read ``scope``."""
+    token = _current.set(scope)
+    try:
+        yield scope
+    finally:
+        _current.reset(token)
+
+
 def _called(cls: type, scope: CaptureScope) -> bool:
     """Whether a Function class that appeared during the capture belongs to the user's code (torch
     creates some lazily, for its own custom ops)."""

@@ -98,7 +98,29 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
+@dataclass
+class DynamoCapture:
+    """What ``torch.export`` captured, with what its translation to ONNX needs."""
+
+    program: torch.export.ExportedProgram
+    adapter: Adapter
+    bridge: bridge_dynamo.CaptureScope
+    input_names: list[str]
+    input_paths: list[str]
+    static_spatial: bool
+    aten_ops: tuple[str, ...]
+    opset: int
+    module_name: str
+
+
 def export_dynamo(
+    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], **kw
+) -> ExportedModel:
+    """:func:`capture_dynamo` then :func:`translate_dynamo` (the two build stages)."""
+    return translate_dynamo(capture_dynamo(module, flat_inputs, in_spec, input_paths, **kw))
+
+
+def capture_dynamo(
     module: nn.Module,
     flat_inputs: list[torch.Tensor],
     in_spec: tuple,
@@ -110,15 +132,16 @@ def export_dynamo(
     with_backward: bool = True,
     inline_functions: tuple[str, ...] = (),
     aten_ops: tuple[str, ...] = (),
-) -> ExportedModel:
-    """Export ``module`` called with the inputs ``in_spec`` and ``flat_inputs`` describe.
+) -> DynamoCapture:
+    """Capture ``module`` called with the inputs ``in_spec`` and ``flat_inputs`` describe, with
+    ``torch.export`` (the translation to ONNX is :func:`translate_dynamo`).
 
-    Same contract as :func:`ortwrap.export.export_torchscript`; the result also carries
-    ``shape_guards``. Ops without an ONNX translation, and those ``aten_ops`` lists, become ATen
-    nodes (``export/aten_fallback.py``), as with the TorchScript exporter.
+    Same arguments as :func:`ortwrap.export.torchscript.capture_torchscript`. Ops without an ONNX
+    translation, and those ``aten_ops`` lists, become ATen nodes when translated
+    (``export/aten_fallback.py``), as with the TorchScript exporter.
 
     Raises:
-        ExportError: chained to the exporter's error, naming the step that failed.
+        ExportError: chained to torch.export's error.
     """
     from torch.export import Dim
 
@@ -127,7 +150,6 @@ def export_dynamo(
     dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
     dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
     was_training = module.training
-    step = "torch.export.export"
     try:
         module.train(training)
         with (
@@ -139,33 +161,64 @@ def export_dynamo(
             program = torch.export.export(
                 adapter, tuple(t.detach() for t in flat_inputs), dynamic_shapes=dynamic_shapes, strict=False
             )
-            step = "torch.onnx.export (dynamo)"
+    except Exception as e:
+        raise _export_error("torch.export.export", type(module).__name__, e) from e
+    finally:
+        module.train(was_training)
+    return DynamoCapture(
+        program,
+        adapter,
+        bridge,
+        input_names,
+        list(input_paths),
+        static_spatial,
+        tuple(aten_ops),
+        opset if opset and opset >= 18 else DYNAMO_OPSET,
+        type(module).__name__,
+    )
+
+
+def _export_error(step: str, module_name: str, e: BaseException) -> ExportError:
+    missing = _missing_translation(e)
+    if missing is not None:
+        return ExportError(
+            f"the dynamo exporter has no ONNX translation for {missing}, used by {module_name}. "
+            "Use exporter='torchscript' (which can run such ops as ATen nodes), or run the module without ORTWrap"
+        )
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    if len(text) > 700:
+        text = text[:700] + " ... (full message in the chained exception)"
+    return ExportError(
+        f"{step} failed for {module_name}: {type(e).__name__}: {text}. "
+        "Check that the module's forward can be captured by torch.export, or use exporter='torchscript'."
+    )
+
+
+def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
+    """The captured program as ONNX (ortwrap's translations, Function placeholders made PythonOps,
+    ATen nodes), parameters and buffers moved to graph inputs, cleaned up and named.
+
+    Raises:
+        ExportError: the translation failed, naming the op where it can.
+    """
+    program, adapter, bridge = capture.program, capture.adapter, capture.bridge
+    input_names, input_paths = capture.input_names, capture.input_paths
+    try:
+        # The exporter's decompositions retrace the graph, running each Function's forward again on
+        # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
+        with bridge_dynamo.translating(bridge), _quiet_exporter(), _collective_stubs():
             ir_model, _decomposed = compat.dynamo_to_onnx(
                 program,
                 table={**training_translations(), **bridge.translation_table()},
-                opset=opset if opset and opset >= 18 else DYNAMO_OPSET,
+                opset=capture.opset,
                 decompose=False,
                 extra=lambda prog, is_registered, allow_missing: fallback_translations(
-                    prog, is_registered, aten_ops=aten_ops, scope=bridge, allow_missing=allow_missing
+                    prog, is_registered, aten_ops=capture.aten_ops, scope=bridge, allow_missing=allow_missing
                 ),
             )
     except Exception as e:
-        missing = _missing_translation(e)
-        if missing is not None:
-            raise ExportError(
-                f"the dynamo exporter has no ONNX translation for {missing}, used by {type(module).__name__}. "
-                "Use exporter='torchscript' (which can run such ops as ATen nodes), or run the module without ORTWrap"
-            ) from e
-        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
-        if len(text) > 700:
-            text = text[:700] + " ... (full message in the chained exception)"
-        raise ExportError(
-            f"{step} failed for {type(module).__name__}: {type(e).__name__}: {text}. "
-            "Check that the module's forward can be captured by torch.export, or use exporter='torchscript'."
-        ) from e
-    finally:
-        module.train(was_training)
-
+        raise _export_error("torch.onnx.export (dynamo)", capture.module_name, e) from e
+    flat_inputs = input_names
     graph = ir_model.graph
     if len(graph.inputs) != len(flat_inputs):
         raise ExportError(
@@ -216,7 +269,7 @@ def export_dynamo(
         input_names,
         state_inputs,
         static_reasons=[],
-        static_spatial=static_spatial,
+        static_spatial=capture.static_spatial,
         bridge=bridge,
         shape_guards=guards,
     )

@@ -14,6 +14,8 @@ import contextlib
 import io
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import onnx
 import torch
@@ -43,7 +45,26 @@ def _buffers_as_inputs(module: nn.Module) -> Iterator[None]:
             names.update(kept)
 
 
+@dataclass
+class TorchScriptCapture:
+    """What the TorchScript exporter produced: already ONNX (it translates while it traces)."""
+
+    model: onnx.ModelProto
+    adapter: Adapter
+    input_names: list[str]
+    bridge: Any
+    static_reasons: list[str]
+    static_spatial: bool
+
+
 def export_torchscript(
+    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], **kw
+) -> ExportedModel:
+    """:func:`capture_torchscript` then :func:`translate_torchscript` (the two build stages)."""
+    return translate_torchscript(capture_torchscript(module, flat_inputs, in_spec, input_paths, **kw))
+
+
+def capture_torchscript(
     module: nn.Module,
     flat_inputs: list[torch.Tensor],
     in_spec: tuple,
@@ -55,7 +76,7 @@ def export_torchscript(
     with_backward: bool = True,
     inline_functions: tuple[str, ...] = (),
     aten_ops: tuple[str, ...] = (),
-) -> ExportedModel:
+) -> TorchScriptCapture:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
     Args:
@@ -120,6 +141,17 @@ def export_torchscript(
     finally:
         module.train(was_training)
     model = onnx.load_model_from_string(f.getvalue())
+    return TorchScriptCapture(model, adapter, input_names, bridge, list(symbolic_reasons), static_spatial)
+
+
+def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
+    """The capture as an :class:`ExportedModel`: inputs mapped to the module's parameters and buffers,
+    outputs named (the TorchScript exporter already wrote ONNX).
+
+    Raises:
+        ExportError: a graph input is neither a forward input nor a parameter or buffer.
+    """
+    adapter, model, input_names = capture.adapter, capture.model, capture.input_names
     named_state = state_tensors(adapter)
     state_inputs: dict[str, torch.Tensor] = {}
     for name in [i.name for i in model.graph.input]:
@@ -133,7 +165,7 @@ def export_torchscript(
         model,
         input_names,
         state_inputs,
-        static_reasons=list(symbolic_reasons),
-        static_spatial=static_spatial,
-        bridge=bridge,
+        static_reasons=capture.static_reasons,
+        static_spatial=capture.static_spatial,
+        bridge=capture.bridge,
     )

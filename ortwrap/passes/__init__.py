@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .pipeline import PassRecord, default_passes, run_passes
+from .pipeline import PassRecord, default_passes, run_pass, run_passes
 from .shape_related import ShapeRelatedNode, explain_shape_related_nodes, shape_related_nodes
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "ShapeRelatedNode",
     "default_passes",
     "explain_shape_related_nodes",
+    "run_pass",
     "run_passes",
     "shape_related_nodes",
 ]

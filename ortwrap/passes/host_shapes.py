@@ -228,10 +228,17 @@ class HostShapeSplit:
         return paths
 
 
+@dataclass
+class SplitResult(ir.passes.PassResult):
+    """The pass's result: the rewritten model and the host shape program it split off."""
+
+    split: HostShapeSplit = field(default_factory=lambda: HostShapeSplit())
+
+
 class HostShapeSplitPass(ir.passes.InPlacePass):
     """Move host-computable shape-related nodes out of the main graph (see the module docstring).
 
-    After the call, :attr:`split` holds the shape program, the feeds and the report.
+    Its result (:class:`SplitResult`) carries the shape program, the feeds and the report.
 
     Args:
         user_inputs: names of the graph inputs fed by the user (the others are parameters and
@@ -241,13 +248,11 @@ class HostShapeSplitPass(ir.passes.InPlacePass):
     def __init__(self, user_inputs: set[str] | None = None) -> None:
         super().__init__()
         self.user_inputs = user_inputs
-        self.split = HostShapeSplit()
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> SplitResult:
         self._check(model)
-        plan = _Plan(model, self.user_inputs)
-        self.split = plan.split()
-        return ir.passes.PassResult(model, modified=bool(self.split.feeds))
+        split = _Plan(model, self.user_inputs).split()
+        return SplitResult(model, modified=bool(split.feeds), split=split)
 
     def _check(self, model: ir.Model) -> None:
         names = {v.name for v in model.graph.inputs}
@@ -288,7 +293,7 @@ def split_host_shapes(
     ir_model = ir.serde.deserialize_model(model)
     p = HostShapeSplitPass(user_inputs)
     result = p(ir_model)
-    return ir.serde.serialize_model(result.model), p.split
+    return ir.serde.serialize_model(result.model), result.split
 
 
 # ---------------------------------------------------------------------------------------------- planning

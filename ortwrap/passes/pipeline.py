@@ -109,6 +109,18 @@ class RemoveUnusedConstantsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(unused or dead))
 
 
+def run_pass(p: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
+    """Run one pass (a build stage each, see ``program.build_stages``).
+
+    Raises:
+        PassError: naming the pass that failed, chained to its error.
+    """
+    try:
+        return p(model)
+    except Exception as e:
+        raise PassError(f"pass {type(p).__name__} failed: {type(e).__name__}: {e}") from e
+
+
 def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:
     """Run ``passes`` over ``model`` in order; return the rewritten model and a record per pass.
 

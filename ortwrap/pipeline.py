@@ -1,0 +1,161 @@
+"""The build pipeline as data: a declared list of stages, run by one function.
+
+A :class:`Stage` names the values it ``requires`` and the values it ``provides``, and returns them
+(a dict) instead of keeping side results anywhere. :func:`run_stages` runs a list of stages over a
+dict of values, checking each contract, timing each stage, and, with ``Options.debug_dir``, saving
+a snapshot of every ONNX model a stage provides. A stage that fails leaves its snapshots and a text
+file with its error in the debug directory, then re-raises. A build that runs for more than a few
+seconds reports each stage it starts, and the time so far, on ``ortwrap.progress`` (printed at the
+default log level).
+
+``program.py`` declares ortwrap's stages (export, translation, type inference, each graph pass,
+host split, ATen gradients, gradient build, session, program) with :func:`stage`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._logging import progress
+
+__all__ = ["BuildFailed", "Stage", "StageRecord", "run_stages", "stage"]
+
+#: A build still running after this many seconds reports each stage it starts.
+PROGRESS_AFTER_S = 3.0
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the build.
+
+    Attributes:
+        name: the stage's name (also the key of its time in ``BuildArtifacts.stage_seconds``).
+        requires: names of the values it reads.
+        provides: names of the values it returns (exactly these).
+        run: ``run(**{name: value for name in requires}) -> {name: value for name in provides}``.
+        group: the coarse phase it belongs to (``export``, ``passes``, ``gradient_build``,
+            ``session``), whose total ``BuildArtifacts.seconds`` reports.
+    """
+
+    name: str
+    requires: tuple[str, ...]
+    provides: tuple[str, ...]
+    run: Callable[..., dict[str, Any]]
+    group: str
+    #: ``snapshot_if(out)``: whether this run's result is worth a debug snapshot (a pass that
+    #: changed nothing is not); None: always.
+    snapshot_if: Callable[[dict[str, Any]], bool] | None = None
+
+
+def stage(name: str, requires: tuple[str, ...], provides: tuple[str, ...], group: str):
+    """Decorator: declare ``fn`` as a :class:`Stage`."""
+
+    def wrap(fn: Callable[..., dict[str, Any]]) -> Stage:
+        return Stage(name, requires, provides, fn, group)
+
+    return wrap
+
+
+@dataclass
+class StageRecord:
+    """What one stage did: its name, group, time, and the snapshot files it left."""
+
+    name: str
+    group: str
+    seconds: float
+    snapshots: list[str] = field(default_factory=list)
+
+
+class BuildFailed(Exception):
+    """Internal: carries the failed stage's records up to the caller with the original error."""
+
+
+def _snapshot(directory: str, prefix: str, index: int, stage_name: str, name: str, value: Any) -> str | None:
+    """Save ``value`` if it is an ONNX model (proto or onnx_ir); return the path."""
+    import onnx
+
+    try:
+        import onnx_ir as ir
+    except ImportError:  # pragma: no cover
+        ir = None
+    proto = None
+    if isinstance(value, onnx.ModelProto):
+        proto = value
+    elif ir is not None and isinstance(value, ir.Model):
+        proto = ir.serde.serialize_model(value)
+    elif hasattr(value, "model") and isinstance(getattr(value, "model", None), onnx.ModelProto):
+        proto = value.model  # an ExportedModel
+    elif hasattr(value, "model_bytes"):
+        path = os.path.join(directory, f"{prefix}_{index:02d}_{stage_name}_{name}.onnx")
+        with open(path, "wb") as f:
+            f.write(value.model_bytes)
+        return path
+    if proto is None:
+        return None
+    path = os.path.join(directory, f"{prefix}_{index:02d}_{stage_name}_{name}.onnx")
+    onnx.save_model(proto, path)
+    return path
+
+
+def run_stages(
+    stages: list[Stage],
+    values: dict[str, Any],
+    *,
+    what: str,
+    debug_dir: str | None = None,
+    snapshot_prefix: str = "build",
+    records: list[StageRecord] | None = None,
+) -> dict[str, Any]:
+    """Run ``stages`` in order over ``values`` (updated in place, and returned).
+
+    Args:
+        stages: the declared list.
+        values: the values available before the first stage.
+        what: what is being built, for progress lines ("training program for TinyGPT").
+        debug_dir: where to save each stage's ONNX snapshots, and a failed stage's error.
+        snapshot_prefix: the file name prefix of this build's snapshots.
+        records: a list to append each stage's :class:`StageRecord` to.
+
+    Raises:
+        Whatever a stage raises (ortwrap's phase errors), after recording it.
+    """
+    records = records if records is not None else []
+    start = time.perf_counter()
+    if debug_dir:
+        os.makedirs(debug_dir, exist_ok=True)
+    for index, st in enumerate(stages):
+        missing = [r for r in st.requires if r not in values]
+        if missing:
+            raise AssertionError(f"build stage {st.name} requires {missing}, which no earlier stage provided")
+        elapsed = time.perf_counter() - start
+        if elapsed > PROGRESS_AFTER_S:
+            progress.info("building %s: %s (%.1f s so far)", what, st.name, elapsed)
+        t0 = time.perf_counter()
+        try:
+            out = st.run(**{r: values[r] for r in st.requires})
+        except BaseException as e:
+            records.append(StageRecord(st.name, st.group, time.perf_counter() - t0))
+            if debug_dir:
+                path = os.path.join(debug_dir, f"{snapshot_prefix}_{index:02d}_{st.name}_FAILED.txt")
+                with open(path, "w") as f:
+                    f.write(f"stage {st.name} of {what} failed:\n")
+                    f.write("".join(traceback.format_exception(e)))
+                records[-1].snapshots.append(path)
+            raise
+        seconds = time.perf_counter() - t0
+        if set(out) != set(st.provides):
+            raise AssertionError(f"build stage {st.name} returned {sorted(out)}, declared {sorted(st.provides)}")
+        values.update(out)
+        record = StageRecord(st.name, st.group, seconds)
+        if debug_dir and (st.snapshot_if is None or st.snapshot_if(out)):
+            for name in st.provides:
+                path = _snapshot(debug_dir, snapshot_prefix, index, st.name, name, out[name])
+                if path:
+                    record.snapshots.append(path)
+        records.append(record)
+    return values
