@@ -89,6 +89,13 @@ class Options:
         "On CPU, train GELU (erf and tanh), LayerNorm, softmax, cross-entropy and embedding lookups with ortwrap's own kernels (compiled for this "
         "machine on first use) instead of ONNX Runtime's much slower CPU kernels for them (docs/performance.md).",
     )
+    build_cache: bool = _opt(
+        True,
+        "ORTWRAP_BUILD_CACHE",
+        "Keep built graphs in a cache directory that survives the process (ORTWRAP_BUILD_CACHE_DIR, default "
+        "<ORTWRAP_CACHE_DIR>/builds), keyed by the module's structure and code, the input schema, the options and "
+        "the versions: a second process skips export, passes and the gradient build (docs/user-guide.md).",
+    )
     aggressive_cpu_fallback: bool = _opt(
         False,
         "ORTWRAP_AGGRESSIVE_CPU_FALLBACK",
@@ -200,6 +207,11 @@ def c_compiler_override() -> str | None:
 def cache_dir() -> str:
     """Where ortwrap caches its compiled native helpers: ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``."""
     return os.environ.get("ORTWRAP_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ortwrap")
+
+
+def build_cache_dir() -> str:
+    """Where built graphs are cached: ``$ORTWRAP_BUILD_CACHE_DIR`` or ``<cache_dir()>/builds``."""
+    return os.environ.get("ORTWRAP_BUILD_CACHE_DIR") or os.path.join(cache_dir(), "builds")
 
 
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.

@@ -21,6 +21,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from . import cache as build_cache
 from . import kernels
 from ._compat import torch as compat
 from ._logging import logger
@@ -32,7 +33,7 @@ from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
-from .options import Options
+from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
 from .passes.native_cpu_kernels import NativeCPUKernelsPass
@@ -60,6 +61,7 @@ class BuildArtifacts:
         exporter: the exporter that produced the graph (``"dynamo"`` or ``"torchscript"``).
         stage_seconds: wall time of each stage of the build (``pipeline.Stage``), in order.
         stages: each stage's record (time, debug snapshots).
+        cached: the program came from the build cache (``exports`` is 0).
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -78,6 +80,7 @@ class BuildArtifacts:
     exporter: str = ""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     stages: list[StageRecord] = field(default_factory=list)
+    cached: bool = False
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -472,6 +475,152 @@ def _final_feeds(
     return feeds
 
 
+# ------------------------------------------------------------------------------------ the build cache
+
+
+def _schema(request: BuildRequest) -> tuple:
+    return (
+        request.in_spec,
+        tuple((t.dim(), str(t.dtype), str(t.device), t.requires_grad) for t in request.leaves),
+        request.training,
+        request.with_backward,
+        str(request.device),
+    )
+
+
+def _static_shape(leaves: list[torch.Tensor]) -> tuple:
+    return tuple(tuple(t.shape[1:]) for t in leaves)
+
+
+def _entry_fits(entry: build_cache.CacheEntry, leaves: list[torch.Tensor]) -> bool:
+    if entry.static_spatial and entry.static_shape != _static_shape(leaves):
+        return False
+    return entry.shape_guards is None or entry.shape_guards.check(leaves)
+
+
+@stage("cache_lookup", ("request",), ("cached", "cache_key"), group="export")
+def cache_lookup(request: BuildRequest) -> dict:
+    """The build cache's entry for this module, schema and options that fits these inputs, if any."""
+    o = request.options
+    if not o.build_cache:
+        return {"cached": None, "cache_key": None}
+    native = o.native_kernels and request.with_backward and request.device.type == "cpu"
+    try:
+        key = build_cache.build_key(request.module, _schema(request), None, o, native)
+    except build_cache.Uncacheable as e:
+        logger.info("build cache: %s cannot be cached: %s", type(request.module).__name__, e)
+        return {"cached": None, "cache_key": None}
+    entries = build_cache.load(build_cache_dir(), key) or []
+    entry = next((e for e in entries if _entry_fits(e, request.leaves)), None)
+    return {"cached": entry, "cache_key": key}
+
+
+@stage("cache_store", ("request", "cache_key", "feeds", "graph", "host_split", "exported_proto", "pre_grad",
+                       "pass_records", "exporter", "exports"), (), group="session")  # fmt: skip
+def cache_store(
+    request, cache_key, feeds, graph, host_split, exported_proto, pre_grad, pass_records, exporter, exports
+):
+    """Add this build to the cache (not graphs with PythonOps or a host shape program)."""
+    if feeds.functions or host_split is not None:
+        return {}
+    by_id = {id(b): n for n, b in request.module.named_buffers(remove_duplicate=False)}
+    try:
+        buffers = {g: by_id[id(b)] for g, b in feeds.buffer_outputs.items()}
+    except KeyError:
+        return {}
+    entry = build_cache.CacheEntry(
+        model_bytes=graph.model_bytes,
+        graph=graph,
+        exported=exported_proto.SerializeToString(),
+        pre_grad=pre_grad.SerializeToString(),
+        user_input_names=list(feeds.user_input_names),
+        output_names=list(feeds.output_names),
+        out_spec=feeds.out_spec,
+        state_names=dict(feeds.state_names),
+        buffer_outputs=buffers,
+        static_reasons=list(feeds.static_reasons),
+        static_spatial=feeds.static_spatial,
+        shape_guards=feeds.shape_guards,
+        exporter=exporter,
+        exports=exports,
+        pass_names=[r.name for r in pass_records if r.modified],
+        static_shape=_static_shape(request.leaves) if feeds.static_spatial else None,
+    )
+    directory = build_cache_dir()
+    entries = [e for e in (build_cache.load(directory, cache_key) or []) if not _same_fit(e, entry)]
+    build_cache.store(directory, cache_key, [*entries, entry])
+    return {}
+
+
+def _same_fit(a: build_cache.CacheEntry, b: build_cache.CacheEntry) -> bool:
+    return (
+        a.static_spatial == b.static_spatial and a.static_shape == b.static_shape and a.shape_guards == b.shape_guards
+    )
+
+
+def _from_cache(
+    request: BuildRequest, entry: build_cache.CacheEntry, records: list[StageRecord], debug: dict, t0: float
+):
+    """A program from a cache entry: a session over the stored graph, mapped to this module."""
+
+    @stage("cache_load", ("request", "cached"), ("feeds", "graph"), group="export")
+    def cache_load(request: BuildRequest, cached: build_cache.CacheEntry) -> dict:
+        named = dict(request.module.named_parameters(remove_duplicate=False))
+        named.update(request.module.named_buffers(remove_duplicate=False))
+        feeds = ExportedModel(
+            model=onnx.load_model_from_string(cached.pre_grad),
+            user_input_names=list(cached.user_input_names),
+            state_inputs={g: named[n] for g, n in cached.state_names.items()},
+            output_names=list(cached.output_names),
+            out_spec=cached.out_spec,
+            buffer_outputs={g: named[n] for g, n in cached.buffer_outputs.items()},
+            state_names=dict(cached.state_names),
+            static_reasons=list(cached.static_reasons),
+            static_spatial=cached.static_spatial,
+            shape_guards=cached.shape_guards,
+        )
+        if any(n.domain == ATEN_DOMAIN for n in feeds.model.graph.node):
+            aten.install()
+            if any(
+                n.op_type == "ATen" and _operator(n).startswith(aten.NATIVE_PREFIX) for n in cached_graph_nodes(cached)
+            ):
+                kernels.available(request.options.intra_op_threads or torch.get_num_threads())
+        return {"feeds": feeds, "graph": cached.graph}
+
+    stages = [cache_load, *[s for s in build_stages(request) if s.name in ("session", "program")]]
+    values = run_stages(stages, {"request": request, "cached": entry, "host_split": None}, records=records, **debug)
+    seconds: dict[str, float] = {"export": 0.0, "passes": 0.0, "gradient_build": 0.0, "session": 0.0}
+    for r in records:
+        seconds[r.group] = seconds.get(r.group, 0.0) + r.seconds
+    artifacts = BuildArtifacts(
+        onnx.load_model_from_string(entry.exported),
+        values["feeds"].model,
+        entry.graph,
+        [PassRecord(n, True, 0.0) for n in entry.pass_names],
+        seconds,
+        request.training,
+        request.with_backward,
+        0,
+        sorted(entry.static_reasons) if entry.static_spatial else [],
+        None,
+        entry.exporter,
+        {r.name: r.seconds for r in records},
+        records,
+        cached=True,
+    )
+    logger.info("loaded %s from the build cache in %.2fs", request.describe(), time.perf_counter() - t0)
+    return values["program"], artifacts
+
+
+def _operator(node: onnx.NodeProto) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+
+
+def cached_graph_nodes(entry: build_cache.CacheEntry) -> list[onnx.NodeProto]:
+    """The nodes of a cached built graph."""
+    return list(onnx.load_model_from_string(entry.model_bytes).graph.node)
+
+
 def compile_program(
     module: nn.Module,
     leaves: list[torch.Tensor],
@@ -498,11 +647,27 @@ def compile_program(
         "snapshot_prefix": f"build{build_index:02d}_{request.kind}",
     }
     t0 = time.perf_counter()
+    looked_up = run_stages([cache_lookup], {"request": request}, records=records, **debug)
+    if looked_up["cached"] is not None:
+        return _from_cache(request, looked_up["cached"], records, debug, t0)
     exported, exports, reasons, exporter = _export(request, records, debug)
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)
     values = run_stages(build_stages(request), {"request": request, "exported": exported}, records=records, **debug)
     program = values["program"]
+    if looked_up["cache_key"] is not None:
+        run_stages(
+            [cache_store],
+            {
+                **values,
+                "cache_key": looked_up["cache_key"],
+                "exported_proto": exported_proto,
+                "exporter": exporter,
+                "exports": exports,
+            },
+            records=records,
+            **debug,
+        )
     seconds: dict[str, float] = {"export": 0.0, "passes": 0.0, "gradient_build": 0.0, "session": 0.0}
     stage_seconds: dict[str, float] = {}
     for r in records:

@@ -35,11 +35,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def _build_cache_dir(tmp_path_factory):
+    """One build cache for the test session (fresh each run): tests of the same model, schema and
+    options load each other's builds, so parity tests also check programs loaded from the cache."""
+    return str(tmp_path_factory.mktemp("ortwrap_builds"))
+
+
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
+def _clean_env(monkeypatch, _build_cache_dir):
     for var in list(os.environ):
-        if var.startswith("ORTWRAP_"):
+        if var.startswith("ORTWRAP_") and var != "ORTWRAP_CACHE_DIR":
             monkeypatch.delenv(var)
+    monkeypatch.setenv("ORTWRAP_BUILD_CACHE_DIR", _build_cache_dir)
 
 
 @pytest.fixture(params=["torchscript", "dynamo"])

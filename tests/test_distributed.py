@@ -280,6 +280,7 @@ def _launch(script: str, cases: list[str], out_dir: str, timeout: int = 300) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORTWRAP_")}
     env.update(
         ORTWRAP_DIST_OUT=out_dir,
+        ORTWRAP_BUILD_CACHE="0",  # these workers check what happens during an export: always export
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),

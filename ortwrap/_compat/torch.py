@@ -311,6 +311,13 @@ def call_skips_hooks(module: torch.nn.Module) -> bool:
     return not (tables[0] or tables[1] or tables[2] or tables[3] or tracing_state()())
 
 
+@functools.cache
+def module_internal_attributes() -> frozenset[str]:
+    """The instance attributes every ``nn.Module`` has (torch's own tables: parameters, buffers,
+    hooks, ...), read off a fresh module: what is left in ``vars(module)`` is the user's."""
+    return frozenset(vars(torch.nn.Module()))
+
+
 def parameter_table(module: torch.nn.Module) -> dict[str, torch.nn.Parameter | None]:
     """The module's own ``name -> Parameter`` dict (what ``module.name`` reads), not a copy."""
     return module.__dict__["_parameters"]
