@@ -46,7 +46,7 @@ def _placements(model: ORTWrap) -> str:
 
 
 def _host_cost(model: ORTWrap, leaves: list[torch.Tensor], iters: int = 2000) -> str:
-    runner = next(iter(model._programs.values())).feeds.host_shapes
+    runner = model.programs()[0].host_shapes_runner
     hits = []
     for _ in range(iters):
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def main(iters: int = 2000) -> None:
     report("(c) Linear(4,4) step: fixed per-step cost", interleaved(steps, warmup=50, iters=iters))
 
     # ortwrap's own time: the forward+backward of the wrapper minus the time inside ORT's runs.
-    runner = next(iter(ours._programs.values())).runner
+    runner = ours.programs()[0].runner
     timed = _TimedAgent(runner._agent)
     runner._agent = timed
     own, total = [], []

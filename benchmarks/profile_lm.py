@@ -47,9 +47,7 @@ def _ort_profile(model, ids, tgt, steps: int) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
     finally:
         ort_session.session_options = plain
-    entry = next(iter(wrapped._programs.values()))
-    program = entry[0] if isinstance(entry, list) else next(iter(entry.values())) if isinstance(entry, dict) else entry
-    runner = program.runner
+    runner = wrapped.programs()[0].runner
     # ATen nodes are listed by their operator (ortwrap's CPU kernels: ortwrap_cpu::gelu, ...).
     operators = {
         n.name: a.s.decode() for n in runner.graph.model().graph.node for a in n.attribute if a.name == "operator"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _tree
+from . import _tree, integrations
 from ._compat import torch as compat
 from ._logging import configure, logger
 from .bridge import state as bridge_state
@@ -28,10 +28,8 @@ from .errors import (
     UnsupportedInputError,
     VerificationError,
 )
-from .integrations import deepspeed as _deepspeed
-from .integrations.distributed import check_wrappable
 from .options import Options
-from .program import BuildArtifacts, Program, compile_program
+from .program import BuildArtifacts, Program, ProgramSet, compile_program
 from .runtime.function import run_training_graph
 from .verify import verify_program
 
@@ -68,14 +66,14 @@ class ORTWrap(nn.Module):
             raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
         if isinstance(module, ORTWrap):
             raise TypeError("ORTWrap(module): module is already an ORTWrap")
-        check_wrappable(module)
+        integrations.check_wrappable(module)
         super().__init__()
         self.module = module
         # The submodule table itself (not a copy), as a plain attribute: read on every step.
         object.__setattr__(self, "_submodules", compat.submodule_table(self))
         self._options = Options.resolve(**options)
         configure(self._options.logging_level)
-        self._programs: dict[tuple, Program] = {}
+        self._programs: dict[tuple, ProgramSet] = {}
         self._export_count = 0
         self._last_artifacts: BuildArtifacts | None = None
         self._fallback_reason: ORTWrapError | None = None
@@ -127,9 +125,9 @@ class ORTWrap(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fallback_reason is not None:
             return self.module(*args, **kwargs)
-        if "ds_id" in self.__dict__ and _deepspeed.BUSY_MARK not in self.__dict__:
-            # DeepSpeed ZeRO-3 hooked this module: gather its partitioned parameters around the run.
-            return _deepspeed.zero3_forward(self, args, kwargs)
+        integration = _step_integration(self)
+        if integration is not None:  # an integration takes the call over (partitioned parameters gathered around it)
+            return integration.step(self, self.forward, args, kwargs)
         params_rg = tuple(map(_requires_grad, self._params))
         grad_on = _grad_enabled()
         in_spec: tuple | None = None
@@ -151,20 +149,15 @@ class ORTWrap(nn.Module):
             params_rg if needs_grad else (),
         )
         try:
-            program = self._programs.get(key)
+            programs = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
-        table: dict | list | None = None
-        if type(program) is dict:  # graphs with static non-batch dimensions: one program per shape
-            shape_key = tuple(tuple(t.shape[1:]) for t in leaves)
-            table, program = program, program.get(shape_key)
-        elif type(program) is list:  # dynamo captures with shape guards: the first that holds
-            table, program = program, next((p for p in program if _guards_hold(p, leaves)), None)
+        program = programs.find(leaves) if programs is not None else None
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
             try:
-                program = self._build(key, leaves, in_spec, needs_grad, table)
+                program = self._build(key, leaves, in_spec, needs_grad, programs)
             except _GuardMiss as miss:
                 return self._run_eagerly_once(miss.error, args, kwargs)
             if program is None:
@@ -210,16 +203,16 @@ class ORTWrap(nn.Module):
 
     def _evict(self, key: tuple, program: Program) -> None:
         """Forget ``program`` (it failed verification), so that no later call runs it."""
-        entry = self._programs.get(key)
-        if entry is program:
-            del self._programs[key]
-        elif isinstance(entry, list):
-            entry.remove(program)
-            if not entry:
+        programs = self._programs.get(key)
+        if programs is not None:
+            programs.remove(program)
+            if not programs:
                 del self._programs[key]
-        elif isinstance(entry, dict):
-            for k in [k for k, p in entry.items() if p is program]:
-                del entry[k]
+
+    def programs(self) -> list[Program]:
+        """Every compiled program of this wrapper (one per input schema and, where dimensions are
+        static or guarded, per shape)."""
+        return [p for programs in self._programs.values() for p in programs]
 
     def _run_eagerly_once(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
         """Shapes outside a dynamo capture's assumptions that do not export either: most often an
@@ -246,7 +239,7 @@ class ORTWrap(nn.Module):
         return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
 
     def _build(
-        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, table: dict | list | None
+        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, programs: ProgramSet | None
     ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
@@ -257,7 +250,7 @@ class ORTWrap(nn.Module):
         self._params = list(self.module.parameters())
         paths = _leaf_paths(in_spec, self._arg_names)
         try:
-            with _deepspeed.export_guard(self):  # hides DeepSpeed ZeRO-3's module hooks from the trace
+            with integrations.export_context(self):  # (an integration's module hooks hidden from the trace)
                 program, artifacts = compile_program(
                     self.module,
                     leaves,
@@ -271,23 +264,16 @@ class ORTWrap(nn.Module):
                 )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
-            if isinstance(table, list) and table and isinstance(e, ExportError):
+            if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
             if not self._options.fallback:
                 raise
             self._fall_back(e)
             return None
         self._export_count += artifacts.exports
-        if program.static_spatial:
-            if table is None:
-                table = self._programs[key] = {}
-            table[tuple(tuple(t.shape[1:]) for t in leaves)] = program
-        elif program.shape_guards or isinstance(table, list):
-            if table is None:
-                table = self._programs[key] = []
-            table.append(program)
-        else:
-            self._programs[key] = program
+        if programs is None:
+            programs = self._programs[key] = ProgramSet()
+        programs.add(program, leaves)
         self._last_artifacts = artifacts
         if self._options.debug_dir:
             paths_saved = artifacts.save(self._options.debug_dir, self._export_count)
@@ -296,13 +282,10 @@ class ORTWrap(nn.Module):
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_step_integration = integrations.step_integration
 _call_skips_hooks = compat.call_skips_hooks
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
-
-
-def _guards_hold(program: Program, leaves: list[torch.Tensor]) -> bool:
-    return program.shape_guards is None or program.shape_guards.check(leaves)
 
 
 def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -191,6 +191,63 @@ class Program:
         return feeds, vec
 
 
+class ProgramSet:
+    """The programs of one input schema: the one kind of value ``ORTWrap`` caches per schema key.
+
+    Usually a single program (every input dimension dynamic). A graph whose non-batch dimensions
+    are static has one program per such shape; a dynamo capture that fixed or tied dimensions has
+    one per set of shape guards, and the first whose guards hold serves a call.
+    """
+
+    __slots__ = ("_by_shape", "_dynamic", "_guarded")
+
+    def __init__(self) -> None:
+        self._dynamic: Program | None = None
+        self._by_shape: dict[tuple, Program] = {}
+        self._guarded: list[Program] = []
+
+    def find(self, leaves: list[torch.Tensor]) -> Program | None:
+        """The program that serves these inputs, or None (a build is needed)."""
+        if self._dynamic is not None:
+            return self._dynamic
+        if self._by_shape:
+            program = self._by_shape.get(tuple(tuple(t.shape[1:]) for t in leaves))
+            if program is not None:
+                return program
+        for program in self._guarded:
+            if program.shape_guards.check(leaves):
+                return program
+        return None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the schema's programs carry shape guards (a miss means: new shapes)."""
+        return bool(self._guarded)
+
+    def add(self, program: Program, leaves: list[torch.Tensor]) -> None:
+        if program.static_spatial:
+            self._by_shape[tuple(tuple(t.shape[1:]) for t in leaves)] = program
+        elif program.shape_guards:
+            self._guarded.append(program)
+        else:
+            self._dynamic = program
+
+    def remove(self, program: Program) -> None:
+        if self._dynamic is program:
+            self._dynamic = None
+        self._by_shape = {k: p for k, p in self._by_shape.items() if p is not program}
+        self._guarded = [p for p in self._guarded if p is not program]
+
+    def __iter__(self):
+        if self._dynamic is not None:
+            yield self._dynamic
+        yield from self._by_shape.values()
+        yield from self._guarded
+
+    def __bool__(self) -> bool:
+        return self._dynamic is not None or bool(self._by_shape) or bool(self._guarded)
+
+
 def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
     """Frozen duplicate inputs made by the stop-gradient pass are fed the tensor they duplicate."""
     for value in exported.model.graph.input:

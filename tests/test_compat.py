@@ -301,3 +301,11 @@ def test_import_on_a_newer_torch_warns_and_names_the_tested_releases():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2.99.0 is newer" in proc.stdout and compat.CHECKED_RELEASES[0] in proc.stdout
+
+
+def test_api_names_no_integration():
+    """Integrations hook in through ``ortwrap.integrations``' seam: the wrapper does not know them."""
+    with open(os.path.join(PACKAGE, "api.py")) as f:
+        source = f.read().lower()
+    for name in ("deepspeed", "ds_id", "zero3", "distributeddataparallel", "fsdp"):
+        assert name not in source, f"api.py names {name!r}"

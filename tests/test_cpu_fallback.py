@@ -403,7 +403,7 @@ def test_flag_off_builds_no_host_program(monkeypatch) -> None:
     w(torch.randn(2, 5, _LLAMA.d)).sum().backward()
     assert w.last_artifacts.host_shapes is None
     assert "HostShapeSplitPass" not in {r.name for r in w.last_artifacts.passes}
-    program = next(iter(w._programs.values()))
+    program = next(iter(w.programs()))
     assert program.host_shapes_runner is None  # nothing added per step
 
 
@@ -458,7 +458,7 @@ def test_llama_block_training_parity_with_changing_batch_and_sequence(tmp_path) 
     program = onnx.load(str(tmp_path / "build01_train_host_shapes.onnx"))
     assert {n.name for n in program.graph.node} >= {p.name for p in split.moved.values() if p.placement == "host"}
     # The program ran once per distinct (batch, sequence) shape, not once per step.
-    runner = next(iter(w._programs.values())).host_shapes_runner
+    runner = next(iter(w.programs())).host_shapes_runner
     assert runner.runs == 4
 
 
@@ -571,6 +571,6 @@ def test_llama_block_on_cuda_feeds_shapes_from_the_host() -> None:
         wrap_options={"aggressive_cpu_fallback": True},
     )
     assert w.export_count == 1 and w.last_artifacts.host_shapes.moved
-    program = next(iter(w._programs.values()))
+    program = next(iter(w.programs()))
     host = program.host_shapes_runner([torch.randn(2, 5, _LLAMA.d, device="cuda")])
     assert host and all(t.device.type == "cpu" for t in host)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 def test_mlp_on_cuda():
     w = check_parity(mlp, lambda b, g: ((torch.randn(b, 20, generator=g),), {}), device="cuda")
-    assert "CUDAExecutionProvider" in w._programs[next(iter(w._programs))].runner._session.get_providers()
+    assert "CUDAExecutionProvider" in w.programs()[0].runner._session.get_providers()
 
 
 def test_cnn_batchnorm_on_cuda():

@@ -72,8 +72,8 @@ def test_a_dim_the_capture_fixed_is_guarded_and_reexported():
     for b in (1, 6, 1, 3):
         x = torch.randn(b, 5)
         assert_close(w(x), ref(x), f"batch {b}")
-    guards = w._programs[next(iter(w._programs))]
-    assert isinstance(guards, list) and len(guards) == 2
+    programs = w.programs()
+    assert len(programs) == 2 and all(p.shape_guards for p in programs)
     assert w.export_count == 2  # batch 1, then one dynamic program for 6 and 3
 
 
@@ -135,7 +135,7 @@ def test_verify_catches_a_silently_wrong_dynamo_translation(monkeypatch):
     with pytest.raises(VerificationError, match=r"output 0: max \|ORT - eager\|") as info:
         w(x, y)
     assert "running_mean" in str(info.value) and "gradient of parameter 'l.weight'" in str(info.value)
-    assert not w._programs  # the wrong program is not kept for later calls
+    assert not w.programs()  # the wrong program is not kept for later calls
     with pytest.raises(VerificationError):
         w(x, y)
 

@@ -453,11 +453,15 @@ def test_control_flow_on_the_batch_dimension_falls_back_instead_of_crashing():
     assert_close(y, m(x), "fallback output")
     # The dynamo capture specializes the batch of 1 instead (a shape guard): no If, ORT trains it,
     # and a batch of 3 gets its own program.
-    w = ORTWrap(m, fallback=False)
-    for b in (1, 3):
-        x = torch.randn(b, 3, 4)
-        assert_close(w(x).detach(), m(x).detach(), f"batch {b}")
-    assert w.fallback_reason is None and w.last_artifacts.exporter == "dynamo"
+    for order in ((1, 3), (3, 1)):
+        # In the other order, the capture for batch 3 assumed batch >= 2 (squeeze(0) a no-op):
+        # batch 1 breaks that guard and gets a capture of its own, which squeezes.
+        w = ORTWrap(m, fallback=False)
+        for b in order:
+            x = torch.randn(b, 3, 4)
+            assert_close(w(x).detach(), m(x).detach(), f"batch {b}")
+        assert w.fallback_reason is None and w.last_artifacts.exporter == "dynamo"
+        assert len(w.programs()) == 2
 
 
 def test_module_hooks_still_run():

@@ -54,16 +54,24 @@ class ShapeGuards:
     Attributes:
         static: ``(input index, dim, size)`` for each dimension the capture fixed.
         equal: groups of ``(input index, dim)`` the capture assumed equal (one symbol).
+        at_least_two: ``(input index, dim)`` of each dimension the capture kept symbolic:
+            ``torch.export`` specializes sizes 0 and 1 and assumes the others are at least 2
+            (``squeeze``, broadcasting and ``x.shape[0] == 1`` branches were decided so), so a
+            size of 0 or 1 there needs its own capture.
     """
 
     static: tuple[tuple[int, int, int], ...] = ()
     equal: tuple[tuple[tuple[int, int], ...], ...] = ()
+    at_least_two: tuple[tuple[int, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.static or self.equal)
+        return bool(self.static or self.equal or self.at_least_two)
 
     def check(self, leaves: list[torch.Tensor]) -> bool:
-        """True if ``leaves`` satisfy every assumption."""
+        """True if ``leaves`` satisfy every assumption (on every call: kept to plain loops)."""
+        for i, d in self.at_least_two:
+            if leaves[i].shape[d] < 2:
+                return False
         for i, d, size in self.static:
             if leaves[i].shape[d] != size:
                 return False
@@ -78,6 +86,7 @@ class ShapeGuards:
     def describe(self, paths: list[str]) -> str:
         parts = [f"{paths[i]}.shape[{d}] == {s}" for i, d, s in self.static]
         parts += [" == ".join(f"{paths[i]}.shape[{d}]" for i, d in g) for g in self.equal]
+        parts += [f"{paths[i]}.shape[{d}] >= 2" for i, d in self.at_least_two]
         return "; ".join(parts)
 
 
@@ -334,7 +343,8 @@ def _shape_guards(program: torch.export.ExportedProgram) -> ShapeGuards:
             else:
                 symbols.setdefault(str(dim), []).append((i, d))
     equal = tuple(tuple(g) for g in symbols.values() if len(g) > 1)
-    return ShapeGuards(tuple(static), equal)
+    at_least_two = tuple(dim for group in symbols.values() for dim in group[:1])  # (the group's others are equal)
+    return ShapeGuards(tuple(static), equal, at_least_two)
 
 
 def _collective_stubs():

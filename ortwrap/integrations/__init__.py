@@ -1,1 +1,93 @@
-"""Placeholder package; see docs/architecture.md."""
+"""Optional libraries (DeepSpeed, torch.distributed wrappers) hook into ORTWrap through one seam.
+
+An :class:`Integration` can act at four documented points; ``ORTWrap`` calls them and never names
+an integration:
+
+- **wrap time**: :meth:`Integration.check_wrappable` refuses a module the integration knows cannot
+  work inside ORTWrap (``DistributedDataParallel(model)`` inside ORTWrap, ...).
+- **around a step**: :meth:`Integration.step` runs the wrapper's forward for a call it takes over
+  (DeepSpeed ZeRO-3: gather the partitioned parameters, run, release them after the backward).
+  :meth:`Integration.applies` is asked on every call and must be cheap.
+- **before export**: :meth:`Integration.export_context` surrounds each export (DeepSpeed's module
+  hooks hidden while tracing).
+- **parameter gather and release**: :meth:`Integration.gather` and :meth:`Integration.release`,
+  which :meth:`step` implementations use, and which ``ORTWrap`` calls around work that reads all
+  parameters outside a step (``verify=True``'s eager run).
+
+:data:`INTEGRATIONS` lists them; each imports its library lazily, so importing ortwrap imports none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..api import ORTWrap
+
+__all__ = ["INTEGRATIONS", "Integration", "check_wrappable", "export_context", "step_integration"]
+
+
+class Integration:
+    """The seam's default: every hook does nothing."""
+
+    name = "integration"
+
+    def check_wrappable(self, module: nn.Module) -> None:
+        """Raise if ``module`` cannot be wrapped (called once, by ``ORTWrap.__init__``)."""
+
+    def applies(self, wrapper: ORTWrap) -> bool:
+        """Whether :meth:`step` takes over this wrapper's calls now (asked on every call: keep it cheap)."""
+        return False
+
+    def step(self, wrapper: ORTWrap, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run ``forward(*args, **kwargs)`` (the wrapper's own forward) with what the integration needs around it."""
+        return forward(*args, **kwargs)
+
+    def export_context(self, wrapper: ORTWrap) -> contextlib.AbstractContextManager:
+        """What surrounds an export of ``wrapper``'s module."""
+        return contextlib.nullcontext()
+
+    def gather(self, wrapper: ORTWrap) -> Any:
+        """Make the module's parameters whole; return a token for :meth:`release`."""
+        return None
+
+    def release(self, wrapper: ORTWrap, token: Any) -> None:
+        """Undo :meth:`gather`."""
+
+
+def _load() -> list[Integration]:
+    from .deepspeed import DeepSpeedZero3
+    from .distributed import DataParallelWrappers
+
+    return [DataParallelWrappers(), DeepSpeedZero3()]
+
+
+#: Every integration, in the order their hooks run.
+INTEGRATIONS: list[Integration] = _load()
+
+
+def check_wrappable(module: nn.Module) -> None:
+    """Every integration's wrap-time check."""
+    for integration in INTEGRATIONS:
+        integration.check_wrappable(module)
+
+
+def step_integration(wrapper: ORTWrap) -> Integration | None:
+    """The integration that takes over this call, if any (per step: a cheap check each)."""
+    for integration in INTEGRATIONS:
+        if integration.applies(wrapper):
+            return integration
+    return None
+
+
+@contextlib.contextmanager
+def export_context(wrapper: ORTWrap) -> Iterator[None]:
+    """Every integration's export context, nested in list order."""
+    with contextlib.ExitStack() as stack:
+        for integration in INTEGRATIONS:
+            stack.enter_context(integration.export_context(wrapper))
+        yield

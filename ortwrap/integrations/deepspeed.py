@@ -39,12 +39,14 @@ from .._compat import torch as compat
 from .._logging import logger
 from .._tree import flatten
 from ..errors import UnsupportedInputError
+from . import Integration
 
 if TYPE_CHECKING:
     from ..api import ORTWrap
 
 __all__ = [
     "ZERO3_MARK",
+    "DeepSpeedZero3",
     "export_guard",
     "is_deepspeed_available",
     "is_zero3_module",
@@ -175,7 +177,7 @@ def _check_supported(wrapper: ORTWrap, st: _Zero3State) -> None:
     st.checked.add(key)
 
 
-def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict) -> Any:
+def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = None) -> Any:
     """``wrapper(*args, **kwargs)`` for a module whose parameters DeepSpeed ZeRO-3 partitions.
 
     Gathers the partitioned parameters, runs the wrapper's forward (which exports with
@@ -184,24 +186,10 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict) -> Any:
     """
     st = _state(wrapper)
     _check_supported(wrapper, st)
-    params = [p for p in wrapper.module.parameters() if _is_zero_param(p)]
-    not_available = _status("NOT_AVAILABLE")
-    inflight = [p for p in params if p.ds_status == _status("INFLIGHT")]
-    if inflight:
-        raise UnsupportedInputError(
-            f"ORTWrap under DeepSpeed ZeRO-3: {len(inflight)} parameters are being gathered by DeepSpeed's "
-            "prefetch when ORTWrap runs; ortwrap gathers the wrapped module's parameters itself"
-        )
-    to_gather = [p for p in params if p.ds_status == not_available]
-    if to_gather:
-        # NOTE: a collective: every rank gathers the same parameters in the same order.
-        with torch.no_grad():
-            to_gather[0].all_gather(param_list=to_gather)
-        known = {id(p) for p in st.gathered}
-        st.gathered.extend(p for p in to_gather if id(p) not in known)
+    _gather(wrapper, st)
     wrapper.__dict__[BUSY_MARK] = True
     try:
-        out = wrapper.forward(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
+        out = (forward or wrapper.forward)(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
     except BaseException:
         _release_if_idle(wrapper, st)
         raise
@@ -222,6 +210,26 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict) -> Any:
         node_ref = None
     node.register_hook(_on_backward(wrapper, node_ref))
     return out
+
+
+def _gather(wrapper: ORTWrap, st: _Zero3State) -> None:
+    """All-gather the wrapped module's partitioned parameters (a collective: every rank gathers the
+    same parameters in the same order)."""
+    params = [p for p in wrapper.module.parameters() if _is_zero_param(p)]
+    not_available = _status("NOT_AVAILABLE")
+    inflight = [p for p in params if p.ds_status == _status("INFLIGHT")]
+    if inflight:
+        raise UnsupportedInputError(
+            f"ORTWrap under DeepSpeed ZeRO-3: {len(inflight)} parameters are being gathered by DeepSpeed's "
+            "prefetch when ORTWrap runs; ortwrap gathers the wrapped module's parameters itself"
+        )
+    to_gather = [p for p in params if p.ds_status == not_available]
+    if to_gather:
+        # NOTE: a collective: every rank gathers the same parameters in the same order.
+        with torch.no_grad():
+            to_gather[0].all_gather(param_list=to_gather)
+        known = {id(p) for p in st.gathered}
+        st.gathered.extend(p for p in to_gather if id(p) not in known)
 
 
 def _backward_node(out: Any) -> Any:
@@ -273,19 +281,36 @@ def _release_if_idle(wrapper: ORTWrap, st: _Zero3State) -> None:
         with torch.no_grad():
             to_release[0].partition(param_list=to_release)
     # The programs' cached OrtValues would keep the whole parameters' memory alive.
-    for program in _programs(wrapper):
-        forget = getattr(program, "forget_state_values", None)
-        if forget is not None:
-            forget()
+    for program in wrapper.programs():
+        program.forget_state_values()
 
 
-def _programs(wrapper: ORTWrap) -> list[Any]:
-    out: list[Any] = []
-    for p in wrapper._programs.values():
-        if isinstance(p, dict):  # one program per static shape
-            out.extend(p.values())
-        elif isinstance(p, list):  # dynamo captures with shape guards
-            out.extend(p)
-        else:
-            out.append(p)
-    return out
+class DeepSpeedZero3(Integration):
+    """The integration seam's ZeRO-3 hooks (``ortwrap.integrations.Integration``): around a step,
+    gather and release; before export, DeepSpeed's module hooks hidden."""
+
+    name = "deepspeed-zero3"
+
+    def check_wrappable(self, module: nn.Module) -> None:
+        pass  # (the wrap-order check of DeepSpeed engines is DataParallelWrappers')
+
+    def applies(self, wrapper: ORTWrap) -> bool:
+        d = wrapper.__dict__
+        return ZERO3_MARK in d and BUSY_MARK not in d
+
+    def step(self, wrapper: ORTWrap, forward: Any, args: tuple, kwargs: dict) -> Any:
+        return zero3_forward(wrapper, args, kwargs, forward)
+
+    def export_context(self, wrapper: ORTWrap) -> Any:
+        return export_guard(wrapper)
+
+    def gather(self, wrapper: ORTWrap) -> Any:
+        if not is_zero3_module(wrapper):
+            return None
+        st = _state(wrapper)
+        _gather(wrapper, st)
+        return st
+
+    def release(self, wrapper: ORTWrap, token: Any) -> None:
+        if token is not None:
+            _release_if_idle(wrapper, token)

@@ -38,10 +38,12 @@ import torch.distributed as dist
 
 from ..bridge.intercept import current_function
 from ..errors import ExportError, UnsupportedInputError
+from . import Integration
 
 __all__ = [
     "DEEPSPEED_COLLECTIVES",
     "TORCH_COLLECTIVES",
+    "DataParallelWrappers",
     "DoneWork",
     "check_wrappable",
     "collective_stubs",
@@ -336,3 +338,12 @@ def check_wrappable(module: torch.nn.Module) -> None:
             "ORTWrap(deepspeed engine) is not supported: wrap the model first and give the wrapper to DeepSpeed: "
             "engine, *_ = deepspeed.initialize(model=ORTWrap(model), ...)"
         )
+
+
+class DataParallelWrappers(Integration):
+    """The integration seam's wrap-time check for data-parallel wrappers (:func:`check_wrappable`)."""
+
+    name = "data-parallel-wrappers"
+
+    def check_wrappable(self, module: torch.nn.Module) -> None:
+        check_wrappable(module)
