@@ -68,6 +68,8 @@ def _load() -> list[Integration]:
 
 #: Every integration, in the order their hooks run.
 INTEGRATIONS: list[Integration] = _load()
+#: Those that may take a step over (asked on every call, so only these are asked).
+_STEPPING: tuple[Integration, ...] = tuple(i for i in INTEGRATIONS if type(i).applies is not Integration.applies)
 
 
 def check_wrappable(module: nn.Module) -> None:
@@ -78,7 +80,7 @@ def check_wrappable(module: nn.Module) -> None:
 
 def step_integration(wrapper: ORTWrap) -> Integration | None:
     """The integration that takes over this call, if any (per step: a cheap check each)."""
-    for integration in INTEGRATIONS:
+    for integration in _STEPPING:
         if integration.applies(wrapper):
             return integration
     return None
