@@ -147,6 +147,7 @@ class ORTWrap(nn.Module):
             structure,
             tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
             params_rg if needs_grad else (),
+            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
         )
         try:
             programs = self._programs.get(key)
@@ -261,6 +262,7 @@ class ORTWrap(nn.Module):
                     device=device,
                     options=self._options,
                     build_index=self._export_count + 1,
+                    autocast=key[5],
                 )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
@@ -283,6 +285,24 @@ class ORTWrap(nn.Module):
 
 _requires_grad = operator.attrgetter("requires_grad")
 _step_integration = integrations.step_integration
+_any_autocast = None  # bound on first use (compat, never at import)
+
+
+def _bind_autocast_check():
+    global _any_autocast
+    _any_autocast = compat.any_autocast_enabled()
+    return _any_autocast
+
+
+def autocast_state() -> tuple:
+    """The autocast settings a forward runs under: (device type, dtype) of each device type where
+    autocast is on, and whether its cast cache is on. Part of the program key."""
+    return (
+        tuple((d, torch.get_autocast_dtype(d)) for d in compat.AUTOCAST_DEVICES if torch.is_autocast_enabled(d)),
+        torch.is_autocast_cache_enabled(),
+    )
+
+
 _call_skips_hooks = compat.call_skips_hooks
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor

@@ -13,7 +13,8 @@ A build's key is a hash of everything that decides the graph, computed without e
   device, ``requires_grad``; train/eval; backward or not) and, for programs with static
   dimensions, the shape;
 - the options that shape the graph, the machine's CPU kernel flags, and the versions of Python,
-  torch, onnxruntime, onnx, onnxscript and ortwrap.
+  torch, onnxruntime, onnx, onnxscript and ortwrap (with a hash of ortwrap's own source, so an
+  edited checkout never loads what an older one built).
 
 An entry holds the built graph (ORT's forward+backward model), its ``GraphInfo``, how flat inputs,
 parameters, buffers and outputs map to the graph, the shape guards, and the exported and
@@ -103,6 +104,8 @@ def _versions() -> tuple:
 
     from . import __version__ as ortwrap_version
 
+    ortwrap_version = f"{ortwrap_version}+{_own_code()}"
+
     ort = "-"
     for dist in ("onnxruntime-training-cpu", "onnxruntime-training"):
         if version(dist) != "-":
@@ -117,6 +120,25 @@ def _versions() -> tuple:
         version("onnx-ir"),
         ortwrap_version,
     )
+
+
+_own_code_hash: list[str] = []
+
+
+def _own_code() -> str:
+    """A hash of ortwrap's own source (Python and C): an edited ortwrap (a development checkout, a
+    patched install) never loads graphs an older one built."""
+    if not _own_code_hash:
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                if name.endswith((".py", ".c")):
+                    with open(os.path.join(dirpath, name), "rb") as f:
+                        h.update(name.encode() + b"\0" + f.read())
+        _own_code_hash.append(h.hexdigest()[:16])
+    return _own_code_hash[0]
 
 
 _file_hashes: dict[str, str] = {}

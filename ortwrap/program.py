@@ -280,6 +280,8 @@ class BuildRequest:
     with_backward: bool
     device: torch.device
     options: Options
+    #: the autocast state the call ran under (``api.autocast_state()``), or None
+    autocast: tuple | None = None
 
     @property
     def kind(self) -> str:
@@ -315,6 +317,7 @@ def export_stages(exporter: str) -> list[Stage]:
                 with_backward=request.with_backward,
                 inline_functions=o.inline_functions,
                 aten_ops=o.aten_ops,
+                autocast=request.autocast,
             )
         }
 
@@ -468,6 +471,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             input_names_require_grad=require_grad if with_backward else [],
             build_gradient=with_backward,
             log_level=o.logging_level,
+            propagate_casts=device.type != "cpu",
         )
         return {"graph": graph, "feeds": feeds}
 
@@ -542,6 +546,7 @@ def _schema(request: BuildRequest) -> tuple:
         request.training,
         request.with_backward,
         str(request.device),
+        repr(request.autocast),
     )
 
 
@@ -689,6 +694,7 @@ def compile_program(
     device: torch.device,
     options: Options,
     build_index: int = 0,
+    autocast: tuple | None = None,
 ) -> tuple[Program, BuildArtifacts]:
     """Export, rewrite, build and load ``module`` for one input schema: :func:`export_stages` (with
     the exporter fallback and static re-export of :func:`_export`), then :func:`build_stages`.
@@ -696,7 +702,7 @@ def compile_program(
     Raises:
         ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
     """
-    request = BuildRequest(module, leaves, in_spec, input_paths, training, with_backward, device, options)
+    request = BuildRequest(module, leaves, in_spec, input_paths, training, with_backward, device, options, autocast)
     records: list[StageRecord] = []
     debug = {
         "what": request.describe(),

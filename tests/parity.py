@@ -90,13 +90,18 @@ def check_parity(
     wrap_options: dict | None = None,
     seed: int = 0,
     device: str = "cpu",
+    autocast: Callable[[], Any] | None = None,
 ) -> ORTWrap:
     """Train a model eagerly and an identical copy through ORTWrap; assert they agree at every step.
 
     ``make_inputs(batch_size, generator)`` returns ``(args, kwargs)``; tensors that require grad
-    are cloned for each side and their ``.grad`` compared too. Returns the ORTWrap for further
+    are cloned for each side and their ``.grad`` compared too. ``autocast()``, if given, returns the
+    context (``torch.autocast(...)``) both forwards run in. Returns the ORTWrap for further
     assertions (export counts, artifacts).
     """
+    import contextlib
+
+    amp = autocast or contextlib.nullcontext
     torch.manual_seed(seed)
     eager = make_model().to(device)
     ours = copy.deepcopy(eager)
@@ -110,8 +115,10 @@ def check_parity(
         args, kwargs = make_inputs(bs, gen)
         args_e, kwargs_e = _clone_inputs(args, device), _clone_inputs(kwargs, device)
         args_o, kwargs_o = _clone_inputs(args, device), _clone_inputs(kwargs, device)
-        out_e = eager(*args_e, **kwargs_e)
-        out_o = wrapped(*args_o, **kwargs_o)
+        with amp():
+            out_e = eager(*args_e, **kwargs_e)
+        with amp():
+            out_o = wrapped(*args_o, **kwargs_o)
         assert type(out_o) is type(out_e), f"step {step}: output type {type(out_o)} != eager {type(out_e)}"
         leaves_e, leaves_o = tensor_leaves(out_e), tensor_leaves(out_o)
         assert len(leaves_e) == len(leaves_o), f"step {step}: {len(leaves_o)} output tensors, eager has {len(leaves_e)}"

@@ -159,6 +159,7 @@ _FUNCTORCH_ACTIVE = _declare("torch._C._are_functorch_transforms_active")
 _FUNCTION_BASE = _declare("torch._C._FunctionBase")
 _TRACING_STATE = _declare("torch._C._get_tracing_state")
 _EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
+_ANY_AUTOCAST = _declare("torch._C._is_any_autocast_enabled")
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
     _declare(f"torch.nn.modules.module.{n}")
@@ -270,6 +271,19 @@ def tracing_state() -> Callable[[], Any]:
         return _resolve(_TRACING_STATE)
     except Exception:
         return torch.jit.is_tracing
+
+
+#: Device types whose autocast state ortwrap reads.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@functools.cache
+def any_autocast_enabled() -> Callable[[], bool]:
+    """``f()``: is autocast on for any device (one C call; the public checks take one per device)."""
+    try:
+        return _resolve(_ANY_AUTOCAST)
+    except Exception:
+        return lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

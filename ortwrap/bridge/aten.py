@@ -263,6 +263,30 @@ def set_native(run_address: int) -> None:
         raise RuntimeError("ortwrap: connecting the CPU kernels to the ATen executor failed")
 
 
+#: ONNX element type -> torch dtype, and back (no numpy: it has no bfloat16).
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.DOUBLE: torch.float64,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.INT64: torch.int64,
+    onnx.TensorProto.INT32: torch.int32,
+    onnx.TensorProto.INT16: torch.int16,
+    onnx.TensorProto.INT8: torch.int8,
+    onnx.TensorProto.UINT8: torch.uint8,
+    onnx.TensorProto.BOOL: torch.bool,
+}
+ONNX_TYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def tensor_from_proto(t: onnx.TensorProto) -> torch.Tensor:
+    """An ONNX tensor as a torch tensor (bfloat16 included, which numpy cannot hold natively)."""
+    array = onnx.numpy_helper.to_array(t)
+    if t.data_type == onnx.TensorProto.BFLOAT16:
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
 def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
     """Values of Constant nodes (strings as uint8 bytes, the executor's convention)."""
     out = {}
@@ -273,7 +297,7 @@ def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
             if a.type == onnx.AttributeProto.STRING and a.name in ("value", "value_string"):
                 out[n.output[0]] = torch.tensor(list(a.s), dtype=torch.uint8)
             elif a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-                out[n.output[0]] = torch.from_numpy(onnx.numpy_helper.to_array(a.t).copy())
+                out[n.output[0]] = tensor_from_proto(a.t)
     return out
 
 
@@ -302,7 +326,7 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
             inputs.append(constants[name])
         elif name in known:
             elem, shape = known[name]
-            dtype = torch.from_numpy(np.empty(0, dtype=onnx.helper.tensor_dtype_to_np_dtype(elem))).dtype
+            dtype = TORCH_DTYPES[elem]
             inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
         else:
             return None
@@ -346,7 +370,7 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
                     other = runs[1][i] if runs[1] is not None and i < len(runs[1]) else None
                     same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
                     dims = [a if same and a == b else None for a, b in zip(r.shape, other.shape if same else r.shape)]
-                    elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty((), dtype=r.dtype).numpy().dtype)
+                    elem = ONNX_TYPES[r.dtype]
                     model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
                     progress = True
         if not progress:

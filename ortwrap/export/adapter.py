@@ -28,22 +28,27 @@ STATE_PREFIX = "module."
 
 
 class _Traced:
-    """What tracing the adapter found out: the output tree spec and the number of tensor outputs."""
+    """What tracing the adapter found out: the output tree spec, the number of tensor outputs and
+    their dtypes (what eager returns)."""
 
-    __slots__ = ("n_outputs", "out_spec")
+    __slots__ = ("n_outputs", "out_dtypes", "out_spec")
 
     def __init__(self) -> None:
         self.out_spec: tuple | None = None
         self.n_outputs = 0
+        self.out_dtypes: list[torch.dtype] = []
 
 
 class Adapter(nn.Module):
     """Calls ``module`` with inputs rebuilt from flat tensors; returns flat tensor outputs + buffers."""
 
-    def __init__(self, module: nn.Module, in_spec: tuple) -> None:
+    def __init__(self, module: nn.Module, in_spec: tuple, autocast: tuple | None = None) -> None:
         super().__init__()
         self.module = module
         self._in_spec = in_spec
+        #: the autocast state to capture under (``api.autocast_state()``): applied inside forward,
+        #: where both exporters record its casts (torch.export does not see an ambient autocast)
+        self._autocast = autocast
         #: the buffers returned after the outputs (floating point and int64 ones)
         self.buffer_names = [n for n, b in module.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
         # torch.export (non-strict) restores the module's attributes, containers included, after
@@ -60,12 +65,39 @@ class Adapter(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = _tree.unflatten(self._in_spec, flat)
-        out = self.module(*args, **kwargs)
+        with autocast_contexts(self._autocast):
+            out = self.module(*args, **kwargs)
         leaves: list[torch.Tensor] = []
         self._traced.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
         self._traced.n_outputs = len(leaves)
+        self._traced.out_dtypes = [t.dtype for t in leaves]
         buffers = dict(self.module.named_buffers())
         return (*leaves, *(buffers[n] for n in self.buffer_names))
+
+
+@contextlib.contextmanager
+def autocast_contexts(state: tuple | None) -> Iterator[None]:
+    """Enter the autocast state ``state`` (``api.autocast_state()``); None: nothing."""
+    if state is None:
+        yield
+        return
+    devices, cache = state
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype in devices:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        yield
+
+
+@contextlib.contextmanager
+def no_ambient_autocast() -> Iterator[None]:
+    """Autocast off around a capture (the adapter enters the call's own state inside)."""
+    from .._compat.torch import AUTOCAST_DEVICES
+
+    with contextlib.ExitStack() as stack:
+        for device_type in AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _opaque_output(path: str, value: Any) -> tuple:
@@ -120,7 +152,7 @@ def finish_export(
     n_out = adapter.n_outputs
     buffer_names = adapter.buffer_names
     output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
-    model = name_outputs(model, output_names)
+    model = name_outputs(model, output_names, adapter._traced.out_dtypes)
     present = {i.name for i in model.graph.input}
     buffers = dict(module.named_buffers())
     return ExportedModel(
@@ -145,6 +177,14 @@ def finish_export(
 STATIC_SPATIAL_OPS = frozenset({"MaxPool", "AveragePool", "Resize", "Upsample", "LpPool", "MaxUnpool"})
 
 
+_IR_FLOAT_TYPES = {
+    torch.float32: ir.DataType.FLOAT,
+    torch.float16: ir.DataType.FLOAT16,
+    torch.bfloat16: ir.DataType.BFLOAT16,
+    torch.float64: ir.DataType.DOUBLE,
+}
+
+
 def graph_static_reasons(model: onnx.ModelProto) -> list[str]:
     nodes = [n for n in model.graph.node if n.domain in ("", "ai.onnx")]
     found = sorted({n.op_type for n in nodes if n.op_type in STATIC_SPATIAL_OPS})
@@ -156,11 +196,28 @@ def graph_static_reasons(model: onnx.ModelProto) -> list[str]:
     return reasons
 
 
-def name_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+def name_outputs(model: onnx.ModelProto, names: list[str], dtypes: list[torch.dtype] = ()) -> onnx.ModelProto:
     """Rename the graph outputs to ``names``; an output that is a graph input or repeats an earlier
-    output first gets its own Identity node, so every output is a distinct value."""
+    output first gets its own Identity node, so every output is a distinct value. A floating-point
+    output whose graph dtype differs from ``dtypes`` (what the module returned while traced) is
+    cast to it: the TorchScript exporter computes some float16 ops in float32 (LayerNorm, MatMul
+    of a transposed weight) and returns float32 where eager returns float16."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
+    for i, dtype in enumerate(dtypes):
+        value = graph.outputs[i]
+        want = _IR_FLOAT_TYPES.get(dtype)
+        if (
+            want is not None
+            and value.dtype is not None
+            and value.dtype != want
+            and value.dtype in _IR_FLOAT_TYPES.values()
+        ):
+            node = ir.node("Cast", [value], {"to": int(want)}, name=f"ortwrap/output_dtype/{i}")
+            graph.append(node)
+            node.outputs[0].dtype = want
+            node.outputs[0].shape = value.shape
+            graph.outputs[i] = node.outputs[0]
     if len(graph.outputs) != len(names):
         raise ExportError(f"the exported graph has {len(graph.outputs)} outputs, expected {len(names)}")
     inputs = {id(v) for v in graph.inputs}

@@ -38,7 +38,7 @@ from torch import nn
 from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError
-from .adapter import Adapter, finish_export, preserved_state, state_tensors
+from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .model import ExportedModel
 from .translations import training_translations
@@ -141,6 +141,7 @@ def capture_dynamo(
     with_backward: bool = True,
     inline_functions: tuple[str, ...] = (),
     aten_ops: tuple[str, ...] = (),
+    autocast: tuple | None = None,
 ) -> DynamoCapture:
     """Capture ``module`` called with the inputs ``in_spec`` and ``flat_inputs`` describe, with
     ``torch.export`` (the translation to ONNX is :func:`translate_dynamo`).
@@ -154,7 +155,7 @@ def capture_dynamo(
     """
     from torch.export import Dim
 
-    adapter = Adapter(module, in_spec)
+    adapter = Adapter(module, in_spec, autocast)
     input_names = [f"input:{p}" for p in input_paths]
     dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
     dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
@@ -164,6 +165,7 @@ def capture_dynamo(
         with (
             _quiet_exporter(),
             preserved_state(module),
+            no_ambient_autocast(),
             _collective_stubs(),
             bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
         ):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -136,6 +137,32 @@ def _unflatten(g, x, dim, sizes):
     return g.op("Reshape", x, g.op("Concat", *parts, axis_i=0) if len(parts) > 1 else parts[0])
 
 
+_TRACED_DTYPES = {"Float": torch.float32, "Half": torch.float16, "BFloat16": torch.bfloat16, "Double": torch.float64}
+
+
+def _explicit_scale(g, query, scale):
+    """The scale (given, or the default ``1/sqrt(E)`` when E is static) as a constant of the
+    query's dtype.
+
+    Otherwise the exporter mixes a float32 scale with a bfloat16 query, and its type promotion (or
+    the symbolic's own cast of the default scale) writes ``Cast(to=15)``, complex128, for bfloat16:
+    the graph does not load under autocast(bfloat16)."""
+    traced = next(iter(g.original_node.inputs())).type()
+    dtype = _TRACED_DTYPES.get(traced.scalarType()) if hasattr(traced, "scalarType") else None
+    if dtype is None:
+        return scale
+    if compat.ts_is_none(scale):
+        sizes = traced.sizes() if hasattr(traced, "sizes") else None
+        if not sizes or sizes[-1] is None:
+            return scale
+        value = 1.0 / math.sqrt(sizes[-1])
+    else:
+        value = compat.ts_constant(scale, "f")
+        if not isinstance(value, float):
+            return scale
+    return g.op("Constant", value_t=torch.tensor(value, dtype=dtype))
+
+
 def _sdpa(default: Callable) -> Callable:
     """``enable_gqa=True`` (grouped-query attention: fewer key/value heads than query heads, as in
     Llama) is refused by torch's symbolic. Each key/value head is repeated for its group of query
@@ -143,6 +170,7 @@ def _sdpa(default: Callable) -> Callable:
     torch's symbolic runs on the expanded tensors."""
 
     def symbolic(g, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        scale = _explicit_scale(g, query, scale)
         if not compat.ts_constant(enable_gqa, "b"):
             return default(g, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if compat.ts_rank(query) != 4 or compat.ts_rank(key) != 4:

@@ -25,7 +25,7 @@ from .._compat import torch as compat
 from ..bridge.symbolic import export_scope
 from ..errors import ExportError
 from ..integrations.distributed import collective_stubs
-from .adapter import Adapter, finish_export, preserved_state, state_tensors
+from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .model import ExportedModel
 from .symbolics import ortwrap_symbolics
 
@@ -76,6 +76,7 @@ def capture_torchscript(
     with_backward: bool = True,
     inline_functions: tuple[str, ...] = (),
     aten_ops: tuple[str, ...] = (),
+    autocast: tuple | None = None,
 ) -> TorchScriptCapture:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
@@ -94,7 +95,7 @@ def capture_torchscript(
     Raises:
         ExportError: chained to the exporter's error.
     """
-    adapter = Adapter(module, in_spec)
+    adapter = Adapter(module, in_spec, autocast)
     input_names = [f"input:{p}" for p in input_paths]
     dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
     dynamic_axes = {name: {d: f"{name}.dim{d}" for d in dims(t)} for name, t in zip(input_names, flat_inputs)}
@@ -104,6 +105,7 @@ def capture_torchscript(
     try:
         with (
             preserved_state(module),
+            no_ambient_autocast(),
             _buffers_as_inputs(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
             ortwrap_symbolics(opset, aten_ops) as symbolic_reasons,

@@ -85,6 +85,7 @@ def build_graph(
     input_names_require_grad: list[str],
     build_gradient: bool,
     log_level: int = logging.WARNING,
+    propagate_casts: bool = True,
 ) -> TrainingGraph:
     """Build the training (or optimized inference) graph of ``model``.
 
@@ -95,6 +96,10 @@ def build_graph(
         input_names_require_grad: user inputs to differentiate.
         build_gradient: build the backward (training) or only optimize the forward.
         log_level: Python logging level for the builder's messages.
+        propagate_casts: let ORT move Casts through the graph (its PropagateCastOps transformer). Off
+            on the CPU: it moves the float32 Casts of half-precision parameters past the ops that
+            read them (a Slice of the position table), leaving ops with half-precision inputs that
+            ORT's CPU kernels lack (SliceGrad).
 
     Raises:
         GradientBuildError: chained to the builder's error.
@@ -108,9 +113,12 @@ def build_graph(
     cfg.use_memory_efficient_gradient = False
     cfg.loglevel = _ort_severity(log_level)
     builder = C.OrtModuleGraphBuilder()
+    transformers = C.TrainingGraphTransformerConfiguration()
+    if not propagate_casts:
+        transformers.propagate_cast_ops_config.level = -1
     try:
         builder.initialize(model.SerializeToString(), cfg)
-        builder.build(C.TrainingGraphTransformerConfiguration())
+        builder.build(transformers)
     except Exception as e:
         ops = sorted({f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node})
         raise GradientBuildError(

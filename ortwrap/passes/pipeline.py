@@ -18,6 +18,7 @@ from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
+from .half_precision import HalfPrecisionOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
 from .native_cpu_kernels import NativeCPUKernelsPass
@@ -58,6 +59,10 @@ def default_passes(
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
     ]
+    if device_type == "cpu":
+        # ORT's CPU kernels compute in float32: half-precision values become float32 between
+        # their boundaries (before the rewrites below, which read dtypes).
+        passes.append(HalfPrecisionOnCPUPass())
     if with_backward:
         # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
         passes += [

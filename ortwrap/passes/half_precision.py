@@ -1,0 +1,178 @@
+"""Half-precision graphs on the CPU: compute in float32 between the half-precision boundaries.
+
+ONNX Runtime 1.19.2's CPU execution provider has no bfloat16 compute kernels (only ``Cast``), and
+runs float16 through Casts it inserts around float32 kernels. A graph exported under
+``torch.autocast`` or from a ``model.to(torch.bfloat16)`` would not load (``Could not find an
+implementation for Gemm(13)``). This pass makes every bfloat16 and float16 value of such a graph
+float32, keeping the boundaries eager PyTorch has:
+
+- ``Cast(to=half)`` becomes ``Cast(to=float)`` (and then a no-op, removed);
+- half-precision constants and initializers become float32 once, when the graph is built (not a
+  Cast on every run: the idea of ORT PR 24175, "fuse initializers");
+- a half-precision graph input (a bfloat16 parameter or buffer, a float16 batch) is cast to float32
+  where it enters; its gradient comes back through that Cast, so it arrives in the input's dtype,
+  as eager's does;
+- a half-precision graph output is cast back to half where it leaves, so outputs have eager's dtypes;
+- attributes that name a dtype (``ConstantOfShape``'s value, ``RandomNormal``'s ``dtype``, ...)
+  name float32;
+- nodes whose semantics are the dtype (autograd.Functions as ``PythonOp``, PyTorch kernels as
+  ``ATen`` nodes) keep their half-precision inputs and outputs, with Casts around them.
+
+Numerics: eager rounds every half-precision result to half precision; here intermediate results
+keep float32, so results agree with eager within half-precision tolerance and are closer to a
+float32 run. (On CPUs with native bfloat16, ``HalfMatMulOnCPUPass`` then runs the bfloat16 GEMMs
+in bfloat16: see docs/performance.md.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+_HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+_ONNX = ("", "ai.onnx")
+#: Nodes that keep their own dtypes (casts around them instead).
+_OPAQUE = {("com.microsoft", "PythonOp"), ("org.pytorch.aten", "ATen")}
+#: (op type, attribute) pairs whose integer attribute names an output dtype.
+_DTYPE_ATTRS = {
+    ("Cast", "to"),
+    ("RandomNormal", "dtype"),
+    ("RandomUniform", "dtype"),
+    ("RandomNormalLike", "dtype"),
+    ("RandomUniformLike", "dtype"),
+    ("EyeLike", "dtype"),
+    ("Multinomial", "dtype"),
+    ("Bernoulli", "dtype"),
+}
+
+
+def _is_half(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype in _HALF
+
+
+def _float_tensor(tensor: ir.TensorProtocol, name: str | None = None) -> ir.Tensor:
+    return ir.tensor(np.asarray(tensor.numpy(), dtype=np.float32), name=name)
+
+
+class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
+    """Make every bfloat16/float16 value of a CPU graph float32, keeping its boundaries (see the module docstring)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        if not self._has_half(graph):
+            return ir.passes.PassResult(model, modified=False)
+        original = {id(v): v.dtype for v in graph.inputs}
+        original.update((id(o), o.dtype) for node in graph for o in node.outputs)
+        outputs = list(graph.outputs)
+        half_outputs = {id(v): v.dtype for v in outputs if _is_half(v)}
+        # 1. Initializers and constants: converted once.
+        for value in list(graph.initializers.values()):
+            if _is_half(value) and value.const_value is not None and value not in graph.inputs:
+                value.const_value = _float_tensor(value.const_value, value.name)
+                value.dtype = ir.DataType.FLOAT
+        # 2. Half graph inputs: a Cast to float32 where they enter.
+        for value in list(graph.inputs):
+            if _is_half(value) and value.uses():
+                cast = ir.node("Cast", [value], {"to": int(ir.DataType.FLOAT)}, name=f"{value.name}/ortwrap_to_float")
+                cast.outputs[0].dtype = ir.DataType.FLOAT
+                cast.outputs[0].shape = value.shape
+                for user, index in list(value.uses()):
+                    if user is not cast:
+                        user.replace_input_with(index, cast.outputs[0])
+                graph.insert_before(next(iter(graph)), cast) if len(graph) else graph.append(cast)
+        # 3. Nodes.
+        for node in list(graph):
+            key = (node.domain, node.op_type)
+            if key in _OPAQUE:
+                self._keep_dtypes(graph, node, original)
+                continue
+            if node.domain not in _ONNX:
+                continue
+            for op, attr in _DTYPE_ATTRS:
+                if node.op_type == op and attr in node.attributes:
+                    if ir.DataType(node.attributes[attr].as_int()) in _HALF:
+                        node.attributes[attr] = ir.AttrInt64(attr, int(ir.DataType.FLOAT))
+            if node.op_type == "Constant" and "value" in node.attributes:
+                t = node.attributes["value"].as_tensor()
+                if t.dtype in _HALF:
+                    node.attributes["value"] = ir.AttrTensor("value", _float_tensor(t))
+            if node.op_type == "ConstantOfShape" and "value" in node.attributes:
+                t = node.attributes["value"].as_tensor()
+                if t.dtype in _HALF:
+                    node.attributes["value"] = ir.AttrTensor("value", _float_tensor(t))
+            for out in node.outputs:
+                if _is_half(out):
+                    out.dtype = ir.DataType.FLOAT
+        # 4. Half graph outputs: cast back where they leave.
+        for i, value in enumerate(outputs):
+            dtype = half_outputs.get(id(value))
+            if dtype is None:
+                continue
+            name = value.name
+            cast = ir.node("Cast", [value], {"to": int(dtype)}, name=f"{name}/ortwrap_to_half")
+            graph.append(cast)
+            value.name = f"{name}/float"
+            cast.outputs[0].name = name
+            cast.outputs[0].dtype = dtype
+            cast.outputs[0].shape = value.shape
+            graph.outputs[i] = cast.outputs[0]
+        self._remove_float_to_float_casts(graph)
+        return ir.passes.PassResult(model, modified=True)
+
+    @staticmethod
+    def _has_half(graph: ir.Graph) -> bool:
+        if any(_is_half(v) for v in graph.inputs) or any(_is_half(v) for v in graph.outputs):
+            return True
+        for node in graph:
+            if node.op_type == "Cast" and ir.DataType(node.attributes["to"].as_int()) in _HALF:
+                return True
+            if any(_is_half(o) for o in node.outputs):
+                return True
+        return False
+
+    @staticmethod
+    def _keep_dtypes(graph: ir.Graph, node: ir.Node, original: dict[int, ir.DataType | None]) -> None:
+        """Casts around a node that must see its half-precision inputs and outputs as they are."""
+        for i, value in enumerate(list(node.inputs)):
+            if value is None or _is_half(value):
+                continue
+            # The input was half before this pass made it float32 (or it is a graph input's float
+            # Cast): give the node its half-precision value back.
+            dtype = original.get(id(value))
+            producer = value.producer()
+            if dtype not in _HALF and producer is not None and producer.name.endswith("/ortwrap_to_float"):
+                dtype = original.get(id(producer.inputs[0]))
+            if dtype in _HALF:
+                cast = ir.node("Cast", [value], {"to": int(dtype)}, name=f"{node.name}/in{i}_to_half")
+                cast.outputs[0].dtype = dtype
+                cast.outputs[0].shape = value.shape
+                graph.insert_before(node, cast)
+                node.replace_input_with(i, cast.outputs[0])
+        for j, out in enumerate(node.outputs):
+            if not _is_half(out) or not out.uses():
+                continue
+            cast = ir.node("Cast", [out], {"to": int(ir.DataType.FLOAT)}, name=f"{node.name}/out{j}_to_float")
+            cast.outputs[0].dtype = ir.DataType.FLOAT
+            cast.outputs[0].shape = out.shape
+            for user, index in list(out.uses()):
+                if user is not cast:
+                    user.replace_input_with(index, cast.outputs[0])
+            graph.insert_after(node, cast)
+
+    @staticmethod
+    def _remove_float_to_float_casts(graph: ir.Graph) -> None:
+        for node in list(graph):
+            if node.op_type != "Cast" or node.domain not in _ONNX:
+                continue
+            src = node.inputs[0]
+            if (
+                src is None
+                or src.dtype != ir.DataType.FLOAT
+                or node.attributes["to"].as_int() != int(ir.DataType.FLOAT)
+            ):
+                continue
+            out = node.outputs[0]
+            if out.is_graph_output():
+                continue
+            out.replace_all_uses_with(src)
+            graph.remove(node, safe=True)
