@@ -197,6 +197,19 @@ def _bitwise_and(self, other):
     return op.BitwiseAnd(self, other)
 
 
+def _min_other(self, other):
+    """``torch.min(a, b)`` (elementwise; T5's relative position buckets): torchlib has none."""
+    from onnxscript import opset18 as op
+
+    return op.Min(self, other)
+
+
+def _max_other(self, other):
+    from onnxscript import opset18 as op
+
+    return op.Max(self, other)
+
+
 def _diff(self, n=1, dim=-1, prepend=None, append=None):
     from onnxscript import opset18 as op
 
@@ -261,4 +274,6 @@ def training_translations() -> dict:
     table[aten.diff.default] = _diff
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
+    table[aten.min.other] = _min_other
+    table[aten.max.other] = _max_other
     return table

@@ -29,6 +29,7 @@ from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .stop_gradient import ResolveStopGradientPass
+from .where_broadcast import WhereBroadcastPass
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def default_passes(
             EinsumToMatMulPass(),
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
+            WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),
         ]
