@@ -415,6 +415,11 @@ def ts_rank(value: Any) -> int | None:
     return _ts_helper()._get_tensor_rank(value)
 
 
+def ts_sizes(value: Any) -> list[int | None] | None:
+    """The sizes of a symbolic argument (None for a dynamic dim), if its rank is known."""
+    return _ts_helper()._get_tensor_sizes(value)
+
+
 def ts_scalar_type(value: Any, default: str = "FLOAT") -> tuple[int, torch.dtype]:
     """(ONNX element type, torch dtype) of a symbolic argument."""
     jst = _first(_TS_TYPE_UTILS, "torch.onnx._type_utils.JitScalarType")

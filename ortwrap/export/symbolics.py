@@ -220,12 +220,14 @@ def _aten_symbolic(name: str) -> Callable:
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
     from ..bridge.symbolic import pythonop_symbolic
+    from .grouped_mm import grouped_mm_symbolic
 
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
         "aten::unflatten": _unflatten,
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
+        "aten::_grouped_mm": grouped_mm_symbolic,
     }
     for op in aten_ops:
         symbolics[f"aten::{op}"] = _aten_symbolic(op)

@@ -258,6 +258,8 @@ def _squeeze_dim(self, dim):
 
 def training_translations() -> dict:
     """The ``custom_translation_table`` entries ortwrap always passes to the dynamo exporter."""
+    from .grouped_mm import grouped_mm_ops, grouped_mm_translation
+
     table = {}
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
@@ -275,5 +277,7 @@ def training_translations() -> dict:
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
     table[aten.min.other] = _min_other
+    for op in grouped_mm_ops():
+        table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
     return table
