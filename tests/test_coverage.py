@@ -50,3 +50,31 @@ def test_architecture_trains_like_eager(case, exporter):
         wrap_options={"exporter": exporter},
     )
     assert wrapped.fallback_reason is None
+
+
+class _NeedsStaticImageSize(torch.nn.Module):
+    """Stands in for a model whose capture fails while its image dims are symbolic (a UNet whose
+    padding-to-skip arithmetic torch.export cannot prove, ``Eq(x - 4*((x/2)//2), 0) cannot be
+    solved``), and succeeds with them static."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if isinstance(x.shape[2], torch.SymInt):
+            raise RuntimeError(f"Eq({x.shape[2]} - 4*((({x.shape[2]})/2)//2), 0) cannot be solved")
+        return torch.nn.functional.interpolate(self.conv(x), scale_factor=0.5).tanh()
+
+
+def test_dynamo_capture_failing_on_dynamic_image_dims_is_retried_static():
+    sizes = {2: 16, 3: 12, 4: 16}
+    w = check_parity(
+        _NeedsStaticImageSize,
+        lambda b, g: ((torch.randn(b, 3, sizes[b], sizes[b], generator=g),), {}),
+        batch_sizes=(2, 3, 4),
+        wrap_options={"exporter": "dynamo"},
+    )
+    assert w.fallback_reason is None
+    assert w.export_count == 2  # one capture per image size (each retried once), none per batch size
+    assert any("torch.export failed with dynamic non-batch dims" in r for r in w.last_artifacts.static_reasons)
