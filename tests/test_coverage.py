@@ -78,3 +78,24 @@ def test_dynamo_capture_failing_on_dynamic_image_dims_is_retried_static():
     assert w.fallback_reason is None
     assert w.export_count == 2  # one capture per image size (each retried once), none per batch size
     assert any("torch.export failed with dynamic non-batch dims" in r for r in w.last_artifacts.static_reasons)
+
+
+class _MaskedBias(torch.nn.Module):
+    """T5's pattern: a (1, heads, q, k) parameter masked against a (batch, 1, 1, k) mask by Where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(1, 2, 5, 5))
+        self.scale = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x, mask):
+        return torch.where(mask[:, None, None, :], self.bias * self.scale, x).softmax(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_where_broadcast_input_gets_reduced_gradient(exporter):
+    def inputs(b, g):
+        mask = torch.rand(b, 5, generator=g) > 0.3
+        return (torch.randn(b, 2, 5, 5, generator=g, requires_grad=True), mask), {}
+
+    check_parity(_MaskedBias, inputs, wrap_options={"exporter": exporter})
