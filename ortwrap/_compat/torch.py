@@ -209,6 +209,7 @@ _declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
+_GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
 
 
@@ -627,6 +628,14 @@ def is_op_overload(target: Any) -> bool:
 def op_schema(op: Any) -> Any:
     """The ``FunctionSchema`` of an ``OpOverload`` (``torch.ops.aten.add.Tensor``)."""
     return op._schema
+
+
+def grouped_mm_op() -> Any | None:
+    """``torch.ops.aten._grouped_mm`` (mixture-of-experts layers), or None on a torch without it."""
+    try:
+        return _resolve(_GROUPED_MM).default
+    except Exception:
+        return None
 
 
 def batch_norm_functional_op() -> Any:

@@ -76,9 +76,7 @@ def grouped_mm_translation(mat_a, mat_b, offs, bias=None, out_dtype=None):
 
 def grouped_mm_ops() -> list:
     """The grouped-mm overloads registered in this process (the transformers op once imported)."""
-    ops = []
-    if hasattr(torch.ops.aten, "_grouped_mm"):
-        ops.append(torch.ops.aten._grouped_mm.default)
+    ops = [op for op in (compat.grouped_mm_op(),) if op is not None]
     try:
         ops.append(torch.ops.transformers.grouped_mm_fallback.default)
     except (AttributeError, RuntimeError):
