@@ -160,6 +160,7 @@ _FUNCTION_BASE = _declare("torch._C._FunctionBase")
 _TRACING_STATE = _declare("torch._C._get_tracing_state")
 _EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
 _ANY_AUTOCAST = _declare("torch._C._is_any_autocast_enabled")
+_declare("Tensor._version")  # the in-place version counter autograd checks
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
     _declare(f"torch.nn.modules.module.{n}")
@@ -284,6 +285,11 @@ def any_autocast_enabled() -> Callable[[], bool]:
         return _resolve(_ANY_AUTOCAST)
     except Exception:
         return lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it grows with every in-place write (optimizer steps, ``copy_``)."""
+    return t._version
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
