@@ -149,9 +149,12 @@ print("RSS " + json.dumps(hwm / 1024))
     return {"error": proc.stderr[-1500:]}
 
 
-def main(size: str, iters: int, adapters: bool, rss: bool) -> None:
+def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) -> None:
     s = SIZES[size]
     variants = ADAPTER_VARIANTS if adapters else VARIANTS
+    if not timing:
+        print(f"\n== mixed precision: {size} {s}{' + LoRA' if adapters else ''}; CPU: {cpu_name()}")
+        return _print_rss(size, adapters, variants)
     print(f"\n== mixed precision: {size} {s}{' + LoRA, bf16 frozen base' if adapters else ''}, AdamW")
     print(
         f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -178,15 +181,19 @@ def main(size: str, iters: int, adapters: bool, rss: bool) -> None:
         for name, ts in times.items():
             print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the fp32 limit")
     if rss:
-        print("\n== peak RSS, each variant in its own process (3 steps)")
-        base = None
-        for name in variants:
-            r = _rss_child(size, adapters, name, 3)
-            if "error" in r:
-                print(f"  {name:<16} failed: {r['error'][-300:]}")
-                continue
-            base = base or r["peak_rss_mib"]
-            print(f"  {name:<16} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base:.2f}x {next(iter(variants))})")
+        _print_rss(size, adapters, variants)
+
+
+def _print_rss(size: str, adapters: bool, variants: dict) -> None:
+    print("\n== peak RSS, each variant in its own process (3 steps)")
+    base = None
+    for name in variants:
+        r = _rss_child(size, adapters, name, 3)
+        if "error" in r:
+            print(f"  {name:<16} failed: {r['error'][-300:]}")
+            continue
+        base = base or r["peak_rss_mib"]
+        print(f"  {name:<16} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base:.2f}x {next(iter(variants))})")
 
 
 if __name__ == "__main__":
@@ -195,5 +202,6 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--adapters", action="store_true")
     parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--rss-only", action="store_true", help="only the peak RSS of each variant")
     a = parser.parse_args()
-    main(a.size, a.iters, a.adapters, not a.no_rss)
+    main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only)
