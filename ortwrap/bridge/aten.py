@@ -147,14 +147,21 @@ def resolve(op: str, overload: str) -> _Plan:
     plan = _plans.get(key)
     if plan is None:
         ns, _, name = op.rpartition("::")
+        if ns == "ortwrap_ops":
+            from ..registry import define_ops
+
+            define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
         plan = _plans[key] = _Plan(getattr(packet, overload or "default"))
     return plan
 
 
-def _encode(result, n_out: int, op: str) -> tuple:
+def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
     if not isinstance(result, (tuple, list)):
         result = (result,)
+    # NOTE: a result that shares an input's memory (a view: diagonal, a transpose, an in-place op's
+    # result) is copied: ORT owns the input's buffer and may reuse or free it while the result lives.
+    shared = {t.untyped_storage().data_ptr() for t in inputs or () if isinstance(t, torch.Tensor) and t.numel()}
     if len(result) < n_out:
         raise RuntimeError(f"{op} returned {len(result)} values, the ATen node has {n_out} outputs")
     out = []
@@ -164,6 +171,8 @@ def _encode(result, n_out: int, op: str) -> tuple:
             continue
         if not isinstance(r, torch.Tensor):
             r = torch.tensor(r)
+        if shared and r.numel() and r.untyped_storage().data_ptr() in shared:
+            r = r.clone(memory_format=torch.contiguous_format)
         if r.dtype is torch.bool:
             r = r.view(torch.uint8)
         out.append(_to_dlpack(r if r.is_contiguous() else r.contiguous()))
@@ -212,7 +221,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             return _encode(grads, n_out, op)
         plan = resolve(op, overload)
         args, kwargs = plan.decode(op, tensors)
-        return _encode(plan.fn(*args, **kwargs), n_out, op)
+        return _encode(plan.fn(*args, **kwargs), n_out, op, tensors)
     except BaseException as e:
         e.add_note(f"(while ONNX Runtime ran ATen op {op}.{overload or 'default'} through ortwrap)")
         state.park(e)

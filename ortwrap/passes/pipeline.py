@@ -30,6 +30,7 @@ from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .stop_gradient import ResolveStopGradientPass
+from .torch_gradients import TorchGradientsPass
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ def default_passes(
             EinsumToMatMulPass(),
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
+            # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
+            TorchGradientsPass(device_type),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),
         ]
