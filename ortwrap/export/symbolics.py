@@ -53,6 +53,9 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     gathered = g.op("Gather", weight, indices)
     if padding_idx is None or padding_idx < 0:
         return gathered
+    from .schemas import register_schemas
+
+    register_schemas()  # its shape inference keeps the shapes downstream
     frozen = g.op(f"{ORTWRAP_DOMAIN}::StopGradient", weight)
     frozen_rows = g.op("Gather", frozen, indices)
     pad = g.op("Constant", value_t=torch.tensor(padding_idx, dtype=torch.int64))

@@ -31,6 +31,7 @@ from .resize_to_matmul import ResizeToMatMulPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .stop_gradient import ResolveStopGradientPass
 from .torch_gradients import TorchGradientsPass
+from .where_broadcast import WhereBroadcastPass
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ def default_passes(
             ResizeToMatMulPass(),
             # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
             TorchGradientsPass(device_type),
+            WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),
         ]
