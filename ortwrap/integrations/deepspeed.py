@@ -152,7 +152,7 @@ def _submodule_export(wrapper: ORTWrap) -> Iterator[None]:
     table = _layer_table(wrapper, st)
     zero3_layers.register_symbolics(wrapper.options.opset)
     _gather(wrapper, st)
-    remove = zero3_layers.install_export_hooks(wrapper.module, table, _is_zero_param)
+    remove = zero3_layers.install_export_hooks(wrapper.module, table)
     table.exporting = True
     zero3_layers.set_current(table)
     try:
@@ -208,6 +208,7 @@ class _Zero3State:
         self.checked: set[int] = set()
         self.table: zero3_layers.LayerTable | None = None
         self.handed_over: list[nn.Parameter] = []
+        self.table_of: int | None = None
 
 
 def _state(wrapper: ORTWrap) -> _Zero3State:
@@ -325,6 +326,9 @@ def _layer_table(wrapper: ORTWrap, st: _Zero3State) -> zero3_layers.LayerTable:
             available=lambda p: p.ds_status != not_available,
             hand_over=hand_over,
         )
+    if st.table_of != id(wrapper.module):  # (a new wrapped module: number its submodules)
+        st.table.register(wrapper.module, _is_zero_param)
+        st.table_of = id(wrapper.module)
     return st.table
 
 

@@ -63,12 +63,13 @@ class LayerTable:
         hand_over: ``hand_over(p, grad)`` accumulates a whole gradient into ``p`` the way autograd
             does (its post-accumulate-grad hooks included).
         layers: per layer index, its parameters (in the order of the fetch node's outputs).
+        names: per layer index, the parameters' attribute names on their submodule.
         index: ``id(submodule) -> layer index``.
         exporting: an export is tracing the module (parameters already whole: the ops return copies).
         backward_gathered: per layer, the parameters its backward gather made whole (partitioned
             again once their gradients were handed over).
         tracker: when set (:class:`GatherTracker`), records every gather and how many elements of
-            gathered parameters are alive (held by ORT or DeepSpeed), for tests and benchmarks.
+            whole parameters are alive, for tests and benchmarks.
     """
 
     gather: Callable[[list[nn.Parameter]], None]
@@ -76,28 +77,63 @@ class LayerTable:
     available: Callable[[nn.Parameter], bool]
     hand_over: Callable[[nn.Parameter, torch.Tensor], None]
     layers: list[list[nn.Parameter]] = field(default_factory=list)
+    names: list[list[str]] = field(default_factory=list)
     index: dict[int, int] = field(default_factory=dict)
     exporting: bool = False
     backward_gathered: dict[int, list[nn.Parameter]] = field(default_factory=dict)
     tracker: GatherTracker | None = None
 
-    def layer_of(self, module: nn.Module, params: list[nn.Parameter]) -> int:
-        i = self.index.get(id(module))
-        if i is None:
-            i = self.index[id(module)] = len(self.layers)
+    def register(self, root: nn.Module, is_partitioned: Callable[[torch.Tensor], bool]) -> None:
+        """Number the submodules of ``root`` that own partitioned parameters, in module order (a
+        graph holds only these numbers, so a cached graph fits any wrapper of the same structure).
+
+        Raises:
+            UnsupportedInputError: a parameter is owned by two submodules (tied weights), or a
+                submodule owns more than :data:`MAX_ARITY`.
+        """
+        self.layers.clear()
+        self.names.clear()
+        self.index.clear()
+        owner: dict[int, str] = {}
+        for path, m in root.named_modules():
+            table = compat.parameter_table(m)
+            names = [k for k, p in table.items() if p is not None and is_partitioned(p)]
+            if not names:
+                continue
+            what = path or type(root).__name__
+            if len(names) > MAX_ARITY:
+                raise UnsupportedInputError(
+                    f"ORTWrap with zero3_gather='submodule': {what} owns {len(names)} partitioned parameters "
+                    f"(at most {MAX_ARITY}). Use zero3_gather='module'"
+                )
+            params = [table.get(k) for k in names]  # (OrderedDict.get: no DeepSpeed gather-on-access)
+            for k, p in zip(names, params):
+                if id(p) in owner:
+                    raise UnsupportedInputError(
+                        f"ORTWrap with zero3_gather='submodule': parameter {what}.{k} is also {owner[id(p)]} (a tied "
+                        "weight); ortwrap gathers parameters per owning submodule. Use zero3_gather='module'"
+                    )
+                owner[id(p)] = f"{what}.{k}"
+            self.index[id(m)] = len(self.layers)
             self.layers.append(params)
-        return i
+            self.names.append(names)
+
+    def sample(self) -> None:
+        if self.tracker is not None:
+            self.tracker.sample(self)
 
 
 class GatherTracker:
-    """Records the gathers of a :class:`LayerTable` and the whole-parameter elements alive.
+    """Records the gathers of a :class:`LayerTable` and how many elements of whole parameters are alive.
+
+    "Alive" counts every tensor a gather node handed to ORT until ORT drops it, plus every
+    parameter DeepSpeed holds whole that no such tensor shares memory with; sampled at each gather
+    node and after each partition.
 
     Attributes:
         events: ``(kind, layer)`` per gather node run, ``kind`` ``"forward"`` or ``"backward"``.
-        live: elements of the gathered tensors alive now (a tensor handed to ORT stays alive until
-            ORT drops its value).
         peak: the most elements alive at once since :meth:`reset`.
-        live_layers_peak: the most layers with gathered tensors alive at once.
+        live_layers_peak: the most layers with whole parameters alive at once.
     """
 
     def __init__(self) -> None:
@@ -105,27 +141,34 @@ class GatherTracker:
 
     def reset(self) -> None:
         self.events: list[tuple[str, int]] = []
-        self.live = 0
+        self.handed: dict[int, tuple[int, int, int]] = {}  # id -> (data_ptr, numel, layer)
         self.peak = 0
-        self._layers: dict[int, int] = {}
         self.live_layers_peak = 0
 
-    def _dead(self, layer: int, numel: int) -> None:
-        self.live -= numel
-        self._layers[layer] -= 1
-        if not self._layers[layer]:
-            del self._layers[layer]
-
-    def add(self, kind: str, layer: int, tensors: list[torch.Tensor]) -> None:
+    def add(self, kind: str, layer: int, tensors: list[torch.Tensor], table: LayerTable) -> None:
         self.events.append((kind, layer))
         for t in tensors:
             # NOTE: torch keeps a tensor's Python object alive while C++ (ORT's DLPack value) holds
-            # it, so the finalizer runs when the last holder drops the gathered memory.
-            self.live += t.numel()
-            self._layers[layer] = self._layers.get(layer, 0) + 1
-            weakref.finalize(t, self._dead, layer, t.numel())
-        self.peak = max(self.peak, self.live)
-        self.live_layers_peak = max(self.live_layers_peak, len(self._layers))
+            # it, so the finalizer runs when ORT drops the value.
+            key = id(t)
+            self.handed[key] = (t.data_ptr(), t.numel(), layer)
+            weakref.finalize(t, self.handed.pop, key, None)
+        self.sample(table)
+
+    def sample(self, table: LayerTable) -> None:
+        total, layers, ptrs = 0, set(), set()
+        for ptr, numel, layer in list(self.handed.values()):
+            if ptr not in ptrs:
+                ptrs.add(ptr)
+                total += numel
+                layers.add(layer)
+        for i, params in enumerate(table.layers):
+            for p in params:
+                if table.available(p) and p.data.data_ptr() not in ptrs:
+                    total += p.numel()
+                    layers.add(i)
+        self.peak = max(self.peak, total)
+        self.live_layers_peak = max(self.live_layers_peak, len(layers))
 
 
 _local = threading.local()
@@ -166,42 +209,46 @@ def _fetch(*args: torch.Tensor) -> Any:
     # Parameters that stayed whole (persistent) are copied: ORT must not get an alias of its input.
     gathered = {id(p) for p in missing}
     out = [p.data if id(p) in gathered else p.data.clone() for p in params]
-    if table.tracker is not None:
-        table.tracker.add("forward", i, out)
     if missing:
         table.partition(missing)  # the memory now lives as long as ORT's values
+    if table.tracker is not None:
+        table.tracker.add("forward", i, out, table)
     return _results(out)
 
 
-def _refetch(anchor: torch.Tensor, layer: torch.Tensor) -> Any:
+def _refetch(anchor: torch.Tensor, layer: torch.Tensor, which: torch.Tensor, after: torch.Tensor | None = None) -> Any:
     table = current()
     i = int(layer)
-    params = table.layers[i]
+    params = [table.layers[i][k] for k in which.tolist()]
     missing = [p for p in params if not table.available(p)]
     if missing:
         table.gather(missing)
         table.backward_gathered.setdefault(i, []).extend(missing)
     out = [p.data for p in params]
     if table.tracker is not None:
-        table.tracker.add("backward", i, out)
+        table.tracker.add("backward", i, out, table)
     return _results(out)
 
 
-def _grads(*args: torch.Tensor | None) -> Any:
-    *grads, layer = args
+def _grads(n: int, *args: torch.Tensor | None) -> Any:
+    # (``after`` only orders the node, see _order_backward; the dispatcher drops it when absent)
+    grads, layer = args[:n], args[n]
     table = current()
     i = int(layer)
     params = table.layers[i]
+    # AccumulateGrad needs the parameter whole (as eager ZeRO-3 has it in the module's backward).
     missing = [p for p, g in zip(params, grads) if g is not None and not table.available(p)]
-    if missing:  # (a layer whose backward read no weight was not gathered again)
+    if missing:
         table.gather(missing)
         table.backward_gathered.setdefault(i, []).extend(missing)
     for p, g in zip(params, grads):
         if g is not None and p.requires_grad:
-            table.hand_over(p, g.reshape(p.shape))
+            table.hand_over(p, g)
+    table.sample()
     again = table.backward_gathered.pop(i, [])
     if again:
         table.partition([p for p in again if table.available(p)])
+    table.sample()
     return _results([torch.empty(0, dtype=g.dtype if g is not None else torch.float32) for g in grads])
 
 
@@ -220,12 +267,12 @@ def define_ops() -> None:
         params = ", ".join(f"Tensor p{k}" for k in range(n))
         grads = ", ".join(f"Tensor? g{k}" for k in range(n))
         lib.define(f"fetch_{n}({params}, Tensor anchor, Tensor layer) -> ({outs})")
-        lib.define(f"refetch_{n}(Tensor anchor, Tensor layer) -> ({outs})")
-        lib.define(f"grads_{n}({grads}, Tensor layer) -> ({outs})")
+        lib.define(f"refetch_{n}(Tensor anchor, Tensor layer, Tensor which, Tensor? after=None) -> ({outs})")
+        lib.define(f"grads_{n}({grads}, Tensor layer, Tensor? after=None) -> ({outs})")
         lib.impl(f"fetch_{n}", _fetch, "CompositeExplicitAutograd")
         lib.impl(f"fetch_{n}", _meta_fetch, "Meta")
         lib.impl(f"refetch_{n}", _refetch, "CompositeExplicitAutograd")
-        lib.impl(f"grads_{n}", _grads, "CompositeExplicitAutograd")
+        lib.impl(f"grads_{n}", functools.partial(_grads, n), "CompositeExplicitAutograd")
 
 
 _registered_gradients: set[int] = set()
@@ -285,9 +332,7 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def install_export_hooks(
-    root: nn.Module, table: LayerTable, is_partitioned: Callable[[torch.Tensor], bool]
-) -> Callable[[], None]:
+def install_export_hooks(root: nn.Module, table: LayerTable) -> Callable[[], None]:
     """Hooks that make each submodule owning partitioned parameters read them from a fetch node while
     ``root`` is traced; returns the function that removes them (and puts back any parameter)."""
     define_ops()
@@ -296,9 +341,8 @@ def install_export_hooks(
     called: set[int] = set()
 
     def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
-        params_table = compat.parameter_table(m)
-        names = [k for k, p in params_table.items() if p is not None and is_partitioned(p)]
-        if not names:
+        layer = table.index.get(id(m))
+        if layer is None:
             return None
         if id(m) in called:
             raise UnsupportedInputError(
@@ -306,13 +350,8 @@ def install_export_hooks(
                 "ortwrap gathers each submodule's parameters once per forward. Use zero3_gather='module'"
             )
         called.add(id(m))
-        if len(names) > MAX_ARITY:
-            raise UnsupportedInputError(
-                f"ORTWrap with zero3_gather='submodule': {type(m).__name__} owns {len(names)} partitioned "
-                f"parameters (at most {MAX_ARITY}). Use zero3_gather='module'"
-            )
-        params = [params_table[k] for k in names]
-        layer = table.layer_of(m, params)
+        params_table = compat.parameter_table(m)
+        names, params = table.names[layer], table.layers[layer]
         register_gradient(len(names))
         anchor = _first_tensor(args, kwargs)
         if anchor is None:
@@ -323,7 +362,7 @@ def install_export_hooks(
         for t, p in zip(outs, params):
             # The trace records which inputs need gradients (a PythonOp's input_requires_grads).
             t.requires_grad_(p.requires_grad)
-        swapped[id(m)] = (params_table, {k: params_table[k] for k in names})
+        swapped[id(m)] = (params_table, dict(zip(names, params)))
         for k, t in zip(names, outs):
             params_table[k] = t
         return None
@@ -362,6 +401,32 @@ def _op(node: onnx.NodeProto) -> str | None:
     if node.op_type != "ATen" or node.domain != _ATEN_DOMAIN:
         return None
     return _attr(node, "operator")
+
+
+def _order_backward(g: onnx.GraphProto, fetches: list[onnx.NodeProto]) -> None:
+    """Hand each layer's gradients over (and release it) before the backward gathers the next one.
+
+    ORT would run the gradient hand-over nodes wherever its order puts them (at the end of the
+    backward: every layer gathered at once). Each ``grads`` and ``refetch`` node of a layer gets an
+    extra input, an output of the ``grads`` node of the layer that runs after it in the forward:
+    acyclic, because a layer's weight gradient depends only on the layers that run after it.
+    """
+    layer_input = {f.input[len(f.output) + 1]: position for position, f in enumerate(fetches)}
+    grads_at: dict[int, onnx.NodeProto] = {}
+    refetch_at: dict[int, onnx.NodeProto] = {}
+    for n in g.node:
+        op = _op(n) or ""
+        if op.startswith(OP_PREFIX + "grads_"):
+            grads_at[layer_input[n.input[len(n.output)]]] = n
+        elif op.startswith(OP_PREFIX + "refetch_"):
+            refetch_at[layer_input[n.input[1]]] = n
+    following: onnx.NodeProto | None = None
+    for position in range(len(fetches) - 1, -1, -1):
+        if following is not None:
+            for node in (grads_at.get(position), refetch_at.get(position)):
+                if node is not None:
+                    node.input.append(following.output[0])
+        following = grads_at.get(position, following)
 
 
 def rewrite_training_graph(graph: Any) -> Any:
@@ -442,6 +507,25 @@ def rewrite_training_graph(graph: Any) -> Any:
         new_nodes: list[tuple[onnx.NodeProto, list[onnx.NodeProto]]] = []  # (insert before, nodes)
         counter = [0]
 
+        # Which gathered tensors the backward reads (directly or through weight-only values): only
+        # those are gathered again (a bias, say, is not needed for any gradient).
+        needed: dict[int, set[int]] = {}
+
+        def mark(v: str) -> None:
+            if v in layer_of_value:
+                f, k = layer_of_value[v]
+                needed.setdefault(id(f), set()).add(k)
+                return
+            for i in producer[v].input:
+                if i in weight_only:
+                    mark(i)
+
+        for n in g.node:
+            if id(n) in backward_nodes:
+                for i in n.input:
+                    if i in weight_only:
+                        mark(i)
+
         def clone(v: str, anchor: str, pending: list[onnx.NodeProto]) -> str:
             if v in clones:
                 return clones[v]
@@ -450,20 +534,25 @@ def rewrite_training_graph(graph: Any) -> Any:
                 outs = refetch_out.get(id(f))
                 if outs is None:
                     n_out = len(f.output)
-                    outs = [f"{o}__zero3_bwd" for o in f.output]
+                    which = sorted(needed[id(f)])
+                    outs = [f"{f.output[k]}__zero3_bwd" for k in which]
+                    which_name = f"{f.output[0]}__zero3_which"
+                    g.initializer.append(
+                        onnx.helper.make_tensor(which_name, onnx.TensorProto.INT64, [len(which)], which)
+                    )
                     node = onnx.helper.make_node(
                         "ATen",
-                        [anchor, f.input[n_out + 1]],
+                        [anchor, f.input[n_out + 1], which_name],
                         outs,
                         name=f"{f.name or 'fetch'}__zero3_refetch",
                         domain=_ATEN_DOMAIN,
-                        operator=f"{OP_PREFIX}refetch_{n_out}",
+                        operator=f"{OP_PREFIX}refetch_{len(which)}",
                         overload_name="",
                     )
                     pending.append(node)
                     refetch_out[id(f)] = outs
-                    for o, src in zip(outs, f.output):
-                        clones[src] = o
+                    for o, k in zip(outs, which):
+                        clones[f.output[k]] = o
                 return clones[v]
             p = producer[v]
             counter[0] += 1
@@ -534,6 +623,7 @@ def rewrite_training_graph(graph: Any) -> Any:
                 # (the stubs' gradients are empty tensors of the stub's type; GO(k) has that type)
                 grad_types.append((n.output[k], n.input[k]))
     known = {v.name: v.type.tensor_type.elem_type for v in (*g.value_info, *g.input, *g.output)}
+    _order_backward(g, fetches)
     # The partitioned parameters are fed empty (the gather nodes read the parameters themselves).
     for i in g.input:
         if i.name in stubs:

@@ -159,7 +159,7 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **opt
         result["gathers"] = tracker.events
         result["live_layers_peak"] = tracker.live_layers_peak
         result["live_numel_peak"] = tracker.peak
-        result["live_numel_after"] = tracker.live
+        result["handed_alive_after"] = len(tracker.handed)
         result["n_layers"] = len(_state(ortwrap).table.layers)
         result["model_numel"] = sum(p.ds_numel for p in ortwrap.parameters())
     if wrap:
