@@ -415,17 +415,18 @@ def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs):
         ours = r["ortwrap"]
         n = ours["n_layers"]
         assert n == 5
-        runs: list[list[list]] = []  # consecutive events of one kind
-        for kind, layer in ours["gathers"]:
-            if not runs or runs[-1][0][0] != kind:
-                runs.append([])
-            runs[-1].append((kind, layer))
-        forwards = [[layer for _, layer in run] for run in runs if run[0][0] == "forward"]
-        backwards = [[layer for _, layer in run] for run in runs if run[0][0] == "backward"]
-        # forwards: the dropped run, 3 training steps (steps 1-3), the no-grad run; the backward
-        # gathers what its gradient nodes read: every layer's weight but the first layer's.
-        assert forwards == [list(range(n))] * 5, forwards
-        assert backwards == [[4, 3, 2, 1]] * 3, backwards
+        kinds: list[str] = []  # consecutive events of one kind, collapsed
+        for kind, _ in ours["gathers"]:
+            if not kinds or kinds[-1] != kind:
+                kinds.append(kind)
+        forward = [layer for kind, layer in ours["gathers"] if kind == "forward"]
+        backward = [layer for kind, layer in ours["gathers"] if kind == "backward"]
+        # The dropped run and 3 training steps (steps 1-3), then the no-grad run: each gathers every
+        # layer in order. Each backward gathers what its gradient nodes read, in reverse: every
+        # layer's weight but the first layer's (no input gradient there).
+        assert kinds == ["forward", "backward"] * 3 + ["forward"], kinds
+        assert forward == list(range(n)) * 5, forward
+        assert backward == [4, 3, 2, 1] * 3, backward
         assert ours["live_layers_peak"] == 1, "two layers' parameters were whole at the same time"
         largest = 16 * 16 + 16  # fc2
         assert ours["live_numel_peak"] == largest < ours["model_numel"]
