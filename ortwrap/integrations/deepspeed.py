@@ -19,7 +19,10 @@ ortwrap therefore treats the whole wrapped module as the unit DeepSpeed gathers:
 - a run without a backward (``torch.no_grad()``, eval) releases them right after the forward.
 
 NOTE: peak parameter memory is therefore the whole wrapped module's parameters during a training
-step (eager ZeRO-3 holds one submodule's at a time); between steps they are partitioned.
+step (eager ZeRO-3 holds one submodule's at a time); between steps they are partitioned. With
+``zero3_gather="submodule"`` the graph gathers each submodule's parameters itself, in the forward and
+again in the backward, and hands the gradients to DeepSpeed inside ORT's backward
+(``zero3_layers.py``; docs/distributed.md).
 
 Nothing here imports DeepSpeed at module import.
 """
