@@ -293,6 +293,8 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.aten_ops,
         options.aggressive_cpu_fallback,
         options.native_kernels,
+        options.fusions,
+        options.fuse_initializers,
         options.zero3_gather,
     )
     cpu = _cpu_flags() if native else ()
