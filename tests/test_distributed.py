@@ -272,6 +272,11 @@ def test_data_parallel_inside_ortwrap_is_refused(one_rank_group):
     assert issubclass(UnsupportedInputError, TypeError)
 
 
+def test_zero3_gather_option_is_checked():
+    with pytest.raises(ValueError, match="zero3_gather='layer' is invalid; allowed: module, submodule"):
+        ORTWrap(nn.Linear(2, 2), zero3_gather="layer")
+
+
 # ------------------------------------------------------------------------------------ two real ranks
 
 
