@@ -266,6 +266,8 @@ def define_ops() -> None:
         outs = ", ".join(["Tensor"] * n)
         params = ", ".join(f"Tensor p{k}" for k in range(n))
         grads = ", ".join(f"Tensor? g{k}" for k in range(n))
+        # NOTE: the parameters come first: with them after the anchor, ORT 1.19.2's gradient builder
+        # built no gradient for them from the registered definition (observed; W_grad "not found").
         lib.define(f"fetch_{n}({params}, Tensor anchor, Tensor layer) -> ({outs})")
         lib.define(f"refetch_{n}(Tensor anchor, Tensor layer, Tensor which, Tensor? after=None) -> ({outs})")
         lib.define(f"grads_{n}({grads}, Tensor layer, Tensor? after=None) -> ({outs})")
