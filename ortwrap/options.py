@@ -16,6 +16,7 @@ __all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
+_ZERO3_GATHER = ("module", "submodule")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -118,6 +119,14 @@ class Options:
         "device round trip (docs/cpu-fallback.md). Also read from ORT_AGGRESSIVE_CPU_FALLBACK, upstream's name.",
         aliases=("ORT_AGGRESSIVE_CPU_FALLBACK",),
     )
+    zero3_gather: str = _opt(
+        "module",
+        "ORTWRAP_ZERO3_GATHER",
+        f"Under DeepSpeed ZeRO-3, one of {', '.join(_ZERO3_GATHER)}: 'module' gathers the whole wrapped module's "
+        "parameters for each step; 'submodule' gathers each submodule's parameters inside the graph when ONNX "
+        "Runtime reaches it, and again in the backward, as eager ZeRO-3 does (TorchScript exporter only; "
+        "docs/user-guide.md).",
+    )
 
     def __post_init__(self) -> None:
         level = str(self.log_level).upper()
@@ -128,6 +137,10 @@ class Options:
         object.__setattr__(self, "log_level", level)
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if self.zero3_gather not in _ZERO3_GATHER:
+            raise ValueError(
+                f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
+            )
 
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")

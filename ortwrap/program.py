@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from . import cache as build_cache
-from . import kernels
+from . import integrations, kernels
 from ._compat import torch as compat
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN, infer_types
-from .errors import ExportError, GradientBuildError, PassError
+from .errors import ExportError, GradientBuildError, PassError, UnsupportedInputError
 from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
@@ -116,6 +116,9 @@ class _StateRef:
         return compat.parameter_table(self.owner) if self.is_param else compat.buffer_table(self.owner)
 
 
+_dict_item = dict.__getitem__
+
+
 class Program:
     """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
 
@@ -184,7 +187,10 @@ class Program:
                 t = leaves[i]
                 push_tensor(vec, t)
             else:
-                t = table[attr]
+                # NOTE: dict's own lookup: DeepSpeed ZeRO-3's parameter dicts gather a partitioned
+                # parameter on item access (and register it as its module's external parameter);
+                # the graph feeds what the module holds now (zero3_gather="submodule" gathers inside).
+                t = _dict_item(table, attr)
                 if i == -2:  # fed as a float32 copy (fuse_initializers)
                     push(cache.float_copy(j, t))
                 elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
@@ -506,6 +512,16 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             graph = dataclasses.replace(graph, float_feeds=frozenset(float_feeds))
         return {"graph": graph, "feeds": feeds}
 
+    @stage("integration_rewrites", ("graph",), ("graph",), group="gradient_build")
+    def integration_rewrites(graph: TrainingGraph) -> dict:
+        """The integrations' rewrites of the built graph (``integrations.Integration.rewrite_graph``)."""
+        try:
+            return {"graph": integrations.rewrite_graph(graph)}
+        except UnsupportedInputError:
+            raise
+        except Exception as e:
+            raise GradientBuildError(f"rewriting the built graph failed: {type(e).__name__}: {e}") from e
+
     @stage("session", ("graph",), ("runner",), group="session")
     def session(graph: TrainingGraph) -> dict:
         return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
@@ -530,6 +546,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         serialize,
         aten_gradients,
         gradient_build,
+        integration_rewrites,
         session,
         program,
     ]

@@ -43,6 +43,8 @@ ATEN_DOMAIN = "org.pytorch.aten"
 VJP_PREFIX = "ortwrap_vjp::"
 #: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
 NATIVE_PREFIX = "ortwrap_cpu::"
+#: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
+OWN_GRADIENT_OPS: set[str] = set()
 
 # Public entry points until install() swaps in the C one (ortwrap/_compat/torch.py).
 _from_dlpack = torch.utils.dlpack.from_dlpack
@@ -563,7 +565,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         op = attrs["operator"].decode()
         overload = attrs.get("overload_name", b"").decode()
-        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):  # native kernels register their own (kernels.install)
+        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in OWN_GRADIENT_OPS:  # they register their own
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)

@@ -10,6 +10,8 @@ an integration:
   :meth:`Integration.applies` is asked on every call and must be cheap.
 - **before export**: :meth:`Integration.export_context` surrounds each export (DeepSpeed's module
   hooks hidden while tracing).
+- **after the gradient build**: :meth:`Integration.rewrite_graph` may rewrite the built training
+  graph (DeepSpeed ZeRO-3 with ``zero3_gather="submodule"``: per-layer gathers in the backward).
 - **parameter gather and release**: :meth:`Integration.gather` and :meth:`Integration.release`,
   which :meth:`step` implementations use, and which ``ORTWrap`` calls around work that reads all
   parameters outside a step (``verify=True``'s eager run).
@@ -27,8 +29,16 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..api import ORTWrap
+    from ..grad.builder import TrainingGraph
 
-__all__ = ["INTEGRATIONS", "Integration", "check_wrappable", "export_context", "step_integration"]
+__all__ = [
+    "INTEGRATIONS",
+    "Integration",
+    "check_wrappable",
+    "export_context",
+    "rewrite_graph",
+    "step_integration",
+]
 
 
 class Integration:
@@ -50,6 +60,10 @@ class Integration:
     def export_context(self, wrapper: ORTWrap) -> contextlib.AbstractContextManager:
         """What surrounds an export of ``wrapper``'s module."""
         return contextlib.nullcontext()
+
+    def rewrite_graph(self, graph: TrainingGraph) -> TrainingGraph:
+        """The built (forward+backward or inference) graph, rewritten before its session is created."""
+        return graph
 
     def gather(self, wrapper: ORTWrap) -> Any:
         """Make the module's parameters whole; return a token for :meth:`release`."""
@@ -93,3 +107,10 @@ def export_context(wrapper: ORTWrap) -> Iterator[None]:
         for integration in INTEGRATIONS:
             stack.enter_context(integration.export_context(wrapper))
         yield
+
+
+def rewrite_graph(graph: TrainingGraph) -> TrainingGraph:
+    """Every integration's rewrite of a built graph, in list order."""
+    for integration in INTEGRATIONS:
+        graph = integration.rewrite_graph(graph)
+    return graph

@@ -225,6 +225,10 @@ class TrainingRunner:
             _raise_run_error("backward", e)
         if _pending:
             bridge_state.reraise_pending(None)
+        if not self._grad_index:
+            # NOTE: with no gradient to fetch (DeepSpeed ZeRO-3 per submodule: the graph hands them to the
+            # parameters itself), ORT 1.19.2's agent fills the vector with values that are not tensors.
+            return []
         return fetches.to_dlpacks(self._from_dlpack)  # gradients are never bool
 
     def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
