@@ -8,8 +8,10 @@ Shapes are not part of it: every dimension is dynamic.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
+import types
 import warnings
 from typing import Any
 
@@ -61,6 +63,13 @@ class ORTWrap(nn.Module):
     ``eval()`` and ``torch.no_grad()`` behave as in eager PyTorch.
     """
 
+    def __new__(cls, module: nn.Module = None, /, **options: Any) -> ORTWrap:  # type: ignore[assignment]
+        # One subclass per wrapped class, named after it and with its forward's signature: Trainer,
+        # accelerate and PEFT read these off the class (see _specialized).
+        if isinstance(module, nn.Module) and not isinstance(module, ORTWrap) and "_ortwrap_wrapped" not in cls.__dict__:
+            cls = _specialized(cls, type(module))
+        return super().__new__(cls)
+
     def __init__(self, module: nn.Module, /, **options: Any) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
@@ -68,20 +77,103 @@ class ORTWrap(nn.Module):
             raise TypeError("ORTWrap(module): module is already an ORTWrap")
         integrations.check_wrappable(module)
         super().__init__()
-        self.module = module
-        # The submodule table itself (not a copy), as a plain attribute: read on every step.
-        object.__setattr__(self, "_submodules", compat.submodule_table(self))
-        self._options = Options.resolve(**options)
+        d = self.__dict__
+        # NOTE: the wrapper presents the wrapped module. Its parameter, buffer and submodule tables
+        # are the module's own (named_parameters, named_modules, state_dict give the bare names;
+        # register_buffer on either registers on both); attribute reads it cannot answer, and
+        # writes to names that are not its own, go to the module (__getattr__, __setattr__);
+        # ``training`` is the module's.
+        compat.share_structure(self, module)
+        del d["training"]
+        d["module"] = module
+        d["_option_values"] = options
+        d["_options"] = Options.resolve(**options)
         configure(self._options.logging_level)
-        self._programs: dict[tuple, ProgramSet] = {}
-        self._export_count = 0
-        self._last_artifacts: BuildArtifacts | None = None
-        self._fallback_reason: ORTWrapError | None = None
-        self._arg_names = _positional_names(module)
+        d["_programs"] = {}
+        d["_export_count"] = 0
+        d["_last_artifacts"] = None
+        d["_fallback_reason"] = None
+        d["_arg_names"] = _positional_names(module)
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
-        self._params: list[nn.Parameter] = list(module.parameters())
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        d["_params"] = list(module.parameters())
+
+    # ------------------------------------------------------------------ the wrapped module's face
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: the module's parameters, buffers and submodules
+        # (shared tables), then anything the module has. Its methods run with ``self`` = the module,
+        # their calls of ``self(...)``/``self.forward(...)`` routed through this wrapper.
+        d = self.__dict__
+        value = compat.structure_member(self, name)
+        if value is not compat.MISSING:
+            return value
+        module = d.get("module")
+        if module is None:
+            raise AttributeError(f"'ORTWrap' object has no attribute '{name}'")
+        value = getattr(module, name)
+        if type(value) is types.MethodType and value.__self__ is module:
+            return _routed_method(self, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        module = d.get("module")
+        if module is None or name in d or name in _OWN_ATTRIBUTES or integrations.wrapper_attribute(name):
+            nn.Module.__setattr__(self, name, value)
+            return
+        setattr(module, name, value)
+        self._module_changed()
+
+    def __delattr__(self, name: str) -> None:
+        d = self.__dict__
+        module = d.get("module")
+        if module is None or name in d or name in _OWN_ATTRIBUTES:
+            nn.Module.__delattr__(self, name)
+            return
+        delattr(module, name)
+        self._module_changed()
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(type(self))) | set(dir(self.module)))
+
+    def __repr__(self) -> str:
+        return f"ORTWrap({self.module!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # Copies and pickles hold the module, the options and the wrapper's own hooks; compiled
+        # programs (ONNX Runtime sessions) are rebuilt lazily, from the build cache where enabled.
+        hooks = {k: self.__dict__[k] for k in _HOOK_STATE if k in self.__dict__}
+        return (_rebuild, (self.module, self._option_values, hooks))
+
+    def _module_changed(self) -> None:
+        """The module was changed through the wrapper (an attribute, buffer, parameter or submodule
+        set): compiled programs may read what changed, so they are rebuilt on the next call."""
+        self._programs.clear()
+        self.__dict__["_params"] = list(self.module.parameters())
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self._module_changed()
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        if "module" in self.__dict__:
+            self._module_changed()
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        super().add_module(name, module)
+        self._module_changed()
+
+    register_module = add_module
+
+    def train(self, mode: bool = True) -> ORTWrap:
+        self.module.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTWrap:
+        compat.apply_to_tensors(self.module, fn, recurse)
+        self.__dict__["_params"] = list(self.module.parameters())
+        return self
 
     # ------------------------------------------------------------------ public state
     @property
@@ -110,7 +202,7 @@ class ORTWrap(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        self._params = list(self.module.parameters())
+        self.__dict__["_params"] = list(self.module.parameters())
         return result
 
     # ------------------------------------------------------------------ forward
@@ -119,7 +211,9 @@ class ORTWrap(nn.Module):
         # (~2 us) to reach forward when no hook, compiled call or tracer is active; those are
         # checked the same way (compat.call_skips_hooks), and anything else takes nn.Module's path.
         if _call_skips_hooks(self):
-            return self.forward(*args, **kwargs)
+            if "forward" in self.__dict__:  # replaced on the instance (accelerate's autocast wrapper)
+                return self.forward(*args, **kwargs)
+            return _forward(self, *args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,7 +236,7 @@ class ORTWrap(nn.Module):
             structure = in_spec
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
-            self._submodules["module"].training,  # not self.module: nn.Module.__getattr__ costs ~1.5 us
+            self.module.training,
             needs_grad,
             structure,
             tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
@@ -363,9 +457,73 @@ def _leaf_paths(in_spec: tuple, arg_names: list[str]) -> list[str]:
     return paths
 
 
-def _add_module_prefix(module: ORTWrap, state_dict: dict, prefix: str, *args: Any) -> None:
-    """A parent's ``load_state_dict`` reaches the wrapped module through ``.module``: accept the
-    unprefixed keys that ``ORTWrap.state_dict`` produces."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+_forward = ORTWrap.forward
+#: Attributes that always stay on the wrapper (set on it, not on the module): an instance-level
+#: ``forward`` (accelerate's autocast wrapper replaces it, keeping the original).
+_OWN_ATTRIBUTES = frozenset({"forward", "_original_forward"})
+_HOOK_STATE = (*compat.MODULE_HOOK_TABLES, *compat.MODULE_HOOK_SIDE_TABLES)
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _specialized(base: type, wrapped: type) -> type:
+    """``base``'s subclass for modules of class ``wrapped``: named after it, with its forward's
+    signature, and ``__class__`` answering ``wrapped`` (``isinstance(wrapper, PreTrainedModel)``
+    holds, as Trainer needs to save checkpoints the model's way); ``type()`` is still an ORTWrap."""
+    sub = _SUBCLASSES.get((base, wrapped))
+    if sub is not None:
+        return sub
+    base_forward = base.forward
+
+    def forward(self: ORTWrap, *args: Any, **kwargs: Any) -> Any:
+        return base_forward(self, *args, **kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(wrapped.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    forward.__doc__ = wrapped.forward.__doc__
+    forward.__qualname__ = f"{wrapped.__qualname__}.forward"
+    namespace = {
+        "__module__": base.__module__,
+        "__qualname__": f"{base.__qualname__}[{wrapped.__qualname__}]",
+        "__doc__": wrapped.__doc__,
+        "_ortwrap_wrapped": wrapped,
+        "__class__": property(lambda self: wrapped),
+        "forward": forward,
+    }
+    sub = _SUBCLASSES[(base, wrapped)] = type(wrapped.__name__, (base,), namespace)
+    return sub
+
+
+def _rebuild(module: nn.Module, options: dict, hooks: dict) -> ORTWrap:
+    """Unpickle or copy an ORTWrap: a new wrapper of the (copied) module, with the wrapper's hooks."""
+    wrapper = ORTWrap(module, **options)
+    wrapper.__dict__.update(hooks)
+    return wrapper
+
+
+def _routed_method(wrapper: ORTWrap, method: types.MethodType) -> Any:
+    """``method`` of the wrapped module, bound to it; while it runs, the module's ``self(...)`` and
+    ``self.forward(...)`` go through ``wrapper`` (and so run on ONNX Runtime)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        module = method.__self__
+        if "forward" in module.__dict__:  # already routed (a method calling another), or the user's own
+            return method(*args, **kwargs)
+
+        def routed_forward(*a: Any, **k: Any) -> Any:
+            # NOTE: lifted while the wrapper runs, so that export and eager runs see the real forward.
+            del module.__dict__["forward"]
+            try:
+                return wrapper(*a, **k)
+            finally:
+                module.__dict__["forward"] = routed_forward
+
+        module.__dict__["forward"] = routed_forward
+        try:
+            return method(*args, **kwargs)
+        finally:
+            module.__dict__.pop("forward", None)
+
+    return call
