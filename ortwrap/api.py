@@ -26,6 +26,7 @@ from .errors import (
     FALLBACK_PHASES,
     ExportError,
     ORTWrapError,
+    RuntimeRunError,
     UnsupportedFunctionError,
     UnsupportedInputError,
     VerificationError,
@@ -93,6 +94,7 @@ class ORTWrap(nn.Module):
         d["_export_count"] = 0
         d["_last_artifacts"] = None
         d["_fallback_reason"] = None
+        d["_empty_logged"] = False
         d["_arg_names"] = _positional_names(module)
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
@@ -251,8 +253,17 @@ class ORTWrap(nn.Module):
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
+            if any(t.numel() == 0 for t in leaves):
+                # NOTE: an empty batch runs in PyTorch (ORT kernels reject zero-size inputs); it
+                # gets eager's loss (0 or nan), gradients or exception, and builds nothing.
+                if not self._empty_logged:
+                    self.__dict__["_empty_logged"] = True
+                    logger.info(
+                        "an input with a zero-size dimension runs in PyTorch (ORT kernels reject empty tensors)"
+                    )
+                return self.module(*args, **kwargs)
             try:
-                program = self._build(key, leaves, in_spec, needs_grad, programs)
+                program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
             except _GuardMiss as miss:
                 return self._run_eagerly_once(miss.error, args, kwargs)
             if program is None:
@@ -270,10 +281,20 @@ class ORTWrap(nn.Module):
             outputs = _run_program(program, leaves)
         except UnsupportedFunctionError as e:
             # Found only when the Function first runs: treated like a build failure.
+            self._raise_if_eager_raises(args, kwargs)
             if not self._options.fallback:
                 raise
             self._fall_back(e)
             return self.module(*args, **kwargs)
+        except Exception as e:
+            # NOTE: a bad input (wrong feature size, a user's shape assert traced away) reaches ORT
+            # as a broadcast or shape error: the user gets eager's own exception, on every call,
+            # and the program stays for the next good batch.
+            self._raise_if_eager_raises(args, kwargs)
+            raise RuntimeRunError(
+                f"ONNX Runtime failed to run the {program} on an input PyTorch accepts: {e}. "
+                "Report it with ORTWrap(..., debug_dir=...)'s artifacts; fallback=True does not apply to run errors"
+            ) from e
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():
@@ -333,8 +354,23 @@ class ORTWrap(nn.Module):
         kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
         return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
 
+    def _raise_if_eager_raises(self, args: tuple, kwargs: dict) -> None:
+        """Run the module eagerly on the input that failed; raise its exception if it raises.
+
+        The run is discarded: no autograd graph, and buffers and RNG states are restored."""
+        error = _eager_error(self.module, args, kwargs)
+        if error is not None:
+            raise error.with_traceback(error.__traceback__) from None
+
     def _build(
-        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, programs: ProgramSet | None
+        self,
+        key: tuple,
+        leaves: list[torch.Tensor],
+        in_spec: tuple,
+        needs_grad: bool,
+        programs: ProgramSet | None,
+        args: tuple = (),
+        kwargs: dict | None = None,
     ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
@@ -360,6 +396,9 @@ class ORTWrap(nn.Module):
                 )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
+            # NOTE: an input the module rejects (a wrong dtype or rank, a user's assert) fails the
+            # build too: eager's exception is raised, and nothing is cached or switched off.
+            self._raise_if_eager_raises(args, kwargs or {})
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
             if not self._options.fallback:
@@ -412,6 +451,27 @@ def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Ten
     if program.n_pythonops:
         bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
     return outputs
+
+
+def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """The exception ``module(*args, **kwargs)`` raises in PyTorch, or ``None``; the run leaves no
+    trace (no autograd graph; buffers, CPU and CUDA RNG states restored)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as e:
+        return e
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return None
 
 
 class _GuardMiss(Exception):
