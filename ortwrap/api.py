@@ -76,6 +76,12 @@ class ORTWrap(nn.Module):
             raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
         if isinstance(module, ORTWrap):
             raise TypeError("ORTWrap(module): module is already an ORTWrap")
+        if compat.is_compiled_module(module):
+            raise TypeError(
+                "ORTWrap(module): module is compiled with torch.compile; ORTWrap exports the module itself. "
+                "Wrap the uncompiled module, and compile the wrapper if you like: torch.compile(ORTWrap(model)) "
+                "(ORTWrap runs outside the compiled graph)"
+            )
         integrations.check_wrappable(module)
         super().__init__()
         d = self.__dict__
@@ -212,6 +218,10 @@ class ORTWrap(nn.Module):
         # NOTE: per-step cost. nn.Module.__call__ goes through _wrapped_call_impl and _call_impl
         # (~2 us) to reach forward when no hook, compiled call or tracer is active; those are
         # checked the same way (compat.call_skips_hooks), and anything else takes nn.Module's path.
+        if _compiling():
+            # NOTE: under torch.compile (of this wrapper or of a parent), dynamo must not trace into
+            # ORTWrap's own code: the call runs outside the compiled graph (a graph break).
+            return _outside_compiled_graph()(self, *args, **kwargs)
         if _call_skips_hooks(self):
             if "forward" in self.__dict__:  # replaced on the instance (accelerate's autocast wrapper)
                 return self.forward(*args, **kwargs)
@@ -437,6 +447,20 @@ def autocast_state() -> tuple:
 
 
 _call_skips_hooks = compat.call_skips_hooks
+_compiling = torch.compiler.is_compiling
+
+
+_disabled_call: Any = None
+
+
+def _outside_compiled_graph() -> Any:
+    """``nn.Module.__call__`` excluded from torch.compile (created on first use under compile)."""
+    global _disabled_call
+    if _disabled_call is None:
+        _disabled_call = torch.compiler.disable(nn.Module.__call__, recursive=True)
+    return _disabled_call
+
+
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 

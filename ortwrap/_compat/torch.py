@@ -383,6 +383,22 @@ def apply_to_tensors(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch
     module._apply(fn, recurse)
 
 
+_OPTIMIZED_MODULE = _declare("torch._dynamo.eval_frame.OptimizedModule")
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper or was compiled in place (``m.compile()``).
+
+    Resolved only where dynamo is already imported (a compiled module exists only then)."""
+    import sys
+
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return isinstance(module, _resolve(_OPTIMIZED_MODULE))
+
+
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     """The mutable set of the module's buffer names left out of ``state_dict``."""
     return module.__dict__["_non_persistent_buffers_set"]
