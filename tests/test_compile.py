@@ -69,5 +69,5 @@ def test_wrapping_a_compiled_module_is_refused_at_wrap_time():
         ORTWrap(torch.compile(mlp()))
     m = mlp()
     m.compile()
-    with pytest.raises(TypeError, match="compiled with torch.compile"):
+    with pytest.raises(TypeError, match=r"compiled with torch\.compile"):
         ORTWrap(m)
