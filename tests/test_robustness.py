@@ -236,3 +236,35 @@ def test_ema_copy_tracks_eager():
     x, y = torch.randn(5, 6, generator=g), torch.randint(0, 4, (5,), generator=g)
     with torch.no_grad():
         assert_close(ema_o(x, y), ema_e(x, y), "EMA copy's loss")
+
+
+class SoftmaxHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return torch.softmax(h, -1), h * 2
+
+
+def test_in_place_edit_of_an_output_the_backward_reads_raises_eagers_error():
+    eager, w = SoftmaxHead(), ORTWrap(SoftmaxHead(), fallback=False)
+    x = torch.randn(5, 6)
+    errors = []
+    for model in (eager, w):
+        probs, _ = model(x)
+        probs.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+            probs.sum().backward()
+        errors.append(type(info.value))
+        assert all(p.grad is None for p in model.parameters())  # nothing accumulated
+    assert errors[0] is errors[1]
+    # An output the backward does not read may be edited, as in eager; the next step is right.
+    for model in (eager, w):
+        _, h = model(x)
+        h.mul_(3)
+        (h * torch.linspace(-1, 1, h.numel()).reshape(h.shape)).sum().backward()
+    for (n, p), q in zip(eager.named_parameters(), w.parameters()):
+        assert_close(q.grad, p.grad, f"{n}.grad")
