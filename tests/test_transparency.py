@@ -173,3 +173,27 @@ def test_transformers_model_attributes_methods_and_save_pretrained(tmp_path):
         out = w(input_ids=ids, attention_mask=torch.ones_like(ids))
         expected = m.__class__.forward(m, input_ids=ids, attention_mask=torch.ones_like(ids))
     assert_close(out.logits, expected.logits, "logits")
+
+
+class Result:
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class ReturnsObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Result:
+        return Result(self.lin(x))
+
+
+def test_an_output_object_holding_tensors_gets_an_error_that_names_it():
+    import pytest
+
+    from ortwrap.errors import ExportError
+
+    w = ORTWrap(ReturnsObject(), fallback=False)
+    with pytest.raises(ExportError, match=r"output `output` \(test_transparency\.Result\) holds tensors"):
+        w(torch.randn(2, 4))
