@@ -101,6 +101,8 @@ class ORTWrap(nn.Module):
         d["_last_artifacts"] = None
         d["_fallback_reason"] = None
         d["_empty_logged"] = False
+        d["_in_method"] = False  # a method of the module is running (see _routed_method)
+        d["_method_warned"] = False
         d["_arg_names"] = _positional_names(module)
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
@@ -244,7 +246,22 @@ class ORTWrap(nn.Module):
             structure: Any = len(args)
         else:
             leaves = []
-            in_spec = self._flatten_inputs(args, kwargs, leaves)
+            try:
+                in_spec = self._flatten_inputs(args, kwargs, leaves)
+            except UnsupportedInputError as e:
+                if not self._in_method:
+                    raise
+                # A method of the module (generate with a KV cache object, say) calls self(...) with
+                # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
+                if not self._method_warned:
+                    self.__dict__["_method_warned"] = True
+                    warnings.warn(
+                        f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
+                        f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
+                        FallbackWarning,
+                        stacklevel=3,
+                    )
+                return self.module(*args, **kwargs)
             structure = in_spec
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
@@ -599,9 +616,11 @@ def _routed_method(wrapper: ORTWrap, method: types.MethodType) -> Any:
         def routed_forward(*a: Any, **k: Any) -> Any:
             # NOTE: lifted while the wrapper runs, so that export and eager runs see the real forward.
             del module.__dict__["forward"]
+            wrapper.__dict__["_in_method"] = True
             try:
                 return wrapper(*a, **k)
             finally:
+                wrapper.__dict__["_in_method"] = False
                 module.__dict__["forward"] = routed_forward
 
         module.__dict__["forward"] = routed_forward

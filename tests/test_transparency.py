@@ -197,3 +197,25 @@ def test_an_output_object_holding_tensors_gets_an_error_that_names_it():
     w = ORTWrap(ReturnsObject(), fallback=False)
     with pytest.raises(ExportError, match=r"output `output` \(test_transparency\.Result\) holds tensors"):
         w(torch.randn(2, 4))
+
+
+def test_generate_gives_eagers_tokens_and_never_switches_ort_off():
+    import pytest
+
+    from ortwrap import FallbackWarning
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(config).eval()
+    eager = transformers.GPT2LMHeadModel(config).eval()
+    eager.load_state_dict(m.state_dict())
+    w = ORTWrap(m, fallback=False)
+    ids = torch.randint(1, 40, (2, 5), generator=torch.Generator().manual_seed(0))
+    # generate passes a KV-cache object ORT cannot take: those calls run in PyTorch, said once.
+    with pytest.warns(FallbackWarning, match="cache"):
+        tokens = w.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(tokens, eager.generate(ids, max_new_tokens=5, do_sample=False))
+    assert w.fallback_reason is None and "forward" not in vars(m)
