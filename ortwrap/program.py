@@ -156,6 +156,9 @@ class Program:
         self.non_differentiable = tuple(
             i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
         )
+        #: User outputs ORT's backward reads: saved with save_for_backward, so that autograd's
+        #: version counters catch an in-place edit before the backward, as in eager.
+        self.saved_outputs = tuple(i for i in graph.info.saved_output_indices if i < self.n_outputs)
         self._state_cache = StateValueCache(len(self._plan))
         # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
         # as this program (and its session) can run.

@@ -38,6 +38,7 @@ __all__ = [
     "export_context",
     "rewrite_graph",
     "step_integration",
+    "wrapper_attribute",
 ]
 
 
@@ -65,6 +66,10 @@ class Integration:
         """The built (forward+backward or inference) graph, rewritten before its session is created."""
         return graph
 
+    #: Prefixes of attribute names the integration sets on the wrapper itself (its bookkeeping);
+    #: other attributes set on a wrapper go to the wrapped module.
+    wrapper_attributes: tuple[str, ...] = ()
+
     def gather(self, wrapper: ORTWrap) -> Any:
         """Make the module's parameters whole; return a token for :meth:`release`."""
         return None
@@ -84,12 +89,18 @@ def _load() -> list[Integration]:
 INTEGRATIONS: list[Integration] = _load()
 #: Those that may take a step over (asked on every call, so only these are asked).
 _STEPPING: tuple[Integration, ...] = tuple(i for i in INTEGRATIONS if type(i).applies is not Integration.applies)
+_WRAPPER_ATTRIBUTES: tuple[str, ...] = tuple(p for i in INTEGRATIONS for p in i.wrapper_attributes)
 
 
 def check_wrappable(module: nn.Module) -> None:
     """Every integration's wrap-time check."""
     for integration in INTEGRATIONS:
         integration.check_wrappable(module)
+
+
+def wrapper_attribute(name: str) -> bool:
+    """Whether an integration keeps attribute ``name`` on the wrapper rather than on the wrapped module."""
+    return name.startswith(_WRAPPER_ATTRIBUTES) if _WRAPPER_ATTRIBUTES else False
 
 
 def step_integration(wrapper: ORTWrap) -> Integration | None:

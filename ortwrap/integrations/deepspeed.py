@@ -418,6 +418,18 @@ class DeepSpeedZero3(Integration):
     gather and release; before export, DeepSpeed's module hooks hidden."""
 
     name = "deepspeed-zero3"
+    #: DeepSpeed's per-module bookkeeping (ZeRO-3's hooks set these on every module they walk, the
+    #: wrapper included) belongs to the wrapper, not to the wrapped module.
+    wrapper_attributes = (
+        "ds_",
+        "_ds_",
+        "_external_params",
+        "_original_parameters",
+        "all_parameters",
+        "applied_pre_backward_ref_cnt",
+        "post_bwd_fn",
+        "pre_bwd_fn",
+    )
 
     def check_wrappable(self, module: nn.Module) -> None:
         pass  # (the wrap-order check of DeepSpeed engines is DataParallelWrappers')

@@ -73,6 +73,13 @@ def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDev
                 f"inputs are on {device} but this onnxruntime has no CUDAExecutionProvider; "
                 "install ortwrap[cuda] (onnxruntime-training==1.19.2) instead of ortwrap[cpu]"
             )
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            # NOTE: checked before ORT sees a CUDA provider: creating one with no GPU aborts the
+            # whole process (cudaDriverWrapper) instead of raising.
+            raise SessionError(
+                f"inputs are on {device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s) on this machine; "
+                "move the model and inputs to an existing device (or to the CPU)"
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         # NOTE: ORT computes on torch's current stream, so its kernels are ordered after the torch
         # kernels that produced the inputs and before those that consume the outputs.
@@ -99,6 +106,14 @@ def _create_session(
         sess = ort.InferenceSession(graph.model_bytes, session_options(options), providers, provider_options)
     except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
+    missing = [p for p in providers if p not in sess.get_providers()]
+    if missing:
+        # ORT falls back to the CPU provider when one fails to load (a missing CUDA/cuDNN library).
+        raise SessionError(
+            f"onnxruntime created the session without {', '.join(missing)} (it failed to load; onnxruntime's log "
+            f"says why: most often a missing CUDA 11.8 / cuDNN 8 library); the session has {sess.get_providers()}. "
+            "Install ortwrap[cuda] with its NVIDIA libraries, or run on the CPU"
+        )
     return sess, ort_device
 
 
