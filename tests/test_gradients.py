@@ -260,3 +260,24 @@ class Sample(nn.Module):
 @pytest.mark.parametrize("two_d", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["1d", "2d"])
 def test_multinomial(two_d):
     check_parity(lambda: Sample(two_d), seq)
+
+
+NORMS = {
+    "group_norm_no_affine": (lambda: ConvThen(nn.GroupNorm(2, 4, affine=False)), 2),
+    "group_norm_1d": (lambda: ConvThen(nn.GroupNorm(2, 4), 1), 1),
+    "instance_norm_1d": (lambda: ConvThen(nn.InstanceNorm1d(4, affine=True), 1), 1),
+}
+
+
+@pytest.mark.parametrize("name", cases(NORMS, {"group_norm_no_affine"}))
+def test_norm(name):
+    """GroupNorm(affine=False)'s output (a Reshape's buffer once ORT drops the x*1+0) must survive
+    the backward."""
+    make, dims = NORMS[name]
+    check_parity(make, img(dims, 6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm", ["layer_norm_no_bias", "rms_norm"])
+def test_sequence_norm(norm):
+    check_parity(lambda: Pre(nn.LayerNorm(8, bias=False) if norm == "layer_norm_no_bias" else nn.RMSNorm(8)), seq)

@@ -95,11 +95,15 @@ def _decoder(arg):
 class _Plan:
     """How to call one ATen overload from the node's inputs."""
 
-    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple")
+    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple", "written")
 
     def __init__(self, fn) -> None:
         schema = compat.op_schema(fn)
         self.fn = fn
+        #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
+        self.written = {
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        }
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
         self.simple = True  # every argument a plain Tensor: no decoding
@@ -175,11 +179,23 @@ def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
             r = r.clone(memory_format=torch.contiguous_format)
         if r.dtype is torch.bool:
             r = r.view(torch.uint8)
-        out.append(_to_dlpack(r if r.is_contiguous() else r.contiguous()))
+        out.append(_to_dlpack(_dense(r)))
     return tuple(out)
 
 
-def _vjp(op: str, overload: str, tensors: list, n_out: int) -> list:
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides exactly (ORT's DLPack import checks every stride, those of
+    size-1 dims included, which ``is_contiguous`` ignores)."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
+
+
+def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = None) -> list:
     """PyTorch's backward of ``op``: inputs are the output gradients (one per output of the forward
     node: ``outs=N|op`` when it has fewer than the op returns), then the forward inputs."""
     outs = None
@@ -191,7 +207,13 @@ def _vjp(op: str, overload: str, tensors: list, n_out: int) -> list:
     grads_out, inputs = tensors[:n_grads], list(tensors[n_grads:])
     leaves = []
     for i, t in enumerate(inputs):
-        if t is not None and (t.is_floating_point() or t.is_complex()):
+        if t is not None and i in plan.written:
+            # NOTE: recomputed on a copy: the forward node already updated the original (running
+            # statistics must not move twice), and autograd takes no gradient for it.
+            inputs[i] = t.detach().clone()
+        elif t is not None and (t.is_floating_point() or t.is_complex()):
+            if used is not None and (i >= len(used) or used[i] != "1"):
+                continue  # a gradient the graph does not take (a buffer, a frozen weight): not a leaf
             inputs[i] = t.detach().requires_grad_()
             leaves.append(i)
     with torch.enable_grad():
@@ -221,7 +243,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
         if op.startswith(VJP_PREFIX):
             name, used = _split_used(op[len(VJP_PREFIX) :])
-            grads = _vjp(name, overload, tensors, n_out)
+            grads = _vjp(name, overload, tensors, n_out, used)
             if used is not None:  # gradients the graph does not take (see mark_used_outputs)
                 grads = [g if i < len(used) and used[i] == "1" else None for i, g in enumerate(grads)]
             return _encode(grads, n_out, op)
