@@ -26,6 +26,13 @@ saying what is not supported). ``passes/torch_gradients.py`` applies them to tra
 Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op of its own in the
 ``ortwrap_ops`` namespace (:func:`define_ops`, ``torch.library``; autograd comes from the
 composite's decomposition).
+
+**ATen ops whose ONNX form is wrong** (:data:`ATEN_OPS`): an :class:`AtenViaTorch` entry makes the
+exporter (TorchScript: ``export/symbolics.py``) write the op as an ATen node, with the same gradient
+mechanism.
+
+Each registry op costs a Python call per node per step (forward, and one for its gradient), and
+runs where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.
 """
 
 from __future__ import annotations
