@@ -124,6 +124,41 @@ _LEADING_ARGS = 2
 _ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
 
 
+def _neutral(name: str, producers: dict, value: float) -> bool:
+    """Whether ``name`` is a constant whose every element is ``value`` (through Unsqueeze/Reshape/Cast/Identity)."""
+    node = producers.get(name)
+    while node is not None and node.op_type in ("Unsqueeze", "Reshape", "Cast", "Identity", "Expand"):
+        name = node.input[0]
+        node = producers.get(name)
+    if node is None:  # an initializer (the gradient builder folds constants into them)
+        tensor = producers.get(("initializer", name))
+    elif node.op_type == "Constant":
+        tensor = next((a.t for a in node.attribute if a.name == "value"), None)
+    else:
+        return False
+    if tensor is None:
+        return False
+    array = onnx.numpy_helper.to_array(tensor)
+    return array.size > 0 and bool((array == value).all())
+
+
+def _through_noops(node, producers: dict):
+    """The producer that remains after ORT's optimizer drops ``x * 1``, ``x / 1``, ``x + 0`` and ``x - 0``
+    (``GroupNorm(affine=False)``: its output became a Reshape's view, changed during the backward)."""
+    while node is not None and node.domain in ("", "ai.onnx") and len(node.input) == 2:
+        neutral = {"Mul": 1.0, "Div": 1.0, "Add": 0.0, "Sub": 0.0}.get(node.op_type)
+        if neutral is None:
+            break
+        a, b = node.input
+        if _neutral(b, producers, neutral):
+            node = producers.get(a)
+        elif node.op_type in ("Mul", "Add") and _neutral(a, producers, neutral):
+            node = producers.get(b)
+        else:
+            break
+    return node
+
+
 def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int, ...]:
     """Forward outputs that ORT may hand over as a view of an intermediate buffer.
 
@@ -133,11 +168,12 @@ def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int,
     ``loss.backward()``). These outputs are copied once after the forward, before the backward
     can run; other outputs are ORT's own buffers and cross without a copy.
     """
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers: dict = {o: n for n in model.graph.node for o in n.output}
+    producers.update({("initializer", t.name): t for t in model.graph.initializer})
     inputs = {i.name for i in model.graph.input}
     found = []
     for i, name in enumerate(graph.info.user_output_names):
-        node = producers.get(name)
+        node = _through_noops(producers.get(name), producers)
         if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _ALIASING_OPS:
             continue
         source = node.input[0] if node.input else ""
