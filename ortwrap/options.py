@@ -16,6 +16,7 @@ __all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
+_ZERO3_GATHER = ("module", "submodule")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -89,6 +90,20 @@ class Options:
         "On CPU, train GELU (erf and tanh), LayerNorm, softmax, cross-entropy and embedding lookups with ortwrap's own kernels (compiled for this "
         "machine on first use) instead of ONNX Runtime's much slower CPU kernels for them (docs/performance.md).",
     )
+    fusions: bool = _opt(
+        True,
+        "ORTWRAP_FUSIONS",
+        "Fuse GELU, LayerNorm and RMSNorm into single ops before ORT partitions the graph: the standard "
+        "Gelu/LayerNormalization where the opset has them, ORT's contrib ops otherwise (docs/performance.md).",
+    )
+    fuse_initializers: bool = _opt(
+        False,
+        "ORTWRAP_FUSE_INITIALIZERS",
+        "On CPU, feed frozen (requires_grad=False) bfloat16/float16 parameters and buffers to ORT as float32 copies "
+        "made once and remade only when the tensor changes (its version counter), instead of a Cast on every step "
+        "(ORT PR 24175's idea). Saves the per-step casts of e.g. a bf16 base model with fp32 adapters; costs the "
+        "float32 copies' memory between steps (docs/performance.md).",
+    )
     build_cache: bool = _opt(
         True,
         "ORTWRAP_BUILD_CACHE",
@@ -104,6 +119,14 @@ class Options:
         "device round trip (docs/cpu-fallback.md). Also read from ORT_AGGRESSIVE_CPU_FALLBACK, upstream's name.",
         aliases=("ORT_AGGRESSIVE_CPU_FALLBACK",),
     )
+    zero3_gather: str = _opt(
+        "module",
+        "ORTWRAP_ZERO3_GATHER",
+        f"Under DeepSpeed ZeRO-3, one of {', '.join(_ZERO3_GATHER)}: 'module' gathers the whole wrapped module's "
+        "parameters for each step; 'submodule' gathers each submodule's parameters inside the graph when ONNX "
+        "Runtime reaches it, and again in the backward, as eager ZeRO-3 does (TorchScript exporter only; "
+        "docs/user-guide.md).",
+    )
 
     def __post_init__(self) -> None:
         level = str(self.log_level).upper()
@@ -114,6 +137,10 @@ class Options:
         object.__setattr__(self, "log_level", level)
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if self.zero3_gather not in _ZERO3_GATHER:
+            raise ValueError(
+                f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
+            )
 
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")

@@ -22,19 +22,20 @@ import torch
 from torch import nn
 
 from . import cache as build_cache
-from . import kernels
+from . import integrations, kernels
 from ._compat import torch as compat
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN, infer_types
-from .errors import ExportError, GradientBuildError, PassError
+from .errors import ExportError, GradientBuildError, PassError, UnsupportedInputError
 from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
+from .passes.half_precision import FuseHalfInitializersPass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
 from .passes.native_cpu_kernels import NativeCPUKernelsPass
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
@@ -115,6 +116,9 @@ class _StateRef:
         return compat.parameter_table(self.owner) if self.is_param else compat.buffer_table(self.owner)
 
 
+_dict_item = dict.__getitem__
+
+
 class Program:
     """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
 
@@ -130,14 +134,15 @@ class Program:
         index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
         refs = _state_refs(module)
         # Each feed is (flat index, None, None) for a user input, or (-1, table, attr) for module
-        # state: the owning submodule's _parameters or _buffers dict, read at ``attr`` every step.
+        # state: the owning submodule's _parameters or _buffers dict, read at ``attr`` every step;
+        # -2 instead of -1 feeds a float32 copy of half-precision state (``graph.float_feeds``).
         self._plan: list[tuple[int, dict[str, torch.Tensor] | None, str | None]] = []
         for name in graph.feed_names:
             if name in index_of:
                 self._plan.append((index_of[name], None, None))
             else:
                 ref = refs[exported.state_names[name]]
-                self._plan.append((-1, ref.table(), ref.attr))
+                self._plan.append((-2 if name in graph.float_feeds else -1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
         self.n_outputs = len(exported.output_names)
         if outputs[: self.n_outputs] != exported.output_names:
@@ -151,6 +156,9 @@ class Program:
         self.non_differentiable = tuple(
             i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
         )
+        #: User outputs ORT's backward reads: saved with save_for_backward, so that autograd's
+        #: version counters catch an in-place edit before the backward, as in eager.
+        self.saved_outputs = tuple(i for i in graph.info.saved_output_indices if i < self.n_outputs)
         self._state_cache = StateValueCache(len(self._plan))
         # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
         # as this program (and its session) can run.
@@ -182,8 +190,13 @@ class Program:
                 t = leaves[i]
                 push_tensor(vec, t)
             else:
-                t = table[attr]
-                if cached_tensors[j] is t and pointers[j] == t.data_ptr():
+                # NOTE: dict's own lookup: DeepSpeed ZeRO-3's parameter dicts gather a partitioned
+                # parameter on item access (and register it as its module's external parameter);
+                # the graph feeds what the module holds now (zero3_gather="submodule" gathers inside).
+                t = _dict_item(table, attr)
+                if i == -2:  # fed as a float32 copy (fuse_initializers)
+                    push(cache.float_copy(j, t))
+                elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
                     push(values[j])
                 else:
                     push(cache.refresh(j, t))
@@ -411,6 +424,28 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
         return {"ir_model": ir.serde.deserialize_model(typed), "pass_records": []}
 
+    @stage("fuse_initializers", ("ir_model", "pass_records", "exported"), ("ir_model", "pass_records", "float_feeds"),
+           group="passes", snapshot_if=_modified)  # fmt: skip
+    def fuse_initializers(ir_model: ir.Model, pass_records: list[PassRecord], exported: ExportedModel) -> dict:
+        """With ``fuse_initializers`` on CPU: frozen half-precision parameters and buffers enter the
+        graph as float32, fed from copies made once (``FuseHalfInitializersPass``)."""
+        if not (o.fuse_initializers and device.type == "cpu"):
+            return {"ir_model": ir_model, "pass_records": pass_records, "float_feeds": frozenset()}
+        names = {
+            n
+            for n, t in exported.state_inputs.items()
+            if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
+        }
+        p = FuseHalfInitializersPass(names)
+        start = time.perf_counter()
+        result = run_pass(p, ir_model)
+        record = PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)
+        return {
+            "ir_model": result.model,
+            "pass_records": [*pass_records, record],
+            "float_feeds": frozenset(p.converted),
+        }
+
     def pass_stage(p: ir.passes.PassBase) -> Stage:
         name = type(p).__name__
 
@@ -451,8 +486,11 @@ def build_stages(request: BuildRequest) -> list[Stage]:
                     raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
         return {"pre_grad": pre_grad}
 
-    @stage("gradient_build", ("pre_grad", "exported", "host_split"), ("graph", "feeds"), group="gradient_build")
-    def gradient_build(pre_grad: onnx.ModelProto, exported: ExportedModel, host_split: HostShapeSplit | None) -> dict:
+    @stage("gradient_build", ("pre_grad", "exported", "host_split", "float_feeds"), ("graph", "feeds"),
+           group="gradient_build")  # fmt: skip
+    def gradient_build(
+        pre_grad: onnx.ModelProto, exported: ExportedModel, host_split: HostShapeSplit | None, float_feeds: frozenset
+    ) -> dict:
         feeds = _final_feeds(exported, pre_grad, host_split)
         trainable = [
             n
@@ -473,7 +511,19 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             log_level=o.logging_level,
             propagate_casts=device.type != "cpu",
         )
+        if float_feeds:
+            graph = dataclasses.replace(graph, float_feeds=frozenset(float_feeds))
         return {"graph": graph, "feeds": feeds}
+
+    @stage("integration_rewrites", ("graph",), ("graph",), group="gradient_build")
+    def integration_rewrites(graph: TrainingGraph) -> dict:
+        """The integrations' rewrites of the built graph (``integrations.Integration.rewrite_graph``)."""
+        try:
+            return {"graph": integrations.rewrite_graph(graph)}
+        except UnsupportedInputError:
+            raise
+        except Exception as e:
+            raise GradientBuildError(f"rewriting the built graph failed: {type(e).__name__}: {e}") from e
 
     @stage("session", ("graph",), ("runner",), group="session")
     def session(graph: TrainingGraph) -> dict:
@@ -487,15 +537,19 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             prog.host_shapes_runner = HostShapeRunner(host_split, host_index)
         return {"program": prog}
 
-    passes = default_passes(with_backward=with_backward, device_type=device.type, native_kernels=True)
+    passes = default_passes(
+        with_backward=with_backward, device_type=device.type, native_kernels=True, fusions=o.fusions
+    )
     return [
         native_kernels,
         type_inference,
+        fuse_initializers,
         *[_native_gate(pass_stage(p)) if isinstance(p, NativeCPUKernelsPass) else pass_stage(p) for p in passes],
         host_split,
         serialize,
         aten_gradients,
         gradient_build,
+        integration_rewrites,
         session,
         program,
     ]

@@ -160,6 +160,7 @@ _FUNCTION_BASE = _declare("torch._C._FunctionBase")
 _TRACING_STATE = _declare("torch._C._get_tracing_state")
 _EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
 _ANY_AUTOCAST = _declare("torch._C._is_any_autocast_enabled")
+_declare("Tensor._version")  # the in-place version counter autograd checks
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
     _declare(f"torch.nn.modules.module.{n}")
@@ -287,6 +288,11 @@ def any_autocast_enabled() -> Callable[[], bool]:
         return lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it grows with every in-place write (optimizer steps, ``copy_``)."""
+    return t._version
+
+
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass ends (autograd engine's callback queue)."""
     _resolve(_EXECUTION_ENGINE).queue_callback(callback)
@@ -346,6 +352,58 @@ def buffer_table(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 def submodule_table(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
     """The module's own ``name -> submodule`` dict, not a copy."""
     return module.__dict__["_modules"]
+
+
+#: nn.Module's structure tables: what ``named_parameters``, ``named_buffers``, ``named_modules``,
+#: ``state_dict`` and attribute reads of parameters/buffers/submodules walk.
+MODULE_STRUCTURE_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def share_structure(view: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Make ``view``'s parameter, buffer and submodule tables ``module``'s own (the same objects):
+    ``view`` then has ``module``'s names, and registering on either registers on both."""
+    for name in MODULE_STRUCTURE_TABLES:
+        view.__dict__[name] = module.__dict__[name]
+
+
+_MISSING = object()
+
+
+def structure_member(module: torch.nn.Module, name: str, default: Any = _MISSING) -> Any:
+    """``module``'s parameter, buffer or submodule ``name`` (what ``nn.Module.__getattr__`` finds),
+    else ``default`` (or :data:`MISSING`)."""
+    d = module.__dict__
+    for table in ("_parameters", "_buffers", "_modules"):
+        t = d.get(table)
+        if t is not None and name in t:
+            return t[name]
+    return default
+
+
+#: What :func:`structure_member` returns for a name none of the tables has.
+MISSING = _MISSING
+_declare("Module._apply")
+
+
+def apply_to_tensors(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:
+    """``module._apply(fn, recurse)``: what ``to()``, ``float()``, ``cuda()`` ... run on parameters and buffers."""
+    module._apply(fn, recurse)
+
+
+_OPTIMIZED_MODULE = _declare("torch._dynamo.eval_frame.OptimizedModule")
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper or was compiled in place (``m.compile()``).
+
+    Resolved only where dynamo is already imported (a compiled module exists only then)."""
+    import sys
+
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return isinstance(module, _resolve(_OPTIMIZED_MODULE))
 
 
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
