@@ -419,9 +419,6 @@ def recurrent_inputs(b, g):
     return (torch.randn(seq_len(b, 6), b, 8, generator=g),), {}
 
 
-_TS_GROUPED = "ortwrap's TorchScript grouped_mm"
-_HARDSWISH = "ORT 1.19.2 has no HardSwish/HardSigmoid gradient (issue 14, op half)"
-_CONV_T = "ORT's CPU provider has no ConvTransposeGrad kernel (issue 14, op half)"
 _BILSTM = "ORT 1.19.2's LSTM training kernel is forward-only for bidirectional LSTMs (issue 14, op half)"
 
 _W2V_GUARD = (
@@ -452,21 +449,9 @@ CASES: list[Case] = [
     Case("vit", vit, vit_inputs, hf_loss),
     Case("resnetish", ResNetish, image_inputs, image_loss),
     Case("convnextish", ConvNeXtish, image_inputs, image_loss),
-    Case(
-        "mobilenetv3ish",
-        MobileNetV3ish,
-        image_inputs,
-        image_loss,
-        xfail={"torchscript": _HARDSWISH, "dynamo": _HARDSWISH},
-    ),
+    Case("mobilenetv3ish", MobileNetV3ish, image_inputs, image_loss),
     Case("unet_resize", UNet, unet_inputs, image_loss),
-    Case(
-        "unet_convtranspose",
-        lambda: UNet(transposed=True),
-        unet_inputs,
-        image_loss,
-        xfail={"torchscript": _CONV_T, "dynamo": _CONV_T},
-    ),
+    Case("unet_convtranspose", lambda: UNet(transposed=True), unet_inputs, image_loss),
     Case("wav2vec2_ctc", wav2vec2_ctc, audio_inputs, hf_loss, xfail={"torchscript": _W2V_GRAD, "dynamo": _W2V_GUARD}),
     Case("wav2vec2_encoder", wav2vec2_encoder, audio_encoder_inputs, None),
     Case("whisper", whisper, whisper_inputs, hf_loss),
