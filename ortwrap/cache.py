@@ -293,6 +293,7 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.aten_ops,
         options.aggressive_cpu_fallback,
         options.native_kernels,
+        options.recompute,
     )
     cpu = _cpu_flags() if native else ()
     for part in (_versions(), _module_fingerprint(module), repr(schema), repr(shape), graph_options, native, cpu):

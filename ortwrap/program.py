@@ -33,6 +33,7 @@ from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
+from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
@@ -62,6 +63,8 @@ class BuildArtifacts:
         stage_seconds: wall time of each stage of the build (``pipeline.Stage``), in order.
         stages: each stage's record (time, debug snapshots).
         cached: the program came from the build cache (``exports`` is 0).
+        recompute: with ``recompute``, what the rewrite kept and recomputed (``None`` otherwise, and
+            for programs loaded from the build cache).
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -81,6 +84,7 @@ class BuildArtifacts:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     stages: list[StageRecord] = field(default_factory=list)
     cached: bool = False
+    recompute: RecomputeReport | None = None
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -475,6 +479,19 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         )
         return {"graph": graph, "feeds": feeds}
 
+    @stage("recompute", ("graph", "feeds"), ("graph", "recompute"), group="gradient_build")
+    def recompute(graph: TrainingGraph, feeds: ExportedModel) -> dict:
+        """With ``recompute``: the backward recomputes activations between checkpoints (grad/recompute.py)."""
+        if not with_backward or o.recompute == "none":
+            return {"graph": graph, "recompute": None}
+        model = graph.model()
+        try:
+            report = recompute_segments(model, {n for n in feeds.user_input_names if n is not None}, o.recompute)
+        except Exception as e:
+            raise GradientBuildError(f"recompute={o.recompute!r} could not rewrite the training graph: {e}") from e
+        logger.info("%s", report.summary())
+        return {"graph": dataclasses.replace(graph, model_bytes=model.SerializeToString()), "recompute": report}
+
     @stage("session", ("graph",), ("runner",), group="session")
     def session(graph: TrainingGraph) -> dict:
         return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
@@ -496,6 +513,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         serialize,
         aten_gradients,
         gradient_build,
+        recompute,
         session,
         program,
     ]
@@ -751,6 +769,7 @@ def compile_program(
         exporter,
         stage_seconds,
         records,
+        recompute=values["recompute"],
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(

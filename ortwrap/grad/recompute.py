@@ -1,0 +1,324 @@
+"""Activation recompute: the backward recomputes forward values instead of keeping them.
+
+ORT's training graph (``builder.build_graph``) is one forward, a ``YieldOp`` and one backward; every
+forward value a backward node reads is *stashed*: ORT keeps it in the partial-run state from the
+forward to the backward. At training scale those stashed activations are most of the memory a
+step needs beyond parameters, gradients and optimizer state.
+
+:func:`recompute_segments` rewrites the built graph so that only *checkpoints* stay stashed:
+
+1. **Checkpoints.** Walking the forward in graph order, a value is a checkpoint when it is the
+   only floating-point activation (a value computed from the user inputs' data, not only from
+   their shapes) that later forward nodes still read. In a residual network those are the
+   residual stream between sublayers: the input of each transformer block and the value after its
+   attention's residual add. The forward between two checkpoints is a *segment* (half a
+   transformer layer; the embedding and the head are segments too).
+2. **Recompute.** Every stashed value of a segment that a recomputable node produces is computed
+   again by copies of the segment's forward nodes, from the segment's entry checkpoint, the
+   parameters and the values that do not depend on the inputs' data (masks, positions). The
+   backward reads the copies; the originals are freed during the forward.
+3. **Order.** ORT 1.19.2 runs a graph in one fixed order, and the forward run stops at the
+   ``YieldOp``. The copies of a segment read their entry values through a ``Reshape`` whose shape
+   depends on the gradient of the segment's exit checkpoint, so they run in the backward, right
+   when that segment's backward starts; one segment's recomputed activations are alive at a time.
+
+Not recomputed (kept stashed): random ops (dropout), PythonOps and ATen nodes other than
+ortwrap's own CPU kernels, nodes with subgraphs, and the values the forward returns. ORT's common
+subexpression elimination would merge the copies back into the originals: sessions of recomputed
+graphs disable it (``runtime.session``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+import onnx
+
+from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+
+__all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_values"]
+
+#: Values of ``Options.recompute``.
+RECOMPUTE_MODES = ("none", "layers")
+
+#: Suffix of recomputed values and nodes.
+SUFFIX = "/ortwrap_recompute"
+
+_FLOATS = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+)
+#: Ops whose output does not depend on their input's data.
+_SHAPE_OPS = frozenset({"Shape", "Size"})
+#: Random or stateful ops: recomputing them would not give the same values.
+_NOT_RECOMPUTABLE = frozenset(
+    {
+        "Dropout",
+        "BitmaskDropout",
+        "BiasDropout",
+        "BitmaskBiasDropout",
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+        "PythonOp",
+        "PythonOpGrad",
+        "YieldOp",
+        "If",
+        "Loop",
+        "Scan",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RecomputeReport:
+    """What :func:`recompute_segments` did to a built graph.
+
+    Attributes:
+        mode: the ``recompute`` option it ran with.
+        stashed_before: forward values the backward read before (ORT keeps them from forward to backward).
+        stashed_after: the same after the rewrite.
+        checkpoints: the values kept as segment boundaries.
+        recomputed_values: stashed values the backward now recomputes.
+        recomputed_nodes: forward nodes copied into the backward.
+    """
+
+    mode: str
+    stashed_before: tuple[str, ...] = ()
+    stashed_after: tuple[str, ...] = ()
+    checkpoints: tuple[str, ...] = ()
+    recomputed_values: tuple[str, ...] = ()
+    recomputed_nodes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"recompute={self.mode}: {len(self.stashed_before)} stashed forward values before, "
+            f"{len(self.stashed_after)} after; {len(self.checkpoints)} checkpoints, "
+            f"{len(self.recomputed_values)} values recomputed by {self.recomputed_nodes} nodes"
+        )
+
+
+def _yield_index(nodes: list[onnx.NodeProto]) -> int | None:
+    return next((i for i, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
+
+
+def stashed_values(model: onnx.ModelProto) -> list[str]:
+    """Forward values of a built training graph that its backward reads, in order of first use."""
+    nodes = list(model.graph.node)
+    yi = _yield_index(nodes)
+    if yi is None:
+        return []
+    forward = {o for n in nodes[:yi] for o in n.output if o}
+    seen: dict[str, None] = {}
+    for n in nodes[yi + 1 :]:
+        for x in n.input:
+            if x in forward:
+                seen.setdefault(x, None)
+    return list(seen)
+
+
+def _recomputable(node: onnx.NodeProto) -> bool:
+    if node.op_type in _NOT_RECOMPUTABLE or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
+        return False
+    if node.domain == ATEN_DOMAIN:
+        op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+        return op.startswith(NATIVE_PREFIX)
+    return node.domain in ("", "ai.onnx", "com.microsoft")
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
+    """``nodes`` sorted so that each follows its producers, otherwise in their given order."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    waiting = [0] * len(nodes)
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        deps = {producer[x] for x in n.input if x in producer and producer[x] != i}
+        waiting[i] = len(deps)
+        for d in deps:
+            users[d].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(nodes[i])
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
+        raise AssertionError("recompute made the graph cyclic")
+    return order
+
+
+def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str = "layers") -> RecomputeReport:
+    """Rewrite the built training graph ``model`` in place (see the module docstring).
+
+    Args:
+        model: a forward + ``YieldOp`` + backward graph from ``build_graph``.
+        user_inputs: graph inputs that are the user's tensors (not parameters or buffers).
+        mode: ``"layers"`` (``"none"`` leaves the graph alone).
+
+    Returns:
+        The :class:`RecomputeReport`.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r} is invalid; allowed: {', '.join(RECOMPUTE_MODES)}")
+    graph = model.graph
+    nodes = list(graph.node)
+    yi = _yield_index(nodes)
+    before = tuple(stashed_values(model))
+    if mode == "none" or yi is None:
+        return RecomputeReport(mode, before, before)
+    forward, yield_node, backward = nodes[:yi], nodes[yi], nodes[yi + 1 :]
+    producer: dict[str, int] = {o: i for i, n in enumerate(forward) for o in n.output if o}
+    elem = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    value_info = {v.name: v for v in graph.value_info}
+
+    # Values computed from the user inputs' data (not only from their shapes).
+    data: set[str] = {i.name for i in graph.input if i.name in user_inputs}
+    for n in forward:
+        if n.op_type not in _SHAPE_OPS and any(x in data for x in n.input):
+            data.update(o for o in n.output if o)
+    yielded = set(yield_node.input)
+
+    # Checkpoints: positions after which the only floating-point activation still read is one value.
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(nodes[: yi + 1]):
+        for x in n.input:
+            if x in producer and x in data and elem.get(x) in _FLOATS:
+                last_use[x] = i
+    ends: dict[int, int] = {}
+    for x, i in last_use.items():
+        ends[i] = ends.get(i, 0) + 1
+    live = 0
+    cut_positions: list[int] = []
+    cut_values: list[str] = []
+    for i, n in enumerate(forward):
+        live -= ends.get(i, 0)
+        outs = [o for o in n.output if o in last_use and last_use[o] > i]
+        live += len(outs)
+        if live == 1 and len(outs) == 1 and outs[0] not in yielded:
+            cut_positions.append(i)
+            cut_values.append(outs[0])
+    if not cut_positions:
+        return RecomputeReport(mode, before, before, notes=["no checkpoint found: nothing recomputed"])
+    checkpoints = set(cut_values)
+
+    def segment(i: int) -> int:
+        return bisect.bisect_left(cut_positions, i)
+
+    def in_chain(x: str, seg: int) -> bool:
+        i = producer.get(x)
+        return (
+            i is not None
+            and x in data
+            and x not in checkpoints
+            and x not in yielded
+            and segment(i) == seg
+            and _recomputable(forward[i])
+        )
+
+    # Which forward nodes each segment copies.
+    chains: dict[int, set[int]] = {}
+    recomputed: list[str] = []
+    for x in before:
+        i = producer[x]
+        seg = segment(i)
+        # Only floating-point activations: by the choice of checkpoints, only the backward of
+        # their own segment reads them (an integer value, the targets say, may cross segments).
+        if elem.get(x) not in _FLOATS or not in_chain(x, seg):
+            continue
+        recomputed.append(x)
+        chain = chains.setdefault(seg, set())
+        stack = [i]
+        while stack:
+            j = stack.pop()
+            if j in chain:
+                continue
+            chain.add(j)
+            stack.extend(producer[u] for u in forward[j].input if in_chain(u, seg))
+    if not recomputed:
+        return RecomputeReport(mode, before, before, tuple(cut_values), notes=["no stashed value is recomputable"])
+
+    produced_backward = {o for n in backward for o in n.output if o}
+    # Per segment: forward value -> its recomputed copy.
+    renamed_in: dict[int, dict[str, str]] = {
+        seg: {o: o + SUFFIX for j in chain for o in forward[j].output if o} for seg, chain in chains.items()
+    }
+    renamed = {o: r for names in renamed_in.values() for o, r in names.items()}
+    new_nodes: list[onnx.NodeProto] = []
+    notes: list[str] = []
+    make = onnx.helper.make_node
+    zero = "ortwrap_recompute_zero"
+    new_nodes.append(
+        make("Constant", [], [zero], name=zero, value=onnx.helper.make_tensor(zero, onnx.TensorProto.INT64, [], [0]))
+    )
+    for seg in sorted(chains, reverse=True):
+        chain = sorted(chains[seg])
+        # The segment's backward starts when the gradient of its exit checkpoint exists.
+        gate_source = yield_node.output[0]
+        if seg < len(cut_values):
+            grad = f"{cut_values[seg]}_grad"
+            if grad in produced_backward:
+                gate_source = grad
+            else:
+                notes.append(f"segment {seg}: no gradient named {grad}; recomputed after the YieldOp")
+        tag = f"ortwrap_recompute_gate_{seg}"
+        gate = f"{tag}/zero"
+        new_nodes.append(make("Size", [gate_source], [f"{tag}/size"], name=f"{tag}/Size"))
+        new_nodes.append(make("Mul", [f"{tag}/size", zero], [gate], name=f"{tag}/Mul"))
+        gated: dict[str, str] = {}
+        local = renamed_in[seg]
+        for j in chain:
+            src = forward[j]
+            inputs = []
+            for x in src.input:
+                if x in local:
+                    inputs.append(local[x])
+                elif x in data:  # a kept activation: read once the segment's backward starts
+                    if x not in gated:
+                        g = f"{x}/ortwrap_gate_{seg}"
+                        new_nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
+                        new_nodes.append(make("Add", [f"{g}/shape", gate], [f"{g}/gated_shape"], name=f"{g}/Add"))
+                        new_nodes.append(make("Reshape", [x, f"{g}/gated_shape"], [g], name=f"{g}/Reshape"))
+                        gated[x] = g
+                    inputs.append(gated[x])
+                else:
+                    inputs.append(x)
+            copy = onnx.NodeProto()
+            copy.CopyFrom(src)
+            copy.name = (src.name or f"node{j}") + SUFFIX
+            del copy.input[:]
+            copy.input.extend(inputs)
+            del copy.output[:]
+            copy.output.extend(local.get(o, o) if o else "" for o in src.output)
+            new_nodes.append(copy)
+    for o, r in renamed.items():
+        if o in value_info:
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(value_info[o])
+            vi.name = r
+            graph.value_info.append(vi)
+    to_recompute = set(recomputed)
+    for n in backward:
+        for k, x in enumerate(n.input):
+            if x in to_recompute:
+                n.input[k] = renamed[x]
+    del graph.node[:]
+    graph.node.extend(_topological([*forward, yield_node, *new_nodes, *backward]))
+    after = tuple(stashed_values(model))
+    return RecomputeReport(
+        mode,
+        before,
+        after,
+        tuple(cut_values),
+        tuple(recomputed),
+        sum(len(c) for c in chains.values()),
+        notes,
+    )
