@@ -9,7 +9,7 @@ import torch
 from parity import check_parity, seq_len
 from tiny_gpt import GPTConfig, TinyGPT
 
-from ortwrap import ORTWrap, Options
+from ortwrap import Options, ORTWrap
 from ortwrap.grad.recompute import SUFFIX, stashed_values
 
 pytestmark = pytest.mark.usefixtures("exporter")

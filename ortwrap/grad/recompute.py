@@ -194,7 +194,7 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
             if x in producer and x in data and elem.get(x) in _FLOATS:
                 last_use[x] = i
     ends: dict[int, int] = {}
-    for x, i in last_use.items():
+    for i in last_use.values():
         ends[i] = ends.get(i, 0) + 1
     live = 0
     cut_positions: list[int] = []
