@@ -131,6 +131,10 @@ def _recomputable(node: onnx.NodeProto) -> bool:
     return node.domain in ("", "ai.onnx", "com.microsoft")
 
 
+class _Cycle(AssertionError):
+    pass
+
+
 def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` sorted so that each follows its producers, otherwise in their given order."""
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
@@ -152,7 +156,7 @@ def _topological(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
             if waiting[u] == 0:
                 heapq.heappush(ready, u)
     if len(order) != len(nodes):
-        raise AssertionError("recompute made the graph cyclic")
+        raise _Cycle("recompute made the graph cyclic")
     return order
 
 
@@ -252,66 +256,100 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
         seg: {o: o + SUFFIX for j in chain for o in forward[j].output if o} for seg, chain in chains.items()
     }
     renamed = {o: r for names in renamed_in.values() for o, r in names.items()}
-    new_nodes: list[onnx.NodeProto] = []
     notes: list[str] = []
-    make = onnx.helper.make_node
-    zero = "ortwrap_recompute_zero"
-    new_nodes.append(
-        make("Constant", [], [zero], name=zero, value=onnx.helper.make_tensor(zero, onnx.TensorProto.INT64, [], [0]))
-    )
-    for seg in sorted(chains, reverse=True):
-        chain = sorted(chains[seg])
-        # The segment's backward starts when the gradient of its exit checkpoint exists.
-        gate_source = yield_node.output[0]
-        if seg < len(cut_values):
-            grad = f"{cut_values[seg]}_grad"
-            if grad in produced_backward:
-                gate_source = grad
-            else:
-                notes.append(f"segment {seg}: no gradient named {grad}; recomputed after the YieldOp")
-        tag = f"ortwrap_recompute_gate_{seg}"
-        gate = f"{tag}/zero"
-        new_nodes.append(make("Size", [gate_source], [f"{tag}/size"], name=f"{tag}/Size"))
-        new_nodes.append(make("Mul", [f"{tag}/size", zero], [gate], name=f"{tag}/Mul"))
-        gated: dict[str, str] = {}
-        local = renamed_in[seg]
-        for j in chain:
-            src = forward[j]
-            inputs = []
-            for x in src.input:
-                if x in local:
-                    inputs.append(local[x])
-                elif x in data:  # a kept activation: read once the segment's backward starts
-                    if x not in gated:
-                        g = f"{x}/ortwrap_gate_{seg}"
-                        new_nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
-                        new_nodes.append(make("Add", [f"{g}/shape", gate], [f"{g}/gated_shape"], name=f"{g}/Add"))
-                        new_nodes.append(make("Reshape", [x, f"{g}/gated_shape"], [g], name=f"{g}/Reshape"))
-                        gated[x] = g
-                    inputs.append(gated[x])
+    to_recompute = set(recomputed)
+    # Per segment: the first output of each backward node that reads one of its recomputed values.
+    seg_of = {x: segment(producer[x]) for x in recomputed}
+    readers: dict[int, list[str]] = {}
+    for n in backward:
+        segs = {seg_of[x] for x in n.input if x in to_recompute}
+        out = next((o for o in n.output if o), None)
+        for sg in segs:
+            if out is not None:
+                readers.setdefault(sg, []).append(out)
+
+    def copies(wait_for_readers: bool) -> list[onnx.NodeProto]:
+        """The gates and the copied nodes of every segment. With ``wait_for_readers``, a segment's
+        copies also wait for every backward node that reads the later segment's copies: ORT 1.19.2's
+        order otherwise runs some weight gradients (``X^T dY``) at the very end of the backward,
+        keeping every segment's recomputed inputs alive until then."""
+        make = onnx.helper.make_node
+        zero = "ortwrap_recompute_zero"
+        nodes = [
+            make(
+                "Constant", [], [zero], name=zero, value=onnx.helper.make_tensor(zero, onnx.TensorProto.INT64, [], [0])
+            )
+        ]
+        later: int | None = None
+        for seg in sorted(chains, reverse=True):
+            chain = sorted(chains[seg])
+            # The segment's backward starts when the gradient of its exit checkpoint exists.
+            sources = [yield_node.output[0]]
+            if seg < len(cut_values):
+                grad = f"{cut_values[seg]}_grad"
+                if grad in produced_backward:
+                    sources = [grad]
+                elif wait_for_readers:
+                    notes.append(f"segment {seg}: no gradient named {grad}; recomputed after the YieldOp")
+            if wait_for_readers and later is not None:
+                sources += readers.get(later, [])
+            later = seg
+            tag = f"ortwrap_recompute_gate_{seg}"
+            total = None
+            for k, src in enumerate(sources):
+                nodes.append(make("Size", [src], [f"{tag}/size_{k}"], name=f"{tag}/Size_{k}"))
+                if total is None:
+                    total = f"{tag}/size_{k}"
                 else:
-                    inputs.append(x)
-            copy = onnx.NodeProto()
-            copy.CopyFrom(src)
-            copy.name = (src.name or f"node{j}") + SUFFIX
-            del copy.input[:]
-            copy.input.extend(inputs)
-            del copy.output[:]
-            copy.output.extend(local.get(o, o) if o else "" for o in src.output)
-            new_nodes.append(copy)
+                    nodes.append(make("Add", [total, f"{tag}/size_{k}"], [f"{tag}/sum_{k}"], name=f"{tag}/Add_{k}"))
+                    total = f"{tag}/sum_{k}"
+            gate = f"{tag}/zero"
+            nodes.append(make("Mul", [total, zero], [gate], name=f"{tag}/Mul"))
+            gated: dict[str, str] = {}
+            local = renamed_in[seg]
+            for j in chain:
+                src = forward[j]
+                inputs = []
+                for x in src.input:
+                    if x in local:
+                        inputs.append(local[x])
+                    elif x in data:  # a kept activation: read once the segment's backward starts
+                        if x not in gated:
+                            g = f"{x}/ortwrap_gate_{seg}"
+                            nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
+                            nodes.append(make("Add", [f"{g}/shape", gate], [f"{g}/gated_shape"], name=f"{g}/Add"))
+                            nodes.append(make("Reshape", [x, f"{g}/gated_shape"], [g], name=f"{g}/Reshape"))
+                            gated[x] = g
+                        inputs.append(gated[x])
+                    else:
+                        inputs.append(x)
+                copy = onnx.NodeProto()
+                copy.CopyFrom(src)
+                copy.name = (src.name or f"node{j}") + SUFFIX
+                del copy.input[:]
+                copy.input.extend(inputs)
+                del copy.output[:]
+                copy.output.extend(local.get(o, o) if o else "" for o in src.output)
+                nodes.append(copy)
+        return nodes
+
     for o, r in renamed.items():
         if o in value_info:
             vi = onnx.ValueInfoProto()
             vi.CopyFrom(value_info[o])
             vi.name = r
             graph.value_info.append(vi)
-    to_recompute = set(recomputed)
     for n in backward:
         for k, x in enumerate(n.input):
             if x in to_recompute:
                 n.input[k] = renamed[x]
+    try:
+        ordered = _topological([*forward, yield_node, *copies(True), *backward])
+    except _Cycle:
+        notes.append("segments wait only for their gradient (waiting for the later segment's readers made a cycle)")
+        ordered = _topological([*forward, yield_node, *copies(False), *backward])
     del graph.node[:]
-    graph.node.extend(_topological([*forward, yield_node, *new_nodes, *backward]))
+    graph.node.extend(ordered)
     after = tuple(stashed_values(model))
     return RecomputeReport(
         mode,
