@@ -63,8 +63,8 @@ class BuildArtifacts:
         stage_seconds: wall time of each stage of the build (``pipeline.Stage``), in order.
         stages: each stage's record (time, debug snapshots).
         cached: the program came from the build cache (``exports`` is 0).
-        recompute: with ``recompute``, what the rewrite kept and recomputed (``None`` otherwise, and
-            for programs loaded from the build cache).
+        recompute: with ``recompute``, what the rewrite kept and recomputed (grad/recompute.py);
+            ``None`` otherwise, and for programs loaded from the build cache.
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
