@@ -43,6 +43,9 @@ __all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_
 #: Values of ``Options.recompute``.
 RECOMPUTE_MODES = ("none", "layers")
 
+#: How ORT's gradient builder names the gradient of value X.
+_GRAD_NAME = "{}_grad"
+
 #: Suffix of recomputed values and nodes.
 SUFFIX = "/ortwrap_recompute"
 
@@ -184,14 +187,14 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
                     users.setdefault(x, set()).add(-1)
     own: dict[int, list[str]] = {}
     for p, segs in users.items():
-        if len(segs) == 1 and f"{p}_grad" in outputs:
-            own.setdefault(next(iter(segs)), []).append(f"{p}_grad")
+        if len(segs) == 1 and _GRAD_NAME.format(p) in outputs:
+            own.setdefault(next(iter(segs)), []).append(_GRAD_NAME.format(p))
     nodes: list[onnx.NodeProto] = []
     undo = []
     zero = "ortwrap_order_zero"
     produced = {o for n in backward for o in n.output if o}
     for seg in range(1, len(cut_values) + 1):
-        grad = f"{cut_values[seg - 1]}_grad"
+        grad = _GRAD_NAME.format(cut_values[seg - 1])
         leaves = own.get(seg, [])
         if grad not in produced or not leaves:
             continue
@@ -377,7 +380,7 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
             # The segment's backward starts when the gradient of its exit checkpoint exists.
             sources = [yield_node.output[0]]
             if seg < len(cut_values):
-                grad = f"{cut_values[seg]}_grad"
+                grad = _GRAD_NAME.format(cut_values[seg])
                 if grad in produced_backward:
                     sources = [gated_grads.get(grad, grad)]
                 elif wait_for_readers:
