@@ -12,9 +12,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
-def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: int) -> dict[str, list[float]]:
+def interleaved(
+    steps: dict[str, Callable[[], object]], *, warmup: int, iters: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, list[float]]:
     """Run each named step ``warmup`` times, then ``iters`` rounds in which every step runs once,
-    rotating the order each round; return each step's wall times in seconds."""
+    rotating the order each round; return each step's times in seconds.
+
+    ``clock`` is wall time by default. ``time.process_time`` (CPU seconds of this process, all its
+    threads) is steadier on a machine that other work shares; it equals wall time times the threads
+    in use only when nothing waits, so compare configurations with the same thread count."""
     names = list(steps)
     for _ in range(warmup):
         for n in names:
@@ -23,9 +29,9 @@ def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: i
     for i in range(iters):
         order = names[i % len(names) :] + names[: i % len(names)]
         for n in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     return times
 
 

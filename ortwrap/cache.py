@@ -294,6 +294,8 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.aggressive_cpu_fallback,
         options.native_kernels,
         options.recompute,
+        options.fusions,
+        options.fuse_initializers,
     )
     cpu = _cpu_flags() if native else ()
     for part in (_versions(), _module_fingerprint(module), repr(schema), repr(shape), graph_options, native, cpu):

@@ -90,6 +90,20 @@ class Options:
         "On CPU, train GELU (erf and tanh), LayerNorm, softmax, cross-entropy and embedding lookups with ortwrap's own kernels (compiled for this "
         "machine on first use) instead of ONNX Runtime's much slower CPU kernels for them (docs/performance.md).",
     )
+    fusions: bool = _opt(
+        True,
+        "ORTWRAP_FUSIONS",
+        "Fuse GELU, LayerNorm and RMSNorm into single ops before ORT partitions the graph: the standard "
+        "Gelu/LayerNormalization where the opset has them, ORT's contrib ops otherwise (docs/performance.md).",
+    )
+    fuse_initializers: bool = _opt(
+        False,
+        "ORTWRAP_FUSE_INITIALIZERS",
+        "On CPU, feed frozen (requires_grad=False) bfloat16/float16 parameters and buffers to ORT as float32 copies "
+        "made once and remade only when the tensor changes (its version counter), instead of a Cast on every step "
+        "(ORT PR 24175's idea). Saves the per-step casts of e.g. a bf16 base model with fp32 adapters; costs the "
+        "float32 copies' memory between steps (docs/performance.md).",
+    )
     build_cache: bool = _opt(
         True,
         "ORTWRAP_BUILD_CACHE",

@@ -52,11 +52,19 @@ class Stage:
     snapshot_if: Callable[[dict[str, Any]], bool] | None = None
 
 
-def stage(name: str, requires: tuple[str, ...], provides: tuple[str, ...], group: str):
+def stage(
+    name: str,
+    requires: tuple[str, ...],
+    provides: tuple[str, ...],
+    group: str,
+    snapshot_if: Callable[[dict[str, Any]], bool] | None = None,
+):
     """Decorator: declare ``fn`` as a :class:`Stage`."""
 
     def wrap(fn: Callable[..., dict[str, Any]]) -> Stage:
-        return Stage(name, requires, provides, fn, group)
+        if snapshot_if is None:
+            return Stage(name, requires, provides, fn, group)
+        return Stage(name, requires, provides, fn, group, snapshot_if)
 
     return wrap
 

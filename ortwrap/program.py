@@ -36,6 +36,7 @@ from .grad import TrainingGraph, build_graph
 from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
+from .passes.half_precision import FuseHalfInitializersPass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
 from .passes.native_cpu_kernels import NativeCPUKernelsPass
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
@@ -134,14 +135,15 @@ class Program:
         index_of = {name: i for i, name in enumerate(exported.user_input_names) if name is not None}
         refs = _state_refs(module)
         # Each feed is (flat index, None, None) for a user input, or (-1, table, attr) for module
-        # state: the owning submodule's _parameters or _buffers dict, read at ``attr`` every step.
+        # state: the owning submodule's _parameters or _buffers dict, read at ``attr`` every step;
+        # -2 instead of -1 feeds a float32 copy of half-precision state (``graph.float_feeds``).
         self._plan: list[tuple[int, dict[str, torch.Tensor] | None, str | None]] = []
         for name in graph.feed_names:
             if name in index_of:
                 self._plan.append((index_of[name], None, None))
             else:
                 ref = refs[exported.state_names[name]]
-                self._plan.append((-1, ref.table(), ref.attr))
+                self._plan.append((-2 if name in graph.float_feeds else -1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
         self.n_outputs = len(exported.output_names)
         if outputs[: self.n_outputs] != exported.output_names:
@@ -187,7 +189,9 @@ class Program:
                 push_tensor(vec, t)
             else:
                 t = table[attr]
-                if cached_tensors[j] is t and pointers[j] == t.data_ptr():
+                if i == -2:  # fed as a float32 copy (fuse_initializers)
+                    push(cache.float_copy(j, t))
+                elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
                     push(values[j])
                 else:
                     push(cache.refresh(j, t))
@@ -415,6 +419,28 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
         return {"ir_model": ir.serde.deserialize_model(typed), "pass_records": []}
 
+    @stage("fuse_initializers", ("ir_model", "pass_records", "exported"), ("ir_model", "pass_records", "float_feeds"),
+           group="passes", snapshot_if=_modified)  # fmt: skip
+    def fuse_initializers(ir_model: ir.Model, pass_records: list[PassRecord], exported: ExportedModel) -> dict:
+        """With ``fuse_initializers`` on CPU: frozen half-precision parameters and buffers enter the
+        graph as float32, fed from copies made once (``FuseHalfInitializersPass``)."""
+        if not (o.fuse_initializers and device.type == "cpu"):
+            return {"ir_model": ir_model, "pass_records": pass_records, "float_feeds": frozenset()}
+        names = {
+            n
+            for n, t in exported.state_inputs.items()
+            if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
+        }
+        p = FuseHalfInitializersPass(names)
+        start = time.perf_counter()
+        result = run_pass(p, ir_model)
+        record = PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)
+        return {
+            "ir_model": result.model,
+            "pass_records": [*pass_records, record],
+            "float_feeds": frozenset(p.converted),
+        }
+
     def pass_stage(p: ir.passes.PassBase) -> Stage:
         name = type(p).__name__
 
@@ -455,8 +481,11 @@ def build_stages(request: BuildRequest) -> list[Stage]:
                     raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
         return {"pre_grad": pre_grad}
 
-    @stage("gradient_build", ("pre_grad", "exported", "host_split"), ("graph", "feeds"), group="gradient_build")
-    def gradient_build(pre_grad: onnx.ModelProto, exported: ExportedModel, host_split: HostShapeSplit | None) -> dict:
+    @stage("gradient_build", ("pre_grad", "exported", "host_split", "float_feeds"), ("graph", "feeds"),
+           group="gradient_build")  # fmt: skip
+    def gradient_build(
+        pre_grad: onnx.ModelProto, exported: ExportedModel, host_split: HostShapeSplit | None, float_feeds: frozenset
+    ) -> dict:
         feeds = _final_feeds(exported, pre_grad, host_split)
         trainable = [
             n
@@ -477,6 +506,8 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             log_level=o.logging_level,
             propagate_casts=device.type != "cpu",
         )
+        if float_feeds:
+            graph = dataclasses.replace(graph, float_feeds=frozenset(float_feeds))
         return {"graph": graph, "feeds": feeds}
 
     @stage("recompute", ("graph", "feeds"), ("graph", "recompute"), group="gradient_build")
@@ -504,10 +535,13 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             prog.host_shapes_runner = HostShapeRunner(host_split, host_index)
         return {"program": prog}
 
-    passes = default_passes(with_backward=with_backward, device_type=device.type, native_kernels=True)
+    passes = default_passes(
+        with_backward=with_backward, device_type=device.type, native_kernels=True, fusions=o.fusions
+    )
     return [
         native_kernels,
         type_inference,
+        fuse_initializers,
         *[_native_gate(pass_stage(p)) if isinstance(p, NativeCPUKernelsPass) else pass_stage(p) for p in passes],
         host_split,
         serialize,

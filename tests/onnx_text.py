@@ -15,7 +15,7 @@ def parse(body: str, opset: int = 17, check: bool = False) -> onnx.ModelProto:
     return model
 
 
-def run_pass(pass_: ir.passes.PassBase, body: str) -> tuple[ir.passes.PassResult, onnx.ModelProto]:
+def run_pass(pass_: ir.passes.PassBase, body: str, opset: int = 17) -> tuple[ir.passes.PassResult, onnx.ModelProto]:
     """Run ``pass_`` on ``body`` after ONNX shape inference; its result and the rewritten model."""
-    result = pass_(ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(parse(body))))
+    result = pass_(ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(parse(body, opset))))
     return result, ir.serde.serialize_model(result.model)

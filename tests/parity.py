@@ -91,12 +91,14 @@ def check_parity(
     seed: int = 0,
     device: str = "cpu",
     autocast: Callable[[], Any] | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> ORTWrap:
     """Train a model eagerly and an identical copy through ORTWrap; assert they agree at every step.
 
     ``make_inputs(batch_size, generator)`` returns ``(args, kwargs)``; tensors that require grad
     are cloned for each side and their ``.grad`` compared too. ``autocast()``, if given, returns the
-    context (``torch.autocast(...)``) both forwards run in. Returns the ORTWrap for further
+    context (``torch.autocast(...)``) both forwards run in. ``optimizer(params)``, if given, builds
+    each side's optimizer (default: SGD with momentum at ``lr``). Returns the ORTWrap for further
     assertions (export counts, artifacts).
     """
     import contextlib
@@ -108,8 +110,9 @@ def check_parity(
     wrapped = ORTWrap(ours, **{"fallback": False, "exporter": EXPORTER, **(wrap_options or {})})
     eager.train(train)
     wrapped.train(train)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=lr, momentum=0.9)
-    opt_o = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
+    make_opt = optimizer or (lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))
+    opt_e = make_opt(eager.parameters())
+    opt_o = make_opt(wrapped.parameters())
     gen = torch.Generator().manual_seed(seed + 1)
     for step, bs in enumerate(batch_sizes):
         args, kwargs = make_inputs(bs, gen)

@@ -183,6 +183,8 @@ def _resolve_declared(name: str) -> object:
         return getattr(module, attr)
     if cls == "OpOverload":
         return getattr(torch.ops.aten.add.Tensor, attr)
+    if cls == "Tensor":
+        return getattr(torch.zeros(1), attr)
     if cls == "ExportedProgram":
         program = torch.export.export(torch.nn.Linear(2, 2), (torch.randn(1, 2),))
         assert attr in vars(program), f"ExportedProgram has no {attr}"

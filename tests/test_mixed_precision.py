@@ -185,3 +185,51 @@ def test_grad_scaler_through_the_wrapper():
         assert sc_o.get_scale() == sc_e.get_scale(), (step, sc_o.get_scale(), sc_e.get_scale())
     for p_o, p_e in zip(ours.parameters(), eager.parameters()):
         torch.testing.assert_close(p_o, p_e, **BF16)
+
+
+class AdaptedBF16Base(nn.Module):
+    """A frozen bfloat16 base with trainable float32 low-rank adapters (the fuse_initializers case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base1 = nn.Linear(12, 32).to(torch.bfloat16).requires_grad_(False)
+        self.base2 = nn.Linear(32, 5).to(torch.bfloat16).requires_grad_(False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 32).to(torch.bfloat16))
+        self.a = nn.Linear(12, 4, bias=False)
+        self.b = nn.Linear(4, 32, bias=False)
+
+    def forward(self, x):
+        h = (self.base1(x.to(torch.bfloat16)) + self.shift).float() + self.b(self.a(x))
+        return self.base2(torch.relu(h).to(torch.bfloat16)).float()
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "cast"])
+def test_fuse_initializers_feeds_frozen_half_weights_as_float_copies(fuse):
+    """fuse_initializers: the frozen bf16 weights and buffer enter the graph as float32, fed from
+    copies made once; training the adapters matches eager either way."""
+    w = check_parity(AdaptedBF16Base, mlp_inputs, wrap_options={"fuse_initializers": fuse}, **BF16)
+    program = next(iter(w.programs()))
+    # base1/base2 weights and biases, and the buffer
+    assert len(program.graph.float_feeds) == (5 if fuse else 0), program.graph.float_feeds
+    inputs_cast = [n for n in program.graph.model().graph.node if n.name.endswith("/ortwrap_to_float")]
+    assert bool(inputs_cast) != fuse  # without the pass, each frozen half input has its per-step Cast
+
+
+def test_fuse_initializers_remakes_a_copy_when_the_weight_changes():
+    """A frozen weight written in place (a new base checkpoint, an EMA update) is converted again:
+    its version counter moved."""
+    torch.manual_seed(0)
+    eager = AdaptedBF16Base()
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, fuse_initializers=True)
+    x = torch.randn(6, 12)
+    torch.testing.assert_close(ours(x), eager(x), **BF16)
+    for model in (eager, ours.module):
+        with torch.no_grad():
+            model.base1.weight.mul_(-2.0)
+            model.shift.add_(3.0)
+    torch.testing.assert_close(ours(x), eager(x), **BF16)
+    state = copy.deepcopy(eager.state_dict())
+    state["base2.weight"].mul_(-1.0)
+    eager.load_state_dict(state)
+    ours.load_state_dict(state)
+    torch.testing.assert_close(ours(x), eager(x), **BF16)

@@ -160,6 +160,7 @@ _FUNCTION_BASE = _declare("torch._C._FunctionBase")
 _TRACING_STATE = _declare("torch._C._get_tracing_state")
 _EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
 _ANY_AUTOCAST = _declare("torch._C._is_any_autocast_enabled")
+_declare("Tensor._version")  # the in-place version counter autograd checks
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
     _declare(f"torch.nn.modules.module.{n}")
@@ -284,6 +285,11 @@ def any_autocast_enabled() -> Callable[[], bool]:
         return _resolve(_ANY_AUTOCAST)
     except Exception:
         return lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter: it grows with every in-place write (optimizer steps, ``copy_``)."""
+    return t._version
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -537,6 +543,12 @@ def dynamo_to_onnx(
     registry = _dynamo_registry(opset, table)
     if not decompose:
         try:
+            program = _functionalized(program)
+        except Exception as e:  # the exporter's own path below decomposes (and functionalizes) it
+            import logging
+
+            logging.getLogger("ortwrap").debug("dynamo: functionalizing failed (%s): %s", type(e).__name__, e)
+        try:
             with _onnx_exporting():
                 gm = program.graph_module
                 for node in list(gm.graph.nodes):  # checks of the capture's own metadata: no value
@@ -544,6 +556,8 @@ def dynamo_to_onnx(
                         gm.graph.erase_node(node)
                 chosen = extra(program, registry.is_registered, False) if extra is not None else {}
                 if chosen is not None:
+                    # The type promotion pass re-runs every op on fake tensors, as the retrace does.
+                    _views_as_reshapes(gm)
                     _resolve(_DYN_PROMOTE)(gm)
                     gm = _resolve(_DYN_NO_ASSERTS)(gm)
                     if gm is not program.graph_module:
@@ -561,6 +575,41 @@ def dynamo_to_onnx(
         chosen = extra(prepared, registry.is_registered, True) if extra is not None else {}
         translated = _resolve(_DYN_TRANSLATE)(prepared, registry=_with_extra(registry, chosen or {}))
     return translated.model, True
+
+
+def _functionalized(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` without in-place ATen ops (``add_``: torchlib translates none), through
+    ``run_decompositions({})``, which functionalizes and decomposes nothing; ``program`` itself
+    when it has none.
+
+    The retrace re-runs each ``aten.view`` on fake tensors whose strides come from the ops' meta
+    kernels, not from the capture (T5: fused attention's output gets the math kernel's strides, and
+    the ``view`` after its transpose fails): ``view`` is re-run as ``reshape``, the same values.
+    """
+    gm = program.graph_module
+    mutating = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and is_op_overload(n.target)
+        and n.target.namespace == "aten"
+        and op_schema(n.target).is_mutable
+    ]
+    if not mutating:
+        return program
+    _views_as_reshapes(gm)
+    return program.run_decompositions({})
+
+
+def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
+    """Every ``aten.view`` of ``gm`` as ``aten.reshape`` (same values; see :func:`_functionalized`)."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 # ------------------------------------------------------------------------------- operators

@@ -147,14 +147,21 @@ def resolve(op: str, overload: str) -> _Plan:
     plan = _plans.get(key)
     if plan is None:
         ns, _, name = op.rpartition("::")
+        if ns == "ortwrap_ops":
+            from ..registry import define_ops
+
+            define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
         plan = _plans[key] = _Plan(getattr(packet, overload or "default"))
     return plan
 
 
-def _encode(result, n_out: int, op: str) -> tuple:
+def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
     if not isinstance(result, (tuple, list)):
         result = (result,)
+    # NOTE: a result that shares an input's memory (a view: diagonal, a transpose, an in-place op's
+    # result) is copied: ORT owns the input's buffer and may reuse or free it while the result lives.
+    shared = {t.untyped_storage().data_ptr() for t in inputs or () if isinstance(t, torch.Tensor) and t.numel()}
     if len(result) < n_out:
         raise RuntimeError(f"{op} returned {len(result)} values, the ATen node has {n_out} outputs")
     out = []
@@ -164,6 +171,8 @@ def _encode(result, n_out: int, op: str) -> tuple:
             continue
         if not isinstance(r, torch.Tensor):
             r = torch.tensor(r)
+        if shared and r.numel() and r.untyped_storage().data_ptr() in shared:
+            r = r.clone(memory_format=torch.contiguous_format)
         if r.dtype is torch.bool:
             r = r.view(torch.uint8)
         out.append(_to_dlpack(r if r.is_contiguous() else r.contiguous()))
@@ -212,7 +221,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             return _encode(grads, n_out, op)
         plan = resolve(op, overload)
         args, kwargs = plan.decode(op, tensors)
-        return _encode(plan.fn(*args, **kwargs), n_out, op)
+        return _encode(plan.fn(*args, **kwargs), n_out, op, tensors)
     except BaseException as e:
         e.add_note(f"(while ONNX Runtime ran ATen op {op}.{overload or 'default'} through ortwrap)")
         state.park(e)
@@ -346,12 +355,19 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
     against their weights), symbolic dims set to 2 and then to 3, constants at their values. It
     records each output's dtype and shape: a dim that is the same in both evaluations is static,
     the others symbolic. Until nothing changes.
+
+    Value infos without a type (the TorchScript exporter writes them for custom-domain outputs,
+    ``ortwrap::StopGradient``) are dropped first: ONNX inference does not fill an empty entry, and
+    everything downstream of it would keep no shape.
     """
+    untyped = [v for v in model.graph.value_info if not v.type.HasField("tensor_type")]
+    for v in untyped:
+        model.graph.value_info.remove(v)
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
         constants = _proto_constants(model)
-        progress = False
+        progress = _refine_slices(model, constants)
         for node in model.graph.node:
             if node.domain != ATEN_DOMAIN or node.op_type != "ATen" or all(o in known for o in node.output):
                 continue
@@ -376,7 +392,74 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
         if not progress:
             return model
     return model
-    return model
+
+
+def _refine_slices(model: onnx.ModelProto, constants: dict[str, torch.Tensor]) -> bool:
+    """Give each Slice output the input's sizes on the axes it does not cut; True if any changed.
+
+    ONNX's Slice inference drops every dim when one bound is computed: ``position_ids[:, :T]`` of
+    a (1, max_len) buffer reads as (unk, unk), and ORT's gradient builder then takes that unk for
+    the batch and does not reduce the broadcast gradient (BERT's position embeddings). Dims ONNX
+    invented downstream (``unk__*`` of standard ops) are dropped so the next round re-infers them.
+    """
+    graph = model.graph
+    infos = {v.name: v for v in (*graph.input, *graph.value_info)}
+    producers = {o: n for n in graph.node for o in n.output}
+
+    def values(name: str) -> list[int] | None:
+        # A constant, or one seen through ops that keep its values (the exporters' Unsqueeze).
+        while name not in constants:
+            node = producers.get(name)
+            if node is None or node.op_type not in ("Unsqueeze", "Squeeze", "Reshape", "Cast", "Identity"):
+                return None
+            name = node.input[0]
+        return [int(v) for v in constants[name].reshape(-1).tolist()]
+
+    changed = False
+    for node in graph.node:
+        if node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+            continue
+        src, out = infos.get(node.input[0]), infos.get(node.output[0])
+        if src is None or not src.type.tensor_type.HasField("shape"):
+            continue
+        in_dims = src.type.tensor_type.shape.dim
+        if len(node.input) > 3 and node.input[3]:
+            axes = values(node.input[3])
+            if axes is None:
+                continue
+            axes = [a % len(in_dims) for a in axes]
+        else:
+            starts = values(node.input[1])
+            if starts is None:
+                continue
+            axes = list(range(len(starts)))
+        if out is None:
+            out = onnx.helper.make_tensor_value_info(node.output[0], src.type.tensor_type.elem_type, None)
+            graph.value_info.append(out)
+            out = graph.value_info[-1]
+            infos[out.name] = out
+        tt = out.type.tensor_type
+        if not tt.HasField("shape") or len(tt.shape.dim) != len(in_dims):
+            tt.ClearField("shape")
+            tt.shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in in_dims)
+        for i, d in enumerate(in_dims):
+            if i in axes or not (d.HasField("dim_value") or d.HasField("dim_param")):
+                continue
+            o = tt.shape.dim[i]
+            if o.HasField("dim_value") or (d.HasField("dim_param") and o.dim_param == d.dim_param):
+                continue
+            o.CopyFrom(d)
+            changed = True
+    if changed:
+        standard = {o for n in graph.node if n.domain in ("", "ai.onnx") and n.op_type != "Slice" for o in n.output}
+        stale = [
+            v
+            for v in graph.value_info
+            if v.name in standard and any(d.dim_param.startswith("unk__") for d in v.type.tensor_type.shape.dim)
+        ]
+        for v in stale:
+            graph.value_info.remove(v)
+    return changed
 
 
 USED_MARK = "used="

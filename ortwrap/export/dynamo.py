@@ -331,6 +331,8 @@ def _shape_guards(program: torch.export.ExportedProgram) -> ShapeGuards:
 
     Read from the capture's fake inputs (the ONNX graph's dims are symbols either way).
     """
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
     user = set(program.graph_signature.user_inputs)
     static: list[tuple[int, int, int]] = []
     symbols: dict[str, list[tuple[int, int]]] = {}
@@ -342,6 +344,11 @@ def _shape_guards(program: torch.export.ExportedProgram) -> ShapeGuards:
         for d, dim in enumerate(val.shape):
             if isinstance(dim, int):
                 static.append((i, d, dim))
+            elif is_concrete_int(dim):
+                # Fixed late in the capture (an LSTM's length meeting a GRU's): the placeholder still
+                # holds a SymInt, now equal to a constant. Unguarded, another length ran the graph
+                # and returned a wrong shape.
+                static.append((i, d, int(dim)))
             else:
                 symbols.setdefault(str(dim), []).append((i, d))
     equal = tuple(tuple(g) for g in symbols.values() if len(g) > 1)

@@ -22,6 +22,8 @@ adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size 
                                shapes (see ``export.torchscript``).
 prim::PythonOp                 autograd.Function calls become PythonOps (``bridge/symbolic.py``).
 ``Options.aten_ops``           each listed op becomes an ATen node (``bridge/aten.py``).
+``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal: torch's ONNX form is
+                               wrong or untrainable; ATen nodes (PyTorch's kernel and autograd).
 =============================  =================================================================
 """
 
@@ -35,6 +37,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._compat import torch as compat
+from ..registry import ATEN_OPS
 
 #: Domain of the marker ops ortwrap's symbolics emit; passes resolve them before the gradient build.
 ORTWRAP_DOMAIN = "ortwrap"
@@ -50,6 +53,9 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     gathered = g.op("Gather", weight, indices)
     if padding_idx is None or padding_idx < 0:
         return gathered
+    from .schemas import register_schemas
+
+    register_schemas()  # its shape inference keeps the shapes downstream
     frozen = g.op(f"{ORTWRAP_DOMAIN}::StopGradient", weight)
     frozen_rows = g.op("Gather", frozen, indices)
     pad = g.op("Constant", value_t=torch.tensor(padding_idx, dtype=torch.int64))
@@ -207,8 +213,30 @@ def _aten_symbolic(name: str) -> Callable:
         result = g.aten_op(name, *args, overload_name=compat.ts_overload_name(node), outputs=len(outputs))
         results = list(result) if isinstance(result, (list, tuple)) else [result]
         for r, o in zip(results, outputs):
-            r.setType(o.type())
+            # dtype and rank only: the traced sizes would make every dim static (a new batch size then
+            # fails in the backward); type inference through ATen nodes finds the symbolic dims.
+            t = o.type()
+            sizes = t.varyingSizes() if hasattr(t, "varyingSizes") else None
+            r.setType(t.with_sizes([None] * len(sizes)) if sizes is not None else t)
         return result
+
+    return symbolic
+
+
+def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
+    """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
+    aten = _aten_symbolic(name)
+
+    def symbolic(g, *args):
+        constants = []
+        for a in args:
+            try:
+                constants.append(compat.ts_constant(a, "f"))
+            except Exception:
+                constants.append(None)
+        if when(constants):
+            return aten(g, *args)
+        return default(g, *args)
 
     return symbolic
 
@@ -224,9 +252,17 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[li
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
     }
+    compat.ts_load_opset_symbolics(opset)
+    for entry in ATEN_OPS:  # ops whose ONNX form loses what training needs (ortwrap/registry.py)
+        if "torchscript" not in entry.exporters:
+            continue
+        default = compat.ts_symbolic(f"aten::{entry.aten}", opset)
+        if entry.when is None or default is None:
+            symbolics[f"aten::{entry.aten}"] = _aten_symbolic(entry.aten)
+        else:
+            symbolics[f"aten::{entry.aten}"] = _aten_when(entry.aten, entry.when, default)
     for op in aten_ops:
         symbolics[f"aten::{op}"] = _aten_symbolic(op)
-    compat.ts_load_opset_symbolics(opset)
     default_sdpa = compat.ts_symbolic("aten::scaled_dot_product_attention", opset)
     if default_sdpa is not None:
         symbolics["aten::scaled_dot_product_attention"] = _sdpa(default_sdpa)

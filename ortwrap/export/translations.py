@@ -69,32 +69,13 @@ def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, run
     return y, op.Identity(running_mean), op.Identity(running_var), op.Identity(running_mean), op.Identity(running_var)
 
 
-_STOP_GRADIENT_SCHEMA = False
-
-
 def _stop_gradient_op():
     """``ortwrap::StopGradient`` (resolved by ``passes/stop_gradient.py``), callable from onnxscript."""
-    global _STOP_GRADIENT_SCHEMA
-    import onnx
     import onnxscript
 
-    from .symbolics import ORTWRAP_DOMAIN
+    from .schemas import ORTWRAP_DOMAIN, register_schemas
 
-    if not _STOP_GRADIENT_SCHEMA:
-        param = onnx.defs.OpSchema.FormalParameter
-        schema = onnx.defs.OpSchema(
-            "StopGradient",
-            ORTWRAP_DOMAIN,
-            1,
-            inputs=[param("input", "T")],
-            outputs=[param("output", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"], "")],
-        )
-        try:
-            onnx.defs.register_schema(schema)
-        except Exception:  # already registered in this process
-            pass
-        _STOP_GRADIENT_SCHEMA = True
+    register_schemas()
     return onnxscript.values.Opset(ORTWRAP_DOMAIN, 1).StopGradient
 
 
@@ -216,6 +197,19 @@ def _bitwise_and(self, other):
     return op.BitwiseAnd(self, other)
 
 
+def _min_other(self, other):
+    """``torch.min(a, b)`` (elementwise; T5's relative position buckets): torchlib has none."""
+    from onnxscript import opset18 as op
+
+    return op.Min(self, other)
+
+
+def _max_other(self, other):
+    from onnxscript import opset18 as op
+
+    return op.Max(self, other)
+
+
 def _diff(self, n=1, dim=-1, prepend=None, append=None):
     from onnxscript import opset18 as op
 
@@ -280,4 +274,6 @@ def training_translations() -> dict:
     table[aten.diff.default] = _diff
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
+    table[aten.min.other] = _min_other
+    table[aten.max.other] = _max_other
     return table

@@ -53,6 +53,8 @@ class TrainingGraph:
         grad_names: graph outputs of the backward, in the order ORT returns them.
         info: the builder's :class:`GraphInfo`.
         has_backward: whether ``model_bytes`` contains the backward (a ``YieldOp`` graph).
+        float_feeds: feeds the graph takes as float32 while the module's tensor is bfloat16 or
+            float16 (``fuse_initializers``): the runtime feeds a float32 copy.
     """
 
     model_bytes: bytes
@@ -60,6 +62,7 @@ class TrainingGraph:
     grad_names: tuple[str, ...]
     info: GraphInfo
     has_backward: bool
+    float_feeds: frozenset[str] = frozenset()
 
     def model(self) -> onnx.ModelProto:
         """The built graph as an ``onnx.ModelProto`` (parsed on each call)."""

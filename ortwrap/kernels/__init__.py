@@ -28,24 +28,9 @@ without Python. Their gradients are ORT gradient definitions registered once per
 ``passes/native_cpu_kernels.py`` rewrites the matching ONNX nodes; ``Options.native_kernels``
 (``ORTWRAP_NATIVE_KERNELS``) turns it off.
 
-=======================  ========================================  ================================
-kernel                   inputs                                    outputs
-=======================  ========================================  ================================
-gelu                     x                                         y = x * Phi(x)
-gelu_backward            dy, x                                     dx
-gelu_tanh                x                                         0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))
-gelu_tanh_backward       dy, x                                     dx
-layer_norm               x, weight, bias, eps (f32), axis (i64)    y, mean, rstd (shape[:axis]+1s)
-layer_norm_backward      dy, x, weight, mean, rstd, axis           dx, dweight, dbias
-embedding                weight, indices (i64)                     weight[indices]
-embedding_backward       dy, indices, weight                       dweight
-softmax                  x (over the last dimension)               y
-softmax_backward         dy, y                                     dx
-cross_entropy            scores [n, c], labels (i64), ignore_index loss, log_prob
-                         (i64), reduction (i64: none, mean, sum)
-cross_entropy_backward   dloss, log_prob, labels, ignore_index,    dscores
-                         reduction
-=======================  ========================================  ================================
+Each kernel is declared once, in ``ortwrap/registry.py`` (``KERNELS``): its name, typed inputs and
+outputs, gradient, and the ONNX ops its rewrite replaces; ``_cpu.c``'s ``kOps`` carries the same
+signatures and :func:`install` checks the two agree.
 
 float32 only. ``erf`` is Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7); sums run in a
 fixed order, so results are deterministic.
@@ -62,24 +47,10 @@ import torch
 
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
+from ..registry import KERNELS, check_kernel_table
 
 PREFIX = aten.NATIVE_PREFIX
 _HERE = os.path.dirname(os.path.abspath(__file__))
-
-#: forward kernel -> (gradient node inputs, gradient node outputs, backward kernel, stop-gradient inputs)
-GRADIENTS: dict[str, tuple[list[str], list[str], str, set[int]]] = {
-    "gelu": (["GO(0)", "I(0)"], ["GI(0)"], "gelu_backward", set()),
-    "gelu_tanh": (["GO(0)", "I(0)"], ["GI(0)"], "gelu_tanh_backward", set()),
-    "layer_norm": (
-        ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        "layer_norm_backward",
-        {3, 4},
-    ),
-    "embedding": (["GO(0)", "I(1)", "I(0)"], ["GI(0)"], "embedding_backward", {1}),
-    "cross_entropy": (["GO(0)", "O(1)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], "cross_entropy_backward", {1, 2, 3}),
-    "softmax": (["GO(0)", "O(0)"], ["GI(0)"], "softmax_backward", set()),
-}
 
 
 @functools.cache
@@ -88,14 +59,33 @@ def install() -> ctypes.CDLL:
 
     Raises:
         NativeBuildError: no C compiler, or the build failed.
+        KernelTableError: ``_cpu.c``'s table disagrees with ``registry.KERNELS``.
     """
     lib = load("_cpu", _HERE, native_code=True)
+    check_kernel_table(compiled_table(lib))
     lib.ortwrap_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_set_threads.restype = ctypes.c_int
     aten.set_native(ctypes.cast(lib.ortwrap_cpu_run, ctypes.c_void_p).value)
-    for op, (inputs, outputs, backward, stop) in GRADIENTS.items():
-        aten.register_gradient(PREFIX + op, "", inputs, outputs, PREFIX + backward, stop)
+    for k in KERNELS:
+        g = k.gradient
+        if g is not None:
+            aten.register_gradient(
+                PREFIX + k.name, "", list(g.inputs), list(g.outputs), PREFIX + g.backward, set(g.stop)
+            )
     return lib
+
+
+def compiled_table(lib: ctypes.CDLL) -> dict[str, str]:
+    """Name -> signature of every kernel in the compiled ``kOps`` table."""
+    fn = lib.ortwrap_cpu_kernel
+    fn.argtypes = [ctypes.c_size_t, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)]
+    fn.restype = ctypes.c_int
+    table, k = {}, 0
+    name, sig = ctypes.c_char_p(), ctypes.c_char_p()
+    while fn(k, ctypes.byref(name), ctypes.byref(sig)) == 0:
+        table[name.value.decode()] = sig.value.decode()
+        k += 1
+    return table
 
 
 def cached_bytes(release: bool = False) -> int:

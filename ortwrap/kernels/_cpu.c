@@ -1085,24 +1085,56 @@ static int op_cross_entropy_backward(Call* c, size_t n_in, DLManagedTensor** in,
 
 /* ------------------------------------------------------------------------------------------ dispatch */
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
+/* Each kernel's signature, as ortwrap/registry.py declares it (kernels.install compares the two when the library
+ * loads): one character per input, then '>' and one per output; f float32 tensor, i int64 tensor, F float32 scalar,
+ * I int64 scalar, '?' after an input: it may be absent. */
 static const struct {
   const char* name;
   op_fn fn;
-  size_t n_out;
+  const char* signature;
 } kOps[] = {
-    {"gelu", op_gelu, 1},
-    {"gelu_backward", op_gelu_backward, 1},
-    {"gelu_tanh", op_gelu_tanh, 1},
-    {"gelu_tanh_backward", op_gelu_tanh_backward, 1},
-    {"layer_norm", op_layer_norm, 3},
-    {"layer_norm_backward", op_layer_norm_backward, 3},
-    {"embedding", op_embedding, 1},
-    {"embedding_backward", op_embedding_backward, 1},
-    {"softmax", op_softmax, 1},
-    {"softmax_backward", op_softmax_backward, 1},
-    {"cross_entropy", op_cross_entropy, 2},
-    {"cross_entropy_backward", op_cross_entropy_backward, 1},
+    {"gelu", op_gelu, "f>f"},
+    {"gelu_backward", op_gelu_backward, "ff>f"},
+    {"gelu_tanh", op_gelu_tanh, "f>f"},
+    {"gelu_tanh_backward", op_gelu_tanh_backward, "ff>f"},
+    {"layer_norm", op_layer_norm, "fff?FI>fff"},
+    {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
+    {"embedding", op_embedding, "fi>f"},
+    {"embedding_backward", op_embedding_backward, "fif>f"},
+    {"softmax", op_softmax, "f>f"},
+    {"softmax_backward", op_softmax_backward, "ff>f"},
+    {"cross_entropy", op_cross_entropy, "fiII>ff"},
+    {"cross_entropy_backward", op_cross_entropy_backward, "ffiII>f"},
 };
+
+/* The k-th kernel's name and signature (0 <= k); returns 0, or -1 past the end. */
+int ortwrap_cpu_kernel(size_t k, const char** name, const char** signature) {
+  if (k >= sizeof kOps / sizeof kOps[0]) return -1;
+  *name = kOps[k].name;
+  *signature = kOps[k].signature;
+  return 0;
+}
+
+/* Input counts a signature allows (trailing optional inputs may be left out) and its output count. */
+static void signature_counts(const char* sig, size_t* min_in, size_t* max_in, size_t* n_out) {
+  size_t total = 0, required = 0, outs = 0;
+  int after = 0;
+  for (const char* p = sig; *p; ++p) {
+    if (*p == '>') {
+      after = 1;
+    } else if (after) {
+      ++outs;
+    } else if (*p == '?') {
+      required = required > 0 ? required - 1 : 0; /* the previous input is optional */
+    } else {
+      ++total;
+      required = total;
+    }
+  }
+  *min_in = required;
+  *max_in = total;
+  *n_out = outs;
+}
 
 /* op: the name after "ortwrap_cpu::". used: "" (every output), or "used=" and one '1'/'0' per output: outputs the
  * graph does not use (a gradient nobody needs is an unnamed output, which ORT refuses to be given) are left NULL.
@@ -1113,7 +1145,12 @@ int ortwrap_cpu_run(const char* op, const char* used, size_t n_in, DLManagedTens
   for (size_t i = 0; i < n_out; ++i) out[i] = NULL;
   for (size_t k = 0; k < sizeof kOps / sizeof kOps[0]; ++k) {
     if (strcmp(op, kOps[k].name) != 0) continue;
-    if (n_out != kOps[k].n_out) return fail(&c, "the node has %zu outputs, the kernel makes %zu", n_out, kOps[k].n_out);
+    size_t min_in, max_in, want_out;
+    signature_counts(kOps[k].signature, &min_in, &max_in, &want_out);
+    if (n_out != want_out) return fail(&c, "the node has %zu outputs, the kernel makes %zu", n_out, want_out);
+    if (n_in < min_in || n_in > max_in)
+      return fail(&c, "the node has %zu inputs, the kernel takes %zu to %zu (%s)", n_in, min_in, max_in,
+                  kOps[k].signature);
     int rc = kOps[k].fn(&c, n_in, in, n_out, out);
     const char* flags = strncmp(used, "used=", 5) == 0 ? used + 5 : NULL;
     for (size_t i = 0; i < n_out; ++i) {

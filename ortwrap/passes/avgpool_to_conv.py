@@ -8,8 +8,8 @@ its gradient is shape-agnostic::
     no padding, or count_include_pad=1:  y = Conv(x, full(1 / prod(k)), group=C)
     padding with count_include_pad=0:    y = Conv(x, ones, group=C) / Conv(ones_like_spatial, ones)
 
-Needs a static channel count; ``ceil_mode=1`` and ``auto_pad`` are refused (the module then runs
-in PyTorch after a warning) rather than risk the crash.
+Needs a static channel count and ``ceil_mode=0``; other AveragePools are left to
+``TorchGradientsPass`` (PyTorch's ``avg_pool``, ``ortwrap/registry.py``); ``auto_pad`` is refused.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ class AveragePoolToConvPass(ir.passes.InPlacePass):
             k = _ints(node, "kernel_shape", [])
             nd = len(k)
             if "ceil_mode" in node.attributes and node.attributes["ceil_mode"].as_int() != 0:
-                raise PassError(f"node {node.name!r}: AveragePool(ceil_mode=1) has no safe ORT gradient")
+                continue  # TorchGradientsPass: PyTorch's avg_pool (ortwrap/registry.py)
             if "auto_pad" in node.attributes and node.attributes["auto_pad"].as_string() not in ("NOTSET", ""):
                 raise PassError(f"node {node.name!r}: AveragePool with auto_pad is not supported")
             channels = x.shape[1] if x.shape is not None and len(x.shape) == nd + 2 else None
             if not isinstance(channels, int):
-                raise PassError(f"node {node.name!r}: AveragePool needs a static channel count")
+                continue  # TorchGradientsPass
             pads = _ints(node, "pads", [0] * (2 * nd))
             conv = {
                 "kernel_shape": k,

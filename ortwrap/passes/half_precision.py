@@ -176,3 +176,30 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
                 continue
             out.replace_all_uses_with(src)
             graph.remove(node, safe=True)
+
+
+class FuseHalfInitializersPass(ir.passes.InPlacePass):
+    """Take the named half-precision graph inputs as float32 (ORT PR 24175, "fuse initializers").
+
+    The inputs are frozen parameters and buffers: the runtime feeds them as float32 copies that it
+    makes once and remakes only when the tensor changes (``Program.bind``), so the graph needs no
+    ``Cast`` of them on every step. ``HalfPrecisionOnCPUPass``, which runs next, makes the rest of
+    the graph float32 around them. Inputs read by nodes that keep their own dtypes (PythonOps, ATen
+    nodes) stay as they are. ``converted`` lists the inputs this pass changed.
+    """
+
+    def __init__(self, names: set[str]) -> None:
+        super().__init__()
+        self.names = names
+        self.converted: list[str] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.converted = []
+        for value in model.graph.inputs:
+            if value.name not in self.names or not _is_half(value):
+                continue
+            if any((user.domain, user.op_type) in _OPAQUE for user, _ in value.uses()):
+                continue
+            value.dtype = ir.DataType.FLOAT
+            self.converted.append(value.name)
+        return ir.passes.PassResult(model, modified=bool(self.converted))

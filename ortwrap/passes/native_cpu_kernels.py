@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
-from ..kernels import GRADIENTS
+from ..registry import KERNELS, kernel
 from ._build import NodeBuilder, constant_value
 from .gather_to_gathernd import parameter_lookup
 
@@ -99,10 +99,16 @@ def _is(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in _ONNX and len(node.inputs) == 2
 
 
+_OUTPUT_TYPES = {"f": ir.DataType.FLOAT, "F": ir.DataType.FLOAT, "i": ir.DataType.INT64, "I": ir.DataType.INT64}
+
+
 def _aten(b: NodeBuilder, name: str, inputs: list[ir.Value | None], outputs: int) -> ir.Node:
+    declared = kernel(name)
+    if outputs != len(declared.outputs) or len(inputs) != len(declared.inputs):
+        raise AssertionError(f"ortwrap_cpu::{name} is declared as {declared.signature!r}")
     node = b.node("ATen", inputs, domain=ATEN_DOMAIN, outputs=outputs, operator=NATIVE_PREFIX + name, overload_name="")
-    for v in node.outputs:  # ORT cannot infer the outputs of ATen nodes: every kernel makes float32
-        v.dtype = ir.DataType.FLOAT
+    for v, t in zip(node.outputs, declared.outputs):  # ORT cannot infer the outputs of ATen nodes
+        v.dtype = _OUTPUT_TYPES[t]
     return node
 
 
@@ -115,13 +121,14 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = dict.fromkeys(GRADIENTS, 0)  # per forward kernel
+        self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None}  # per forward kernel
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
-            rewrite = _REWRITES.get(node.op_type)
-            if rewrite is not None:
-                rewrite(self, graph, node)
+            for method in _REWRITES.get(node.op_type, ()):
+                if node.graph is None:
+                    break
+                getattr(self, method)(graph, node)
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
     def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
@@ -278,12 +285,8 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         self.rewritten["softmax"] += 1
 
 
-#: The node each rewrite starts from (GELUs at their Erf or Tanh).
-_REWRITES = {
-    "Erf": NativeCPUKernelsPass._gelu,
-    "Tanh": NativeCPUKernelsPass._gelu_tanh,
-    "LayerNormalization": NativeCPUKernelsPass._layer_norm,
-    "Gather": NativeCPUKernelsPass._embedding,
-    "SoftmaxCrossEntropyLoss": NativeCPUKernelsPass._cross_entropy,
-    "Softmax": NativeCPUKernelsPass._softmax,
-}
+#: ONNX op type -> the rewrites that start there (``Kernel.replaces``, ``Kernel.rewrite``).
+_REWRITES: dict[str, tuple[str, ...]] = {}
+for _k in KERNELS:
+    for _op in _k.replaces:
+        _REWRITES[_op] = (*_REWRITES.get(_op, ()), _k.rewrite)

@@ -16,6 +16,7 @@ from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .control_flow import RefuseControlFlowPass
 from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
+from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .half_precision import HalfPrecisionOnCPUPass
@@ -29,6 +30,8 @@ from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .stop_gradient import ResolveStopGradientPass
+from .torch_gradients import TorchGradientsPass
+from .where_broadcast import WhereBroadcastPass
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class PassRecord:
 
 
 def default_passes(
-    *, with_backward: bool, device_type: str = "cpu", native_kernels: bool = False
+    *, with_backward: bool, device_type: str = "cpu", native_kernels: bool = False, fusions: bool = True
 ) -> list[ir.passes.PassBase]:
     """The passes every export goes through, in order.
 
@@ -50,6 +53,7 @@ def default_passes(
         device_type: where the graph runs (``torch.device.type``); some rewrites are for CPU kernels.
         native_kernels: use ortwrap's CPU kernels (``ortwrap.kernels``, loaded by the caller) for the
             ops they cover; CPU training graphs only.
+        fusions: fuse GELU / LayerNorm / RMSNorm into single ops (``passes.fusions``).
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
@@ -63,6 +67,13 @@ def default_passes(
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())
+    # GELU / LayerNorm / RMSNorm into single (standard where the opset has them) ops, before ORT
+    # partitions the graph. Not GELU in CPU training graphs: ortwrap's own GELU kernels (and, without
+    # them, the unfused form ORT differentiates faster) beat ORT's fused Gelu there.
+    if fusions:
+        passes.append(
+            StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu"))
+        )
     if with_backward:
         # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
         passes += [
@@ -72,6 +83,9 @@ def default_passes(
             EinsumToMatMulPass(),
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
+            # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
+            TorchGradientsPass(device_type),
+            WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),
         ]

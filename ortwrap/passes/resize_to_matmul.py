@@ -4,8 +4,9 @@ ORT 1.19.2 registers a gradient for Resize but ships no CPU kernel for ``ResizeG
 and W is separable for every mode, so ``y = A_h @ x @ A_w^T`` with constant interpolation matrices
 ``A_h`` (H_out x H) and ``A_w`` (W_out x W). The matrices are tabulated by running ORT's own forward
 Resize, with the node's attributes, on one-hot inputs, so every mode and coordinate transform is
-reproduced exactly. Needs static H and W: the exporter marks graphs with Resize as needing static
-spatial shapes (the batch stays dynamic).
+reproduced exactly. Needs static H and W and constant scales or sizes (the exporter marks graphs with
+Resize as needing static spatial shapes; the batch stays dynamic). Other Resizes (3-D, 5-D, sizes
+read at run time) are left to ``TorchGradientsPass`` (PyTorch's upsampling ops, ``ortwrap/registry.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
             x = node.inputs[0]
             sx = x.shape
             if sx is None or len(sx) != 4 or not all(isinstance(d, int) for d in sx[2:]):
-                raise PassError(f"node {node.name!r}: only 4-D Resize with static H and W is supported (input {sx})")
+                continue  # TorchGradientsPass: PyTorch's upsampling op (ortwrap/registry.py)
             attrs = {name: attr.value for name, attr in node.attributes.items()}
             if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
                 raise PassError(f"node {node.name!r}: Resize tf_crop_and_resize is not supported")
@@ -74,9 +75,7 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
             elif sizes is not None and sizes.size == 4:
                 h_kw, w_kw = {"size_out": int(sizes[2])}, {"size_out": int(sizes[3])}
             else:
-                raise PassError(
-                    f"node {node.name!r}: Resize needs constant scales over H and W only, or constant sizes"
-                )
+                continue  # sizes read at run time: TorchGradientsPass
             dtype = (x.dtype or ir.DataType.FLOAT).numpy()
             # The node's own opset: opset 18 added attributes (antialias, ...) that exporters set.
             opset = max(model.opset_imports.get("", 17), 17)

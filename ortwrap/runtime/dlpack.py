@@ -57,12 +57,28 @@ class StateValueCache:
     is rebuilt. The cache keeps the wrapped tensors alive until they are replaced.
     """
 
-    __slots__ = ("pointers", "tensors", "values")
+    __slots__ = ("copies", "pointers", "tensors", "values", "versions")
 
     def __init__(self, n: int) -> None:
         self.tensors: list[torch.Tensor | None] = [None] * n
         self.pointers: list[int] = [0] * n
         self.values: list[C.OrtValue | None] = [None] * n
+        self.versions: list[int] = [-1] * n
+        #: the float32 copies fed for half-precision state (``float_copy``)
+        self.copies: list[torch.Tensor | None] = [None] * n
+
+    def float_copy(self, i: int, t: torch.Tensor) -> C.OrtValue:
+        """The OrtValue of a float32 copy of ``t`` (feed ``i``), made again only when ``t`` is another
+        tensor, moved, or written in place since (its version counter)."""
+        version = compat.tensor_version(t)
+        if self.tensors[i] is t and self.pointers[i] == t.data_ptr() and self.versions[i] == version:
+            return self.values[i]
+        with torch.no_grad():
+            copy = t.detach().to(torch.float32, memory_format=torch.contiguous_format)
+        ov = ortvalue(copy)
+        self.tensors[i], self.pointers[i], self.values[i] = t, t.data_ptr(), ov
+        self.versions[i], self.copies[i] = version, copy
+        return ov
 
     def refresh(self, i: int, t: torch.Tensor) -> C.OrtValue:
         """Wrap ``t`` (the feed at index ``i``) anew and remember it."""

@@ -1,0 +1,207 @@
+"""Mixed precision on CPU: eager and ortwrap, float32 and bfloat16 autocast, on bench_scale's LM.
+
+    python benchmarks/bench_amp.py                    # GPT-2-small-sized LM (bench_scale --size gpt2)
+    python benchmarks/bench_amp.py --size small --iters 5
+    python benchmarks/bench_amp.py --adapters         # frozen bf16 base + fp32 LoRA: fuse_initializers
+
+Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad):
+
+- the CPU and its bfloat16 capability (avx512_bf16 / amx_bf16 flags: native, else emulated);
+- the median step of eager fp32, eager bf16 autocast, ortwrap fp32 and ortwrap bf16 autocast, and
+  the ratio of ortwrap bf16 to eager bf16 (the goal: <= 0.8);
+- the float32 and bfloat16 GEMM rates torch reaches on the model's own matmul shapes in the same
+  run, and each variant's fraction of the float32 GEMM limit (6 * N * tokens FLOPs at that rate);
+- peak RSS of each variant in its own fresh process (``--no-rss`` skips).
+
+With ``--adapters``: the LM in bfloat16, frozen, with float32 low-rank adapters on every qkv and fc
+projection (the fuse_initializers case): eager, ortwrap (a Cast of each frozen weight per step) and
+ortwrap with ``fuse_initializers=True`` (float32 copies made once).
+
+Where bf16 is emulated, ortwrap computes bf16 regions in float32 (passes/half_precision.py): see
+docs/performance.md for which kernels run in which precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import _harness  # noqa: F401  (puts examples/ on sys.path)
+import torch
+from _harness import interleaved, median_ms, report
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_scale import SIZES, cpu_name, make, matmul_shapes
+
+
+def bf16_capability() -> str:
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"native ({' '.join(native)})" if native else "emulated (no avx512_bf16 / amx_bf16)"
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable float32 low-rank update, as PEFT's LoRA computes it."""
+
+    def __init__(self, base: nn.Linear, r: int = 8) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Linear(base.in_features, r, bias=False)
+        self.lora_b = nn.Linear(r, base.out_features, bias=False)
+        nn.init.normal_(self.lora_b.weight, std=0.02)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x.to(self.lora_a.weight.dtype))).to(x.dtype)
+
+
+def make_adapted(size: str):
+    model, ids, tgt = make(size)
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    for blk in model.blocks:
+        blk.qkv = LoRALinear(blk.qkv)
+        blk.fc = LoRALinear(blk.fc)
+    return model, ids, tgt
+
+
+def step_fn(model, ids, tgt, amp: bool):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def step() -> None:
+        if amp:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = model(ids, tgt)
+        else:
+            loss, _ = model(ids, tgt)
+        loss.float().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+#: variant -> (ortwrap options or None for eager, autocast)
+VARIANTS = {
+    "eager fp32": (None, False),
+    "eager bf16": (None, True),
+    "ortwrap fp32": ({}, False),
+    "ortwrap bf16": ({}, True),
+}
+ADAPTER_VARIANTS = {
+    "eager": (None, False),
+    "ortwrap (cast)": ({"fuse_initializers": False}, False),
+    "ortwrap (fused)": ({"fuse_initializers": True}, False),
+}
+
+
+def build(size: str, adapters: bool, options: dict | None):
+    from ortwrap import ORTWrap
+
+    model, ids, tgt = (make_adapted if adapters else make)(size)
+    if options is not None:
+        model = ORTWrap(model, fallback=False, **options)
+    return model, ids, tgt
+
+
+def gemm_rates(shapes, reps: int = 2) -> dict[str, float]:
+    """FLOP/s torch reaches over the list of GEMMs in float32 and in bfloat16 (best of ``reps``)."""
+    flops = sum(2 * m * k * n for m, k, n in shapes)
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        mats = {s: (torch.randn(s[0], s[1]).to(dtype), torch.randn(s[1], s[2]).to(dtype)) for s in set(shapes)}
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for s in shapes:
+                torch.mm(*mats[s])
+            best = min(best, time.perf_counter() - t0)
+        rates[str(dtype).removeprefix("torch.")] = flops / best
+    return rates
+
+
+def _rss_child(size: str, adapters: bool, variant: str, steps: int) -> dict:
+    code = f"""
+import json, sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+import bench_amp as b
+import torch
+torch.set_num_threads({torch.get_num_threads()})
+variants = b.ADAPTER_VARIANTS if {adapters!r} else b.VARIANTS
+options, amp = variants[{variant!r}]
+model, ids, tgt = b.build({size!r}, {adapters!r}, options)
+step = b.step_fn(model, ids, tgt, amp)
+for _ in range({steps}):
+    step()
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print("RSS " + json.dumps(hwm / 1024))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RSS "):
+            return {"peak_rss_mib": json.loads(line[4:])}
+    return {"error": proc.stderr[-1500:]}
+
+
+def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) -> None:
+    s = SIZES[size]
+    variants = ADAPTER_VARIANTS if adapters else VARIANTS
+    if not timing:
+        print(f"\n== mixed precision: {size} {s}{' + LoRA' if adapters else ''}; CPU: {cpu_name()}")
+        return _print_rss(size, adapters, variants)
+    print(f"\n== mixed precision: {size} {s}{' + LoRA, bf16 frozen base' if adapters else ''}, AdamW")
+    print(
+        f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    steps, n_params, tokens = {}, 0, s["batch"] * s["seq"]
+    for name, (options, amp) in variants.items():
+        model, ids, tgt = build(size, adapters, options)
+        n_params = sum(p.numel() for p in model.parameters())
+        steps[name] = step_fn(model, ids, tgt, amp)
+        t0 = time.perf_counter()
+        steps[name]()
+        print(f"   {name}: first step {time.perf_counter() - t0:.2f} s")
+    times = interleaved(steps, warmup=1, iters=iters)
+    report(f"{size}: {n_params / 1e6:.1f}M parameters, {tokens} tokens/step", times, baseline=next(iter(steps)))
+    if not adapters:
+        ratio = median_ms(times["ortwrap bf16"]) / median_ms(times["eager bf16"])
+        print(f"  ortwrap bf16 / eager bf16 autocast = {ratio:.2f}x (goal <= 0.8x)")
+        rates = gemm_rates(matmul_shapes(size))
+        limit = 6 * n_params * tokens / rates["float32"]
+        print(
+            f"  torch GEMM rate on the model's shapes: float32 {rates['float32'] / 1e9:.1f} GFLOP/s, "
+            f"bfloat16 {rates['bfloat16'] / 1e9:.1f} GFLOP/s; float32 GEMM limit {limit * 1e3:.0f} ms"
+        )
+        for name, ts in times.items():
+            print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the fp32 limit")
+    if rss:
+        _print_rss(size, adapters, variants)
+
+
+def _print_rss(size: str, adapters: bool, variants: dict) -> None:
+    print("\n== peak RSS, each variant in its own process (3 steps)")
+    base = None
+    for name in variants:
+        r = _rss_child(size, adapters, name, 3)
+        if "error" in r:
+            print(f"  {name:<16} failed: {r['error'][-300:]}")
+            continue
+        base = base or r["peak_rss_mib"]
+        print(f"  {name:<16} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base:.2f}x {next(iter(variants))})")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpt2")
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--adapters", action="store_true")
+    parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--rss-only", action="store_true", help="only the peak RSS of each variant")
+    a = parser.parse_args()
+    main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only)

@@ -1,0 +1,557 @@
+"""The registries of ortwrap's extension points: the one place to add a kernel or a gradient.
+
+**Kernels** (:data:`KERNELS`). Each of ortwrap's own CPU kernels (``kernels/_cpu.c``) is declared
+once, as a :class:`Kernel`: its name, its typed inputs and outputs (a signature string), its
+gradient (the backward kernel and how the gradient node is wired), and the ONNX op types where the
+rewrite that introduces it starts (``passes/native_cpu_kernels.py``). Everything else is derived
+from, or checked against, these declarations:
+
+* ``_cpu.c``'s ``kOps`` table carries the same signature strings; ``kernels.install`` compares them
+  with the declarations when the library loads and raises :class:`KernelTableError` naming each
+  mismatch. The C runner checks each node's input and output counts against the signature.
+* ``kernels.install`` registers the gradient definitions from the declarations;
+* ``NativeCPUKernelsPass`` dispatches on :attr:`Kernel.replaces`, counts per declared kernel, and
+  types the outputs from the signature.
+
+Signature characters: ``f`` float32 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
+``I`` int64 scalar (0-d); ``?`` after a character makes that input optional (it may be absent);
+inputs and outputs are separated by ``>``.
+
+**Gradients ORT lacks** (:data:`GRADIENTS`). One mechanism: the op runs as an ATen node calling a
+PyTorch op (``bridge/aten.py``), and its gradient is PyTorch's autograd of that op (the ATen
+bridge's vjp). An :class:`OnnxViaTorch` entry names an ONNX op of the exported graph, the PyTorch op
+that computes the same function and ``args``, which maps the node's inputs and attributes to that
+op's arguments (or returns None to leave the node to ORT, or raises :class:`~ortwrap.errors.PassError`
+saying what is not supported). ``passes/torch_gradients.py`` applies them to training graphs.
+Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op of its own in the
+``ortwrap_ops`` namespace (:func:`define_ops`, ``torch.library``; autograd comes from the
+composite's decomposition).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "ATEN_OPS",
+    "GRADIENTS",
+    "KERNELS",
+    "AtenViaTorch",
+    "Kernel",
+    "KernelGradient",
+    "KernelTableError",
+    "OnnxViaTorch",
+    "define_ops",
+    "kernel",
+]
+
+
+class KernelTableError(RuntimeError):
+    """The compiled kernel table (``_cpu.c`` ``kOps``) disagrees with :data:`KERNELS`."""
+
+
+# ------------------------------------------------------------------------------------------ kernels
+_TENSOR_CHARS = {"f": "float32", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
+
+
+def parse_signature(signature: str) -> tuple[list[tuple[str, bool]], list[str]]:
+    """``"fff?FI>fff"`` -> ([(char, optional), ...] per input, [char per output])."""
+    ins, sep, outs = signature.partition(">")
+    if not sep:
+        raise ValueError(f"signature {signature!r} has no '>'")
+    inputs: list[tuple[str, bool]] = []
+    for ch in ins:
+        if ch == "?":
+            if not inputs:
+                raise ValueError(f"signature {signature!r}: '?' before any input")
+            inputs[-1] = (inputs[-1][0], True)
+        elif ch in _TENSOR_CHARS:
+            inputs.append((ch, False))
+        else:
+            raise ValueError(f"signature {signature!r}: unknown character {ch!r}")
+    for ch in outs:
+        if ch not in _TENSOR_CHARS:
+            raise ValueError(f"signature {signature!r}: unknown output character {ch!r}")
+    return inputs, list(outs)
+
+
+@dataclass(frozen=True)
+class KernelGradient:
+    """The gradient of a forward kernel: one node of ``backward`` reading ``inputs`` (``GO(j)``,
+    ``I(i)``, ``O(k)``) and writing ``outputs`` (``GI(i)``); ``stop``: forward inputs that get no
+    gradient (integer inputs, statistics)."""
+
+    backward: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stop: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One of ortwrap's CPU kernels (``ortwrap_cpu::<name>``).
+
+    Attributes:
+        name: the kernel's name in ``kOps``.
+        signature: typed inputs and outputs (module docstring).
+        doc: what it computes, one line.
+        gradient: its gradient, or None for a backward kernel.
+        replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
+        rewrite: the pass's method that performs that rewrite.
+    """
+
+    name: str
+    signature: str
+    doc: str
+    gradient: KernelGradient | None = None
+    replaces: tuple[str, ...] = ()
+    rewrite: str | None = None
+
+    @property
+    def inputs(self) -> list[tuple[str, bool]]:
+        return parse_signature(self.signature)[0]
+
+    @property
+    def outputs(self) -> list[str]:
+        return parse_signature(self.signature)[1]
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The float dtypes it computes in (float32 only, for every kernel so far)."""
+        return ("float32",)
+
+
+def _grad(backward: str, inputs: Sequence[str], outputs: Sequence[str], stop: Sequence[int] = ()) -> KernelGradient:
+    return KernelGradient(backward, tuple(inputs), tuple(outputs), frozenset(stop))
+
+
+#: Every kernel in ``kernels/_cpu.c``, forward kernels with their gradients, then backward kernels.
+KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        "gelu",
+        "f>f",
+        "y = x * Phi(x) (erf GELU)",
+        _grad("gelu_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+        replaces=("Erf",),
+        rewrite="_gelu",
+    ),
+    Kernel("gelu_backward", "ff>f", "dx from dy, x"),
+    Kernel(
+        "gelu_tanh",
+        "f>f",
+        "0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))",
+        _grad("gelu_tanh_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+        replaces=("Tanh",),
+        rewrite="_gelu_tanh",
+    ),
+    Kernel("gelu_tanh_backward", "ff>f", "dx from dy, x"),
+    Kernel(
+        "layer_norm",
+        "fff?FI>fff",
+        "x, weight, bias, eps, axis -> y, mean, rstd (shape[:axis] + 1s)",
+        _grad(
+            "layer_norm_backward",
+            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        replaces=("LayerNormalization",),
+        rewrite="_layer_norm",
+    ),
+    Kernel("layer_norm_backward", "fffffI>fff", "dy, x, weight, mean, rstd, axis -> dx, dweight, dbias"),
+    Kernel(
+        "embedding",
+        "fi>f",
+        "weight, indices -> weight[indices]",
+        _grad("embedding_backward", ["GO(0)", "I(1)", "I(0)"], ["GI(0)"], stop=[1]),
+        replaces=("Gather",),
+        rewrite="_embedding",
+    ),
+    Kernel("embedding_backward", "fif>f", "dy, indices, weight -> dweight"),
+    Kernel(
+        "softmax",
+        "f>f",
+        "softmax over the last dimension",
+        _grad("softmax_backward", ["GO(0)", "O(0)"], ["GI(0)"]),
+        replaces=("Softmax",),
+        rewrite="_softmax",
+    ),
+    Kernel("softmax_backward", "ff>f", "dy, y -> dx"),
+    Kernel(
+        "cross_entropy",
+        "fiII>ff",
+        "scores [n, c], labels, ignore_index, reduction (none, mean, sum) -> loss, log_prob",
+        _grad("cross_entropy_backward", ["GO(0)", "O(1)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], stop=[1, 2, 3]),
+        replaces=("SoftmaxCrossEntropyLoss",),
+        rewrite="_cross_entropy",
+    ),
+    Kernel("cross_entropy_backward", "ffiII>f", "dloss, log_prob, labels, ignore_index, reduction -> dscores"),
+)
+
+
+@functools.cache
+def kernel(name: str) -> Kernel:
+    """The declaration of kernel ``name``."""
+    for k in KERNELS:
+        if k.name == name:
+            return k
+    raise KeyError(f"no ortwrap CPU kernel named {name!r}")
+
+
+def check_kernel_table(compiled: dict[str, str]) -> None:
+    """Compare the compiled table (name -> signature, from ``_cpu.c``) with :data:`KERNELS`.
+
+    Raises:
+        KernelTableError: naming every kernel that is missing on either side or whose signature differs.
+    """
+    problems = []
+    declared = {k.name: k.signature for k in KERNELS}
+    for name, sig in declared.items():
+        if name not in compiled:
+            problems.append(f"{name}: declared in ortwrap/registry.py but not in _cpu.c's kOps")
+        elif compiled[name] != sig:
+            problems.append(f"{name}: _cpu.c says {compiled[name]!r}, ortwrap/registry.py says {sig!r}")
+    problems += [
+        f"{n}: in _cpu.c's kOps but not declared in ortwrap/registry.py" for n in compiled if n not in declared
+    ]
+    for k in KERNELS:
+        if k.gradient is not None and k.gradient.backward not in declared:
+            problems.append(f"{k.name}: its backward kernel {k.gradient.backward!r} is not declared")
+    if problems:
+        raise KernelTableError("ortwrap's kernel table has drifted from its declarations: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------- gradients
+#: An argument for the PyTorch op: a graph value (tensor input, None if absent) or a constant.
+Arg = Any
+
+
+@dataclass(frozen=True)
+class OnnxViaTorch:
+    """An ONNX op that ORT 1.19.2 cannot differentiate (or not on some devices), run as PyTorch's op.
+
+    Attributes:
+        onnx: the ONNX op type (default domain).
+        torch_op: ``"name"`` or ``"name.overload"`` in ``torch.ops.aten``, or ``"ortwrap_ops::name"``.
+        args: ``args(node, value, b)`` -> the op's arguments, all of them in schema order: graph
+            values (``value(i)`` is the node's input ``i``, None if absent; ``b``, a
+            ``passes._build.NodeBuilder``, adds nodes that compute others) or Python constants (int,
+            float, bool, list of ints or floats, None for an absent optional). None: leave the node to ORT.
+        devices: device types (``torch.device.type``) where the rewrite applies.
+        why: what ORT lacks.
+    """
+
+    onnx: str
+    torch_op: str
+    args: Callable[[Any, Callable[[int], Any], Any], list[Arg] | None]
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    why: str = "no gradient in ORT 1.19.2"
+
+
+def _attr(node: Any, name: str, default: Any) -> Any:
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    v = a.value
+    return list(v) if isinstance(v, (list, tuple)) else v
+
+
+def _unary(torch_args: Callable[[Any], list] | None = None) -> Callable:
+    def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list:
+        return [value(0), *(torch_args(node) if torch_args else [])]
+
+    return args
+
+
+def _hard_sigmoid(node: Any, value: Callable[[int], Any], b: Any = None) -> list:
+    return [value(0), float(_attr(node, "alpha", 0.2)), float(_attr(node, "beta", 0.5))]
+
+
+def _reduce(name: str) -> Callable:
+    def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+        from .passes._build import constant_value
+
+        keepdims = bool(_attr(node, "keepdims", 1))
+        if len(node.inputs) > 1 and node.inputs[1] is not None:  # opset 18: axes as an input
+            axes = constant_value(node.inputs[1])
+            if axes is None:
+                return None
+            axes = [int(a) for a in axes.reshape(-1)]
+        else:
+            axes = _attr(node, "axes", [])
+        if not axes and _attr(node, "noop_with_empty_axes", 0):
+            return None
+        return [value(0), list(axes), keepdims]
+
+    return args
+
+
+def _conv_transpose(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .errors import PassError
+
+    x = node.inputs[0]
+    rank = len(x.shape) - 2 if x.shape is not None else None
+    if rank is None:
+        return None
+    if _attr(node, "auto_pad", "NOTSET") != "NOTSET" or node.attributes.get("output_shape"):
+        raise PassError(
+            f"node {node.name!r}: ConvTranspose with auto_pad or output_shape cannot be trained on this device; "
+            "export it with explicit padding (nn.ConvTranspose*d does)"
+        )
+    pads = _attr(node, "pads", [0] * (2 * rank))
+    if list(pads[:rank]) != list(pads[rank:]):
+        raise PassError(f"node {node.name!r}: ConvTranspose with asymmetric pads {pads} is not supported")
+    return [
+        value(0),
+        value(1),
+        value(2) if len(node.inputs) > 2 else None,
+        list(_attr(node, "strides", [1] * rank)),
+        list(pads[:rank]),
+        list(_attr(node, "dilations", [1] * rank)),
+        True,
+        list(_attr(node, "output_padding", [0] * rank)),
+        int(_attr(node, "group", 1)),
+    ]
+
+
+_RESIZE_LINEAR = {1: "upsample_linear1d.vec", 2: "upsample_bilinear2d.vec", 3: "upsample_trilinear3d.vec"}
+
+
+def _resize_op(node: Any) -> tuple[str, bool | None]:
+    """The PyTorch op computing this Resize (``.vec`` overload) and its align_corners (None: none)."""
+    from .errors import PassError
+
+    x = node.inputs[0]
+    rank = len(x.shape) - 2 if x.shape is not None else None
+    mode = _attr(node, "mode", "nearest")
+    ctm = _attr(node, "coordinate_transformation_mode", "half_pixel")
+    where = f"node {node.name!r}: Resize(mode={mode}, coordinate_transformation_mode={ctm}"
+    if rank not in (1, 2, 3):
+        raise PassError(f"{where}) on a rank-{rank} input cannot be trained: 3-D, 4-D and 5-D inputs can")
+    if _attr(node, "antialias", 0) or _attr(node, "exclude_outside", 0) or node.attributes.get("axes"):
+        raise PassError(f"{where}) with antialias, exclude_outside or axes cannot be trained")
+    if mode == "nearest":
+        nearest = _attr(node, "nearest_mode", "round_prefer_floor")
+        if ctm == "asymmetric" and nearest == "floor":
+            return f"upsample_nearest{rank}d.vec", None
+        if ctm in ("half_pixel", "pytorch_half_pixel") and nearest == "round_prefer_ceil":
+            return f"_upsample_nearest_exact{rank}d.vec", None
+    elif mode == "linear" and ctm in ("align_corners", "half_pixel", "pytorch_half_pixel"):
+        return _RESIZE_LINEAR[rank], ctm == "align_corners"
+    elif (
+        mode == "cubic"
+        and rank == 2
+        and ctm in ("align_corners", "half_pixel", "pytorch_half_pixel")
+        and abs(float(_attr(node, "cubic_coeff_a", -0.75)) + 0.75) < 1e-6
+    ):
+        return "upsample_bicubic2d.vec", ctm == "align_corners"
+    raise PassError(f"{where}) has no PyTorch equivalent to train it with (F.interpolate's modes do)")
+
+
+def _resize(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
+    """``Resize`` -> ``upsample_*.vec(x, output_size, [align_corners,] scale_factors)``: constant
+    scales as scale factors (PyTorch then maps coordinates with them, as ONNX does), sizes (constant or
+    read at run time) as the output size."""
+    import numpy as np_
+
+    from .errors import PassError
+    from .passes._build import constant_value
+
+    _, align = _resize_op(node)
+    x = node.inputs[0]
+    rank = len(x.shape) - 2
+    scales = constant_value(value(2)) if value(2) is not None else None
+    sizes = value(3)
+    if scales is not None and scales.size == rank + 2:
+        if list(scales[:2]) != [1, 1]:
+            raise PassError(f"node {node.name!r}: Resize over the batch or channel dimension cannot be trained")
+        size, factors = None, [float(v) for v in scales[2:]]
+    elif sizes is not None:
+        known = constant_value(sizes)
+        if known is not None:
+            size = [int(v) for v in known[2:]]
+        else:
+            size = b.op("Slice", sizes, b.const(np_.array([2], np_.int64)), b.const(np_.array([rank + 2], np_.int64)))
+        factors = None
+    else:
+        raise PassError(f"node {node.name!r}: Resize with scales computed at run time cannot be trained")
+    return [x, size, factors] if align is None else [x, size, align, factors]
+
+
+def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .errors import PassError
+
+    k = list(_attr(node, "kernel_shape", []))
+    nd = len(k)
+    if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        raise PassError(f"node {node.name!r}: AveragePool with auto_pad is not supported")
+    pads = list(_attr(node, "pads", [0] * (2 * nd)))
+    if pads[:nd] != pads[nd:]:
+        raise PassError(f"node {node.name!r}: AveragePool with asymmetric pads {pads} is not supported")
+    if any(d != 1 for d in _attr(node, "dilations", [1] * nd)):
+        raise PassError(f"node {node.name!r}: AveragePool with dilations is not supported")
+    args = [
+        value(0),
+        k,
+        list(_attr(node, "strides", [1] * nd)),
+        pads[:nd],
+        bool(_attr(node, "ceil_mode", 0)),
+        bool(_attr(node, "count_include_pad", 0)),
+    ]
+    return args if nd == 1 else [*args, None]
+
+
+#: ONNX ops ORT 1.19.2 cannot differentiate, run as PyTorch ops (``passes/torch_gradients.py``).
+GRADIENTS: dict[str, OnnxViaTorch] = {
+    g.onnx: g
+    for g in (
+        OnnxViaTorch("HardSwish", "hardswish", _unary()),
+        OnnxViaTorch("HardSigmoid", "ortwrap_ops::hard_sigmoid", _hard_sigmoid),
+        OnnxViaTorch("Mish", "mish", _unary()),
+        OnnxViaTorch("Elu", "elu", _unary(lambda n: [float(_attr(n, "alpha", 1.0)), 1.0, 1.0])),
+        OnnxViaTorch(
+            "Selu",
+            "elu",
+            _unary(
+                lambda n: [
+                    float(_attr(n, "alpha", 1.67326319217681884765625)),
+                    float(_attr(n, "gamma", 1.05070102214813232421875)),
+                    1.0,
+                ]
+            ),
+        ),
+        OnnxViaTorch(
+            "Celu", "elu", _unary(lambda n: [float(_attr(n, "alpha", 1.0)), 1.0, 1.0 / float(_attr(n, "alpha", 1.0))])
+        ),
+        # ONNX Softplus has no threshold: softplus(x, 1, inf) is log(1 + exp(x)) everywhere.
+        OnnxViaTorch("Softplus", "softplus", _unary(lambda n: [1.0, math.inf])),
+        OnnxViaTorch("PRelu", "ortwrap_ops::prelu", lambda n, v, b: [v(0), v(1)]),
+        OnnxViaTorch(
+            "Shrink",
+            "ortwrap_ops::shrink",
+            lambda n, v, b: [v(0), float(_attr(n, "lambd", 0.5)), float(_attr(n, "bias", 0.0))],
+        ),
+        # Sign's derivative is zero where it exists (eager's too): dynamo's softshrink has a Sign.
+        OnnxViaTorch("Sign", "sign", _unary()),
+        OnnxViaTorch("ReduceMax", "amax", _reduce("amax")),
+        OnnxViaTorch("ReduceMin", "amin", _reduce("amin")),
+        OnnxViaTorch(
+            "ConvTranspose",
+            "convolution",
+            _conv_transpose,
+            devices=("cpu",),
+            why="no ConvTransposeGrad kernel on CPU in ORT 1.19.2",
+        ),
+        # After ResizeToMatMulPass (4-D, static H and W, constant scales or sizes: a faster form).
+        OnnxViaTorch("Resize", "upsample", _resize, devices=("cpu",), why="no ResizeGrad kernel on CPU in ORT 1.19.2"),
+        # After AveragePoolToConvPass (what it leaves: ceil_mode, a channel count not static).
+        OnnxViaTorch(
+            "AveragePool",
+            "avg_pool",
+            _avg_pool,
+            why="AveragePoolGrad sizes its result from static shapes (a dynamic batch gives a wrong gradient)",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class AtenViaTorch:
+    """An ATen op whose ONNX form loses what training needs: exported as an ATen node instead, so
+    PyTorch's kernel runs it and PyTorch's autograd differentiates it.
+
+    Attributes:
+        aten: the op's name (``torch.ops.aten.<aten>``).
+        exporters: the exporters whose ONNX form is wrong (``"torchscript"``, ``"dynamo"``).
+        when: ``when(constants)`` -> whether this call needs the ATen node; ``constants`` holds the
+            call's constant non-tensor arguments by position (None where not constant). None: always.
+        why: what the ONNX form gets wrong.
+    """
+
+    aten: str
+    exporters: tuple[str, ...]
+    why: str
+    when: Callable[[list[Any]], bool] | None = None
+
+
+#: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript).
+ATEN_OPS: tuple[AtenViaTorch, ...] = (
+    AtenViaTorch(
+        "softplus",
+        ("torchscript",),
+        "torch's symbolic drops the threshold (values above it differ)",
+        when=lambda c: not (c[1] in (1, 1.0) and c[2] in (20, 20.0)),
+    ),
+    AtenViaTorch("threshold", ("torchscript",), "torch writes an org.pytorch.aten::threshold op ORT cannot load"),
+    AtenViaTorch("diagonal", ("torchscript",), "torch's symbolic writes an If node, which ORT cannot differentiate"),
+)
+
+
+# ------------------------------------------------------------------------------ ortwrap's own ops
+def _prelu(x, slope):
+    import torch
+
+    return torch.where(x > 0, x, x * slope)
+
+
+def _hard_sigmoid_impl(x, alpha: float, beta: float):
+    import torch.nn.functional as F
+
+    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:
+        return F.hardsigmoid(x)
+    return (x * alpha + beta).clamp(0.0, 1.0)
+
+
+def _shrink(x, lambd: float, bias: float):
+    import torch
+
+    zero = torch.zeros((), dtype=x.dtype)
+    return torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, zero))
+
+
+_OPS = {
+    "prelu": ("prelu(Tensor x, Tensor slope) -> Tensor", _prelu),
+    "hard_sigmoid": ("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
+    "shrink": ("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
+}
+OPS_NAMESPACE = "ortwrap_ops"
+_library: list = []
+
+
+def define_ops() -> None:
+    """Define ortwrap's composite ops (``torch.ops.ortwrap_ops.*``) in this process, once.
+
+    Each has ONNX semantics where no PyTorch op does (``PRelu``'s broadcast slope, ``HardSigmoid``'s
+    alpha and beta, ``Shrink``'s bias); its autograd is that of its decomposition."""
+    if _library:
+        return
+    import torch
+
+    lib = torch.library.Library(OPS_NAMESPACE, "DEF")
+    for name, (schema, fn) in _OPS.items():
+        lib.define(schema)
+        lib.impl(name, fn, "CompositeImplicitAutograd")
+    _library.append(lib)
+
+
+def constant_array(value: Any) -> np.ndarray:
+    """The ATen bridge's encoding of a constant argument (``bridge/aten.py``)."""
+    if isinstance(value, bool):
+        return np.array(value, dtype=np.bool_)
+    if isinstance(value, int):
+        return np.array(value, dtype=np.int64)
+    if isinstance(value, float):
+        return np.array(value, dtype=np.float64)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value) and value:
+        return np.array(value, dtype=np.bool_)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return np.array(value, dtype=np.int64).reshape(len(value))
+    if isinstance(value, (list, tuple)):
+        return np.array(value, dtype=np.float64).reshape(len(value))
+    raise TypeError(f"{value!r} cannot be an ATen node argument")

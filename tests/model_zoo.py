@@ -1,0 +1,475 @@
+"""Small random-weight configurations of common architectures, for the coverage suite
+(``tests/test_coverage.py``) and ``benchmarks/bench_coverage.py``.
+
+Each :class:`Case` builds a model and its inputs for a batch size; the sequence length (or image
+size) changes with the batch size, so three steps run three shapes through one program. Cases that
+need an op ortwrap does not train yet carry the reason per exporter (``xfail``), so the suite
+shows them as XPASS once the op lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 96
+#: Batch sizes of the three steps; every length and image size below changes with them.
+BATCH_SIZES = (2, 3, 4)
+
+
+def seq_len(b: int, base: int = 10) -> int:
+    """Sequence length for a batch of ``b`` (2, 3, 4 -> base + 1, base - 1, base)."""
+    return base + {2: 1, 3: -1, 4: 0}.get(b, 2)
+
+
+def image_size(b: int, base: int = 32) -> int:
+    """Image side for a batch of ``b`` (2, 3, 4 -> base, base - 8, base + 8): multiples of 8."""
+    return base + {2: 0, 3: -8, 4: 8}.get(b, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One architecture of the coverage suite.
+
+    Attributes:
+        name: the test id.
+        make_model: builds the model (random weights, dropout off).
+        make_inputs: ``(batch_size, generator) -> (args, kwargs)``.
+        loss: the training loss from the model's outputs (None: ``parity.default_loss``).
+        slow: only in the slow selection.
+        xfail: exporter -> why that exporter does not train it yet.
+        atol: absolute tolerance (check_parity's default unless a case needs more).
+    """
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    make_inputs: Callable[[int, torch.Generator], tuple[tuple, dict]]
+    loss: Callable[[Any], torch.Tensor] | None = None
+    slow: bool = True
+    xfail: dict[str, str] = dataclasses.field(default_factory=dict)
+    atol: float = 1e-5
+
+
+def hf_loss(out: Any) -> torch.Tensor:
+    return out.loss
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def lm_inputs(b: int, g: torch.Generator) -> tuple[tuple, dict]:
+    ids = torch.randint(0, VOCAB, (b, seq_len(b)), generator=g)
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def classification_inputs(b: int, g: torch.Generator) -> tuple[tuple, dict]:
+    t = seq_len(b, 12)
+    ids = torch.randint(1, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1:, -3:] = 0  # padded rows
+    ids[1:, -3:] = 0  # padding id
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (b,), generator=g)}
+
+
+def seq2seq_inputs(b: int, g: torch.Generator) -> tuple[tuple, dict]:
+    t = seq_len(b, 12)
+    ids = torch.randint(3, VOCAB, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[1:, -2:] = 0
+    labels = torch.randint(3, VOCAB, (b, seq_len(b, 7)), generator=g)
+    return (), {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def image_inputs(b: int, g: torch.Generator, *, channels: int = 3, classes: int = 5, size=image_size):
+    s = size(b)
+    return (torch.randn(b, channels, s, s, generator=g), torch.randint(0, classes, (b,), generator=g)), {}
+
+
+def image_loss(out: Any) -> torch.Tensor:
+    return out
+
+
+# --- transformers -------------------------------------------------------------------------------
+
+
+def _tf():
+    import transformers
+
+    return transformers
+
+
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
+def bert():
+    t = _tf()
+    return t.BertForSequenceClassification(
+        t.BertConfig(**_DECODER, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=3)
+    )  # fmt: skip
+
+
+def roberta():
+    t = _tf()
+    return t.RobertaForSequenceClassification(
+        t.RobertaConfig(**_DECODER, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=3, pad_token_id=0)
+    )  # fmt: skip
+
+
+def distilbert():
+    t = _tf()
+    return t.DistilBertForSequenceClassification(
+        t.DistilBertConfig(vocab_size=VOCAB, dim=32, hidden_dim=64, n_layers=2, n_heads=4, max_position_embeddings=64,
+                           dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3)
+    )  # fmt: skip
+
+
+def albert():
+    t = _tf()
+    return t.AlbertForSequenceClassification(
+        t.AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, num_labels=3)
+    )  # fmt: skip
+
+
+def gpt2():
+    t = _tf()
+    return t.GPT2LMHeadModel(
+        t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    )  # fmt: skip
+
+
+def llama():
+    t = _tf()
+    return t.LlamaForCausalLM(t.LlamaConfig(**_DECODER, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def qwen2():
+    t = _tf()
+    return t.Qwen2ForCausalLM(t.Qwen2Config(**_DECODER, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def phi3():
+    t = _tf()
+    return t.Phi3ForCausalLM(
+        t.Phi3Config(**_DECODER, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    )  # fmt: skip
+
+
+def gpt_neox():
+    t = _tf()
+    return t.GPTNeoXForCausalLM(
+        t.GPTNeoXConfig(**_DECODER, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    )
+
+
+def opt():
+    t = _tf()
+    return t.OPTForCausalLM(
+        t.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                    pad_token_id=1)
+    )  # fmt: skip
+
+
+def mixtral():
+    t = _tf()
+    return t.MixtralForCausalLM(
+        t.MixtralConfig(**_DECODER, num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
+                        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+    )  # fmt: skip
+
+
+def qwen2_moe():
+    t = _tf()
+    return t.Qwen2MoeForCausalLM(
+        t.Qwen2MoeConfig(**_DECODER, num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                         output_router_logits=True, router_aux_loss_coef=0.1, decoder_sparse_step=1)
+    )  # fmt: skip
+
+
+def bart():
+    t = _tf()
+    return t.BartForConditionalGeneration(
+        t.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                     bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    )  # fmt: skip
+
+
+def t5():
+    t = _tf()
+    return t.T5ForConditionalGeneration(
+        t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    )  # fmt: skip
+
+
+def vit():
+    t = _tf()
+    return t.ViTForImageClassification(
+        t.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0, num_labels=5)
+    )  # fmt: skip
+
+
+def vit_inputs(b, g):
+    return (), {
+        "pixel_values": torch.randn(b, 3, 16, 16, generator=g),
+        "labels": torch.randint(0, 5, (b,), generator=g),
+    }
+
+
+def _wav2vec2_config(**kw):
+    t = _tf()
+    return t.Wav2Vec2Config(
+        vocab_size=12, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
+        pad_token_id=0, ctc_loss_reduction="mean", **kw,
+    )  # fmt: skip
+
+
+def wav2vec2_ctc():
+    return _tf().Wav2Vec2ForCTC(_wav2vec2_config())
+
+
+def wav2vec2_encoder():
+    return _tf().Wav2Vec2Model(_wav2vec2_config(do_stable_layer_norm=True, feat_extract_norm="layer"))
+
+
+def audio_inputs(b, g):
+    n = 400 + 40 * seq_len(b, 0)
+    return (), {"input_values": torch.randn(b, n, generator=g), "labels": torch.randint(1, 12, (b, 5), generator=g)}
+
+
+def audio_encoder_inputs(b, g):
+    return (), {"input_values": torch.randn(b, 400 + 40 * seq_len(b, 0), generator=g)}
+
+
+def whisper():
+    t = _tf()
+    return t.WhisperForConditionalGeneration(
+        t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        d_model=32, max_source_positions=16, max_target_positions=32, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+    )  # fmt: skip
+
+
+def whisper_inputs(b, g):
+    feats = torch.randn(b, 8, 32, generator=g)  # Whisper's encoder takes exactly 2 * max_source_positions frames
+    return (), {"input_features": feats, "labels": torch.randint(3, VOCAB, (b, seq_len(b, 6)), generator=g)}
+
+
+# --- torch.nn models ----------------------------------------------------------------------------
+
+
+class Seq2SeqTransformer(nn.Module):
+    """``nn.Transformer`` with embeddings, a causal target mask and an LM head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.core = nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, src, tgt):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        h = self.core(self.embed(src), self.embed(tgt), tgt_mask=mask, tgt_is_causal=True)
+        return F.cross_entropy(self.head(h).flatten(0, 1), tgt.flatten())
+
+
+def transformer_inputs(b, g):
+    return (torch.randint(0, VOCAB, (b, seq_len(b, 9)), generator=g),
+            torch.randint(0, VOCAB, (b, seq_len(b, 6)), generator=g)), {}  # fmt: skip
+
+
+class ResNetish(nn.Module):
+    """ResNet stem (7x7/2 conv, BN, ReLU, 3x3/2 max pool), two basic blocks, global pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        self.block1 = nn.Sequential(nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                    nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8))  # fmt: skip
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 1, 2, bias=False), nn.BatchNorm2d(16))
+        self.block2 = nn.Sequential(nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                                    nn.Conv2d(16, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16))  # fmt: skip
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x, y):
+        x = self.stem(x)
+        x = F.relu(x + self.block1(x))
+        x = F.relu(self.down(x) + self.block2(x))
+        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1)), y)
+
+
+class ConvNeXtish(nn.Module):
+    """ConvNeXt blocks: 7x7 depthwise conv, channels-last LayerNorm, inverted MLP with GELU, layer scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 4, 4)
+        self.dw = nn.Conv2d(16, 16, 7, padding=3, groups=16)
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+        self.gamma = nn.Parameter(torch.full((16,), 0.5))
+        self.down = nn.Conv2d(16, 32, 2, 2)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x, y):
+        x = self.stem(x)
+        h = self.mlp(self.norm(self.dw(x).permute(0, 2, 3, 1))) * self.gamma
+        x = x + h.permute(0, 3, 1, 2)
+        x = self.down(x).mean((2, 3))
+        return F.cross_entropy(self.head(x), y)
+
+
+class MobileNetV3ish(nn.Module):
+    """MobileNetV3 block: expansion conv, HardSwish, depthwise conv, squeeze-excite with HardSigmoid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.Hardswish())
+        self.expand = nn.Sequential(nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish())
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.Hardswish())
+        self.se = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1), nn.Hardsigmoid())
+        self.project = nn.Sequential(nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8))
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        x = self.stem(x)
+        h = self.dw(self.expand(x))
+        h = h * self.se(h.mean((2, 3), keepdim=True))
+        x = x + self.project(h)
+        return F.cross_entropy(self.fc(x.mean((2, 3))), y)
+
+
+class UNet(nn.Module):
+    """Two-level UNet: conv blocks, max-pool down, upsampling (``F.interpolate`` or a transposed
+    conv) and skip concatenation, a per-pixel loss."""
+
+    def __init__(self, transposed: bool = False) -> None:
+        super().__init__()
+
+        def block(i, o):
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(2, o), nn.SiLU())
+
+        self.transposed = transposed
+        self.enc1, self.enc2, self.mid = block(3, 8), block(8, 16), block(16, 16)
+        if transposed:
+            self.up2, self.up1 = nn.ConvTranspose2d(16, 16, 2, 2), nn.ConvTranspose2d(16, 16, 2, 2)
+        self.dec2, self.dec1 = block(32, 16), block(24, 8)
+        self.out = nn.Conv2d(8, 1, 1)
+
+    def _up(self, x, i):
+        if self.transposed:
+            return (self.up2, self.up1)[i](x)
+        return F.interpolate(x, scale_factor=2.0, mode="nearest")
+
+    def forward(self, x, target):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self._up(m, 0), e2], 1))
+        d1 = self.dec1(torch.cat([self._up(d2, 1), e1], 1))
+        return F.mse_loss(self.out(d1), target)
+
+
+def unet_inputs(b, g):
+    s = image_size(b)
+    return (torch.randn(b, 3, s, s, generator=g), torch.randn(b, 1, s, s, generator=g)), {}
+
+
+class RecurrentStack(nn.Module):
+    """An LSTM feeding a GRU (sequence-first), or one bidirectional LSTM, and a linear head."""
+
+    def __init__(self, bidirectional: bool = False) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.lstm = nn.LSTM(8, 16, bidirectional=bidirectional)
+        self.gru = None if bidirectional else nn.GRU(16, 16)
+        self.head = nn.Linear(32 if bidirectional else 16, 4)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        if self.gru is not None:
+            h, _ = self.gru(h)
+        return self.head(h)
+
+
+def recurrent_inputs(b, g):
+    return (torch.randn(seq_len(b, 6), b, 8, generator=g),), {}
+
+
+_TS_GROUPED = "ortwrap's TorchScript grouped_mm"
+_HARDSWISH = "ORT 1.19.2 has no HardSwish/HardSigmoid gradient (issue 14, op half)"
+_CONV_T = "ORT's CPU provider has no ConvTransposeGrad kernel (issue 14, op half)"
+_BILSTM = "ORT 1.19.2's LSTM training kernel is forward-only for bidirectional LSTMs (issue 14, op half)"
+
+CASES: list[Case] = [
+    Case("bert", bert, classification_inputs, hf_loss),
+    Case("roberta", roberta, classification_inputs, hf_loss),
+    Case("distilbert", distilbert, classification_inputs, hf_loss, slow=False),
+    Case("albert", albert, classification_inputs, hf_loss),
+    Case("gpt2", gpt2, lm_inputs, hf_loss),
+    Case("llama", llama, lm_inputs, hf_loss),
+    Case("qwen2", qwen2, lm_inputs, hf_loss),
+    Case("phi3", phi3, lm_inputs, hf_loss),
+    Case("gpt_neox", gpt_neox, lm_inputs, hf_loss),
+    Case("opt", opt, lm_inputs, hf_loss),
+    Case("mixtral", mixtral, lm_inputs, hf_loss, slow=False),
+    Case("qwen2_moe", qwen2_moe, lm_inputs, hf_loss),
+    Case("bart", bart, seq2seq_inputs, hf_loss, slow=False),
+    Case("t5", t5, seq2seq_inputs, hf_loss, slow=False),
+    Case("nn_transformer", Seq2SeqTransformer, transformer_inputs, image_loss),
+    Case("vit", vit, vit_inputs, hf_loss),
+    Case("resnetish", ResNetish, image_inputs, image_loss),
+    Case("convnextish", ConvNeXtish, image_inputs, image_loss),
+    Case(
+        "mobilenetv3ish",
+        MobileNetV3ish,
+        image_inputs,
+        image_loss,
+        xfail={"torchscript": _HARDSWISH, "dynamo": _HARDSWISH},
+    ),
+    Case("unet_resize", UNet, unet_inputs, image_loss),
+    Case(
+        "unet_convtranspose",
+        lambda: UNet(transposed=True),
+        unet_inputs,
+        image_loss,
+        xfail={"torchscript": _CONV_T, "dynamo": _CONV_T},
+    ),
+    Case("wav2vec2_ctc", wav2vec2_ctc, audio_inputs, hf_loss),
+    Case("wav2vec2_encoder", wav2vec2_encoder, audio_encoder_inputs, None),
+    Case("whisper", whisper, whisper_inputs, hf_loss),
+    Case("lstm_gru", RecurrentStack, recurrent_inputs, None, slow=False, atol=1e-4),
+    Case(
+        "bilstm",
+        lambda: RecurrentStack(bidirectional=True),
+        recurrent_inputs,
+        None,
+        xfail={"torchscript": _BILSTM, "dynamo": _BILSTM},
+        atol=1e-4,
+    ),
+]
+
+BY_NAME = {c.name: c for c in CASES}

@@ -1,0 +1,122 @@
+"""The registries (``ortwrap/registry.py``): kernels declared once, checked against the C table;
+gradients ORT lacks applied by ``TorchGradientsPass``."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from onnx_text import run_pass
+
+from ortwrap import kernels
+from ortwrap.bridge.aten import NATIVE_PREFIX
+from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
+from ortwrap.passes.torch_gradients import TorchGradientsPass
+from ortwrap.registry import (
+    GRADIENTS,
+    KERNELS,
+    KernelTableError,
+    check_kernel_table,
+    kernel,
+    parse_signature,
+)
+
+
+def test_compiled_table_matches_declarations():
+    lib = kernels.install()
+    table = kernels.compiled_table(lib)
+    assert table == {k.name: k.signature for k in KERNELS}
+
+
+def test_drift_is_reported_by_name():
+    table = {k.name: k.signature for k in KERNELS}
+    table["gelu"] = "ff>f"
+    del table["softmax_backward"]
+    table["new_kernel"] = "f>f"
+    with pytest.raises(KernelTableError) as e:
+        check_kernel_table(table)
+    msg = str(e.value)
+    assert "gelu: _cpu.c says 'ff>f'" in msg
+    assert "softmax_backward: declared in ortwrap/registry.py but not in _cpu.c" in msg
+    assert "new_kernel: in _cpu.c's kOps but not declared" in msg
+
+
+def test_every_forward_kernel_has_a_declared_backward_and_a_rewrite():
+    for k in KERNELS:
+        if k.gradient is None:
+            continue
+        back = kernel(k.gradient.backward)
+        assert back.gradient is None
+        assert k.replaces and hasattr(NativeCPUKernelsPass, k.rewrite)
+        for op in k.replaces:
+            assert k.rewrite in _REWRITES[op]
+        n_in = len(k.inputs)
+        for ref in k.gradient.inputs:
+            kind, index = ref[:-1].split("(")
+            assert int(index) < {"GO": len(k.outputs), "I": n_in, "O": len(k.outputs)}[kind], (k.name, ref)
+        assert len(k.gradient.inputs) == len(back.inputs), k.name
+
+
+def test_signature_parsing():
+    assert parse_signature("fff?FI>fff") == (
+        [("f", False), ("f", False), ("f", True), ("F", False), ("I", False)],
+        list("fff"),
+    )
+    with pytest.raises(ValueError):
+        parse_signature("fx>f")
+
+
+def test_wrong_input_count_is_refused_by_the_kernel(monkeypatch):
+    """The C runner checks a node's input count against the kernel's signature."""
+    import ctypes
+
+    lib = kernels.install()
+    err = ctypes.create_string_buffer(256)
+    outs = (ctypes.c_void_p * 1)()
+    ins = (ctypes.c_void_p * 3)()
+    rc = lib.ortwrap_cpu_run(b"gelu", b"", ctypes.c_size_t(3), ins, ctypes.c_size_t(1), outs, err, ctypes.c_size_t(256))
+    assert rc != 0
+    assert b"the node has 3 inputs, the kernel takes 1 to 1" in err.value
+
+
+def _run_pass(body: str) -> tuple[onnx.ModelProto, TorchGradientsPass]:
+    p = TorchGradientsPass("cpu")
+    _, model = run_pass(p, body, opset=18)
+    return model, p
+
+
+def test_pass_rewrites_ops_without_gradients():
+    model, p = _run_pass(
+        """
+        g (float[2, 3] x, float[3] s) => (float[2, 3] y, float[2, 1] m) {
+            h = HardSwish(x)
+            e = Elu<alpha = 0.5>(h)
+            y = PRelu(e, s)
+            axes = Constant<value = int64[1] {1}>()
+            m = ReduceMax<keepdims = 1>(y, axes)
+        }
+        """
+    )
+    assert p.rewritten == {"HardSwish": 1, "Elu": 1, "PRelu": 1, "ReduceMax": 1}
+    ops = [
+        onnx.helper.get_attribute_value(next(a for a in n.attribute if a.name == "operator")).decode()
+        for n in model.graph.node
+        if n.op_type == "ATen"
+    ]
+    assert ops == ["hardswish", "elu", "ortwrap_ops::prelu", "amax"]
+    assert [o.name for o in model.graph.output] == ["y", "m"]
+
+
+def test_pass_leaves_non_constant_axes_to_ort():
+    _, p = _run_pass(
+        """
+        g (float[2, 3] x, int64[1] axes) => (float[2, 1] m) {
+            m = ReduceMax<keepdims = 1>(x, axes)
+        }
+        """
+    )
+    assert p.rewritten == {}
+
+
+def test_conv_transpose_only_on_cpu():
+    assert GRADIENTS["ConvTranspose"].devices == ("cpu",)
+    assert all(not op.startswith(NATIVE_PREFIX) for op in GRADIENTS)
