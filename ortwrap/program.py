@@ -371,7 +371,7 @@ def _export(
             else:
                 reasons = list(exported.static_reasons)
             exports += 1
-            if exported is None or exported.static_reasons:
+            if exported is None or (exported.static_reasons and not exported.static_spatial):
                 logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
                 values = run_stages(stages, {"request": request, "static_spatial": True}, records=records, **debug)
                 exported = values["exported"]

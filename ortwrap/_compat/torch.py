@@ -210,6 +210,7 @@ _declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
+_GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
 
 
@@ -473,6 +474,11 @@ def ts_rank(value: Any) -> int | None:
     return _ts_helper()._get_tensor_rank(value)
 
 
+def ts_sizes(value: Any) -> list[int | None] | None:
+    """The sizes of a symbolic argument (None for a dynamic dim), if its rank is known."""
+    return _ts_helper()._get_tensor_sizes(value)
+
+
 def ts_scalar_type(value: Any, default: str = "FLOAT") -> tuple[int, torch.dtype]:
     """(ONNX element type, torch dtype) of a symbolic argument."""
     jst = _first(_TS_TYPE_UTILS, "torch.onnx._type_utils.JitScalarType")
@@ -680,6 +686,14 @@ def is_op_overload(target: Any) -> bool:
 def op_schema(op: Any) -> Any:
     """The ``FunctionSchema`` of an ``OpOverload`` (``torch.ops.aten.add.Tensor``)."""
     return op._schema
+
+
+def grouped_mm_op() -> Any | None:
+    """``torch.ops.aten._grouped_mm`` (mixture-of-experts layers), or None on a torch without it."""
+    try:
+        return _resolve(_GROUPED_MM).default
+    except Exception:
+        return None
 
 
 def batch_norm_functional_op() -> Any:

@@ -158,8 +158,21 @@ def resolve(op: str, overload: str) -> _Plan:
 
             define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
-        plan = _plans[key] = _Plan(getattr(packet, overload or "default"))
+        plan = _plans[key] = _Plan(getattr(packet, overload or _default_overload(packet, op)))
     return plan
+
+
+def _default_overload(packet, op: str) -> str:
+    """The overload an ATen node without an overload name means: ``default``, else ``Tensor`` (the
+    node's arguments are all tensors: the TorchScript exporter writes ``ctc_loss`` so, whose
+    overloads are ``IntList`` and ``Tensor``), else the only one."""
+    names = packet.overloads()
+    for name in ("default", "Tensor"):
+        if name in names:
+            return name
+    if len(names) == 1:
+        return names[0]
+    raise RuntimeError(f"ATen node {op!r} names no overload and the op has several: {', '.join(names)}")
 
 
 def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:

@@ -292,12 +292,14 @@ def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
     from ..bridge.symbolic import pythonop_symbolic
+    from .grouped_mm import grouped_mm_symbolic
 
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
         "aten::unflatten": _unflatten,
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
+        "aten::_grouped_mm": grouped_mm_symbolic,
     }
     compat.ts_load_opset_symbolics(opset)
     default_multinomial = compat.ts_symbolic("aten::multinomial", opset)

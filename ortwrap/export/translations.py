@@ -278,6 +278,8 @@ def _softmax_in(onnx_op: str):
 
 def training_translations() -> dict:
     """The ``custom_translation_table`` entries ortwrap always passes to the dynamo exporter."""
+    from .grouped_mm import grouped_mm_ops, grouped_mm_translation
+
     table = {}
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
@@ -295,6 +297,8 @@ def training_translations() -> dict:
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
     table[aten.min.other] = _min_other
+    for op in grouped_mm_ops():
+        table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
     table[aten.softmax.int] = _softmax_in("Softmax")
     table[aten.log_softmax.int] = _softmax_in("LogSoftmax")
