@@ -102,8 +102,13 @@ def _create_session(
     graph: TrainingGraph, device: torch.device, options: Options
 ) -> tuple[ort.InferenceSession, C.OrtDevice]:
     providers, provider_options, ort_device = providers_for(device)
+    # NOTE: ORT's common subexpression elimination would merge recomputed copies of forward nodes
+    # back into the originals (grad/recompute.py).
+    disabled = ["CommonSubexpressionElimination"] if graph.has_backward and options.recompute != "none" else []
     try:
-        sess = ort.InferenceSession(graph.model_bytes, session_options(options), providers, provider_options)
+        sess = ort.InferenceSession(
+            graph.model_bytes, session_options(options), providers, provider_options, disabled_optimizers=disabled
+        )
     except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
     missing = [p for p in providers if p not in sess.get_providers()]
