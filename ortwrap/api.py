@@ -8,8 +8,10 @@ Shapes are not part of it: every dimension is dynamic.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
+import types
 import warnings
 from typing import Any
 
@@ -24,6 +26,7 @@ from .errors import (
     FALLBACK_PHASES,
     ExportError,
     ORTWrapError,
+    RuntimeRunError,
     UnsupportedFunctionError,
     UnsupportedInputError,
     VerificationError,
@@ -61,27 +64,126 @@ class ORTWrap(nn.Module):
     ``eval()`` and ``torch.no_grad()`` behave as in eager PyTorch.
     """
 
+    def __new__(cls, module: nn.Module = None, /, **options: Any) -> ORTWrap:  # type: ignore[assignment]
+        # One subclass per wrapped class, named after it and with its forward's signature: Trainer,
+        # accelerate and PEFT read these off the class (see _specialized).
+        if isinstance(module, nn.Module) and not isinstance(module, ORTWrap) and "_ortwrap_wrapped" not in cls.__dict__:
+            cls = _specialized(cls, type(module))
+        return super().__new__(cls)
+
     def __init__(self, module: nn.Module, /, **options: Any) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"ORTWrap(module): expected a torch.nn.Module, got {type(module).__qualname__}")
         if isinstance(module, ORTWrap):
             raise TypeError("ORTWrap(module): module is already an ORTWrap")
+        if compat.is_compiled_module(module):
+            raise TypeError(
+                "ORTWrap(module): module is compiled with torch.compile; ORTWrap exports the module itself. "
+                "Wrap the uncompiled module, and compile the wrapper if you like: torch.compile(ORTWrap(model)) "
+                "(ORTWrap runs outside the compiled graph)"
+            )
         integrations.check_wrappable(module)
         super().__init__()
-        self.module = module
-        # The submodule table itself (not a copy), as a plain attribute: read on every step.
-        object.__setattr__(self, "_submodules", compat.submodule_table(self))
-        self._options = Options.resolve(**options)
+        d = self.__dict__
+        # NOTE: the wrapper presents the wrapped module. Its parameter, buffer and submodule tables
+        # are the module's own (named_parameters, named_modules, state_dict give the bare names;
+        # register_buffer on either registers on both); attribute reads it cannot answer, and
+        # writes to names that are not its own, go to the module (__getattr__, __setattr__);
+        # ``training`` is the module's.
+        compat.share_structure(self, module)
+        del d["training"]
+        d["module"] = module
+        d["_option_values"] = options
+        d["_options"] = Options.resolve(**options)
         configure(self._options.logging_level)
-        self._programs: dict[tuple, ProgramSet] = {}
-        self._export_count = 0
-        self._last_artifacts: BuildArtifacts | None = None
-        self._fallback_reason: ORTWrapError | None = None
-        self._arg_names = _positional_names(module)
+        d["_programs"] = {}
+        d["_export_count"] = 0
+        d["_last_artifacts"] = None
+        d["_fallback_reason"] = None
+        d["_empty_logged"] = False
+        d["_in_method"] = False  # a method of the module is running (see _routed_method)
+        d["_method_warned"] = False
+        d["_arg_names"] = _positional_names(module)
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
-        self._params: list[nn.Parameter] = list(module.parameters())
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
+        d["_params"] = list(module.parameters())
+
+    # ------------------------------------------------------------------ the wrapped module's face
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: the module's parameters, buffers and submodules
+        # (shared tables), then anything the module has. Its methods run with ``self`` = the module,
+        # their calls of ``self(...)``/``self.forward(...)`` routed through this wrapper.
+        d = self.__dict__
+        value = compat.structure_member(self, name)
+        if value is not compat.MISSING:
+            return value
+        module = d.get("module")
+        if module is None:
+            raise AttributeError(f"'ORTWrap' object has no attribute '{name}'")
+        value = getattr(module, name)
+        if type(value) is types.MethodType and value.__self__ is module:
+            return _routed_method(self, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        d = self.__dict__
+        module = d.get("module")
+        if module is None or name in d or name in _OWN_ATTRIBUTES or integrations.wrapper_attribute(name):
+            nn.Module.__setattr__(self, name, value)
+            return
+        setattr(module, name, value)
+        self._module_changed()
+
+    def __delattr__(self, name: str) -> None:
+        d = self.__dict__
+        module = d.get("module")
+        if module is None or name in d or name in _OWN_ATTRIBUTES:
+            nn.Module.__delattr__(self, name)
+            return
+        delattr(module, name)
+        self._module_changed()
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(dir(type(self))) | set(dir(self.module)))
+
+    def __repr__(self) -> str:
+        return f"ORTWrap({self.module!r})"
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        # Copies and pickles hold the module, the options and the wrapper's own hooks; compiled
+        # programs (ONNX Runtime sessions) are rebuilt lazily, from the build cache where enabled.
+        hooks = {k: self.__dict__[k] for k in _HOOK_STATE if k in self.__dict__}
+        return (_rebuild, (self.module, self._option_values, hooks))
+
+    def _module_changed(self) -> None:
+        """The module was changed through the wrapper (an attribute, buffer, parameter or submodule
+        set): compiled programs may read what changed, so they are rebuilt on the next call."""
+        self._programs.clear()
+        self.__dict__["_params"] = list(self.module.parameters())
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        super().register_buffer(name, tensor, persistent)
+        self._module_changed()
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        if "module" in self.__dict__:
+            self._module_changed()
+
+    def add_module(self, name: str, module: nn.Module | None) -> None:
+        super().add_module(name, module)
+        self._module_changed()
+
+    register_module = add_module
+
+    def train(self, mode: bool = True) -> ORTWrap:
+        self.module.train(mode)
+        return self
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ORTWrap:
+        compat.apply_to_tensors(self.module, fn, recurse)
+        self.__dict__["_params"] = list(self.module.parameters())
+        return self
 
     # ------------------------------------------------------------------ public state
     @property
@@ -110,7 +212,7 @@ class ORTWrap(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         result = self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        self._params = list(self.module.parameters())
+        self.__dict__["_params"] = list(self.module.parameters())
         return result
 
     # ------------------------------------------------------------------ forward
@@ -118,8 +220,14 @@ class ORTWrap(nn.Module):
         # NOTE: per-step cost. nn.Module.__call__ goes through _wrapped_call_impl and _call_impl
         # (~2 us) to reach forward when no hook, compiled call or tracer is active; those are
         # checked the same way (compat.call_skips_hooks), and anything else takes nn.Module's path.
+        if _compiling():
+            # NOTE: under torch.compile (of this wrapper or of a parent), dynamo must not trace into
+            # ORTWrap's own code: the call runs outside the compiled graph (a graph break).
+            return _outside_compiled_graph()(self, *args, **kwargs)
         if _call_skips_hooks(self):
-            return self.forward(*args, **kwargs)
+            if "forward" in self.__dict__:  # replaced on the instance (accelerate's autocast wrapper)
+                return self.forward(*args, **kwargs)
+            return _forward(self, *args, **kwargs)
         return nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,11 +246,26 @@ class ORTWrap(nn.Module):
             structure: Any = len(args)
         else:
             leaves = []
-            in_spec = self._flatten_inputs(args, kwargs, leaves)
+            try:
+                in_spec = self._flatten_inputs(args, kwargs, leaves)
+            except UnsupportedInputError as e:
+                if not self._in_method:
+                    raise
+                # A method of the module (generate with a KV cache object, say) calls self(...) with
+                # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
+                if not self._method_warned:
+                    self.__dict__["_method_warned"] = True
+                    warnings.warn(
+                        f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
+                        f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
+                        FallbackWarning,
+                        stacklevel=3,
+                    )
+                return self.module(*args, **kwargs)
             structure = in_spec
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
-            self._submodules["module"].training,  # not self.module: nn.Module.__getattr__ costs ~1.5 us
+            self.module.training,
             needs_grad,
             structure,
             tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
@@ -157,8 +280,17 @@ class ORTWrap(nn.Module):
         if program is None:
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
+            if any(t.numel() == 0 for t in leaves):
+                # NOTE: an empty batch runs in PyTorch (ORT kernels reject zero-size inputs); it
+                # gets eager's loss (0 or nan), gradients or exception, and builds nothing.
+                if not self._empty_logged:
+                    self.__dict__["_empty_logged"] = True
+                    logger.info(
+                        "an input with a zero-size dimension runs in PyTorch (ORT kernels reject empty tensors)"
+                    )
+                return self.module(*args, **kwargs)
             try:
-                program = self._build(key, leaves, in_spec, needs_grad, programs)
+                program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
             except _GuardMiss as miss:
                 return self._run_eagerly_once(miss.error, args, kwargs)
             if program is None:
@@ -176,10 +308,20 @@ class ORTWrap(nn.Module):
             outputs = _run_program(program, leaves)
         except UnsupportedFunctionError as e:
             # Found only when the Function first runs: treated like a build failure.
+            self._raise_if_eager_raises(args, kwargs)
             if not self._options.fallback:
                 raise
             self._fall_back(e)
             return self.module(*args, **kwargs)
+        except Exception as e:
+            # NOTE: a bad input (wrong feature size, a user's shape assert traced away) reaches ORT
+            # as a broadcast or shape error: the user gets eager's own exception, on every call,
+            # and the program stays for the next good batch.
+            self._raise_if_eager_raises(args, kwargs)
+            raise RuntimeRunError(
+                f"ONNX Runtime failed to run the {program} on an input PyTorch accepts: {e}. "
+                "Report it with ORTWrap(..., debug_dir=...)'s artifacts; fallback=True does not apply to run errors"
+            ) from e
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():
@@ -239,8 +381,23 @@ class ORTWrap(nn.Module):
         kw_specs = tuple(_tree.flatten(kwargs[k], k, leaves, _unsupported_input) for k in kw_keys)
         return ("S", tuple, (("S", tuple, arg_specs), ("M", dict, kw_keys, kw_specs)))
 
+    def _raise_if_eager_raises(self, args: tuple, kwargs: dict) -> None:
+        """Run the module eagerly on the input that failed; raise its exception if it raises.
+
+        The run is discarded: no autograd graph, and buffers and RNG states are restored."""
+        error = _eager_error(self.module, args, kwargs)
+        if error is not None:
+            raise error.with_traceback(error.__traceback__) from None
+
     def _build(
-        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, programs: ProgramSet | None
+        self,
+        key: tuple,
+        leaves: list[torch.Tensor],
+        in_spec: tuple,
+        needs_grad: bool,
+        programs: ProgramSet | None,
+        args: tuple = (),
+        kwargs: dict | None = None,
     ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
@@ -266,6 +423,9 @@ class ORTWrap(nn.Module):
                 )
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
+            # NOTE: an input the module rejects (a wrong dtype or rank, a user's assert) fails the
+            # build too: eager's exception is raised, and nothing is cached or switched off.
+            self._raise_if_eager_raises(args, kwargs or {})
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
             if not self._options.fallback:
@@ -304,6 +464,20 @@ def autocast_state() -> tuple:
 
 
 _call_skips_hooks = compat.call_skips_hooks
+_compiling = torch.compiler.is_compiling
+
+
+_disabled_call: Any = None
+
+
+def _outside_compiled_graph() -> Any:
+    """``nn.Module.__call__`` excluded from torch.compile (created on first use under compile)."""
+    global _disabled_call
+    if _disabled_call is None:
+        _disabled_call = torch.compiler.disable(nn.Module.__call__, recursive=True)
+    return _disabled_call
+
+
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
@@ -318,6 +492,27 @@ def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Ten
     if program.n_pythonops:
         bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
     return outputs
+
+
+def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """The exception ``module(*args, **kwargs)`` raises in PyTorch, or ``None``; the run leaves no
+    trace (no autograd graph; buffers, CPU and CUDA RNG states restored)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as e:
+        return e
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return None
 
 
 class _GuardMiss(Exception):
@@ -363,9 +558,75 @@ def _leaf_paths(in_spec: tuple, arg_names: list[str]) -> list[str]:
     return paths
 
 
-def _add_module_prefix(module: ORTWrap, state_dict: dict, prefix: str, *args: Any) -> None:
-    """A parent's ``load_state_dict`` reaches the wrapped module through ``.module``: accept the
-    unprefixed keys that ``ORTWrap.state_dict`` produces."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+_forward = ORTWrap.forward
+#: Attributes that always stay on the wrapper (set on it, not on the module): an instance-level
+#: ``forward`` (accelerate's autocast wrapper replaces it, keeping the original).
+_OWN_ATTRIBUTES = frozenset({"forward", "_original_forward"})
+_HOOK_STATE = (*compat.MODULE_HOOK_TABLES, *compat.MODULE_HOOK_SIDE_TABLES)
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _specialized(base: type, wrapped: type) -> type:
+    """``base``'s subclass for modules of class ``wrapped``: named after it, with its forward's
+    signature, and ``__class__`` answering ``wrapped`` (``isinstance(wrapper, PreTrainedModel)``
+    holds, as Trainer needs to save checkpoints the model's way); ``type()`` is still an ORTWrap."""
+    sub = _SUBCLASSES.get((base, wrapped))
+    if sub is not None:
+        return sub
+    base_forward = base.forward
+
+    def forward(self: ORTWrap, *args: Any, **kwargs: Any) -> Any:
+        return base_forward(self, *args, **kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(wrapped.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    forward.__doc__ = wrapped.forward.__doc__
+    forward.__qualname__ = f"{wrapped.__qualname__}.forward"
+    namespace = {
+        "__module__": base.__module__,
+        "__qualname__": f"{base.__qualname__}[{wrapped.__qualname__}]",
+        "__doc__": wrapped.__doc__,
+        "_ortwrap_wrapped": wrapped,
+        "__class__": property(lambda self: wrapped),
+        "forward": forward,
+    }
+    sub = _SUBCLASSES[(base, wrapped)] = type(wrapped.__name__, (base,), namespace)
+    return sub
+
+
+def _rebuild(module: nn.Module, options: dict, hooks: dict) -> ORTWrap:
+    """Unpickle or copy an ORTWrap: a new wrapper of the (copied) module, with the wrapper's hooks."""
+    wrapper = ORTWrap(module, **options)
+    wrapper.__dict__.update(hooks)
+    return wrapper
+
+
+def _routed_method(wrapper: ORTWrap, method: types.MethodType) -> Any:
+    """``method`` of the wrapped module, bound to it; while it runs, the module's ``self(...)`` and
+    ``self.forward(...)`` go through ``wrapper`` (and so run on ONNX Runtime)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        module = method.__self__
+        if "forward" in module.__dict__:  # already routed (a method calling another), or the user's own
+            return method(*args, **kwargs)
+
+        def routed_forward(*a: Any, **k: Any) -> Any:
+            # NOTE: lifted while the wrapper runs, so that export and eager runs see the real forward.
+            del module.__dict__["forward"]
+            wrapper.__dict__["_in_method"] = True
+            try:
+                return wrapper(*a, **k)
+            finally:
+                wrapper.__dict__["_in_method"] = False
+                module.__dict__["forward"] = routed_forward
+
+        module.__dict__["forward"] = routed_forward
+        try:
+            return method(*args, **kwargs)
+        finally:
+            module.__dict__.pop("forward", None)
+
+    return call

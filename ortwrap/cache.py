@@ -296,6 +296,7 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.recompute,
         options.fusions,
         options.fuse_initializers,
+        options.zero3_gather,
     )
     cpu = _cpu_flags() if native else ()
     for part in (_versions(), _module_fingerprint(module), repr(schema), repr(shape), graph_options, native, cpu):

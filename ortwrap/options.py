@@ -16,6 +16,7 @@ __all__ = ["ENV_VARS", "Options", "env_flag"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
+_ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "layers")  # grad.recompute.RECOMPUTE_MODES
 
 
@@ -126,6 +127,14 @@ class Options:
         "device round trip (docs/cpu-fallback.md). Also read from ORT_AGGRESSIVE_CPU_FALLBACK, upstream's name.",
         aliases=("ORT_AGGRESSIVE_CPU_FALLBACK",),
     )
+    zero3_gather: str = _opt(
+        "module",
+        "ORTWRAP_ZERO3_GATHER",
+        f"Under DeepSpeed ZeRO-3, one of {', '.join(_ZERO3_GATHER)}: 'module' gathers the whole wrapped module's "
+        "parameters for each step; 'submodule' gathers each submodule's parameters inside the graph when ONNX "
+        "Runtime reaches it, and again in the backward, as eager ZeRO-3 does (TorchScript exporter only; "
+        "docs/user-guide.md).",
+    )
 
     def __post_init__(self) -> None:
         level = str(self.log_level).upper()
@@ -136,6 +145,10 @@ class Options:
         object.__setattr__(self, "log_level", level)
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if self.zero3_gather not in _ZERO3_GATHER:
+            raise ValueError(
+                f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
+            )
 
         if self.recompute not in _RECOMPUTE:
             raise ValueError(

@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from . import cache as build_cache
-from . import kernels
+from . import integrations, kernels
 from ._compat import torch as compat
 from ._logging import logger
 from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN, infer_types
-from .errors import ExportError, GradientBuildError, PassError
+from .errors import ExportError, GradientBuildError, PassError, UnsupportedInputError
 from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
@@ -120,6 +120,9 @@ class _StateRef:
         return compat.parameter_table(self.owner) if self.is_param else compat.buffer_table(self.owner)
 
 
+_dict_item = dict.__getitem__
+
+
 class Program:
     """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
 
@@ -157,6 +160,9 @@ class Program:
         self.non_differentiable = tuple(
             i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
         )
+        #: User outputs ORT's backward reads: saved with save_for_backward, so that autograd's
+        #: version counters catch an in-place edit before the backward, as in eager.
+        self.saved_outputs = tuple(i for i in graph.info.saved_output_indices if i < self.n_outputs)
         self._state_cache = StateValueCache(len(self._plan))
         # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
         # as this program (and its session) can run.
@@ -188,7 +194,10 @@ class Program:
                 t = leaves[i]
                 push_tensor(vec, t)
             else:
-                t = table[attr]
+                # NOTE: dict's own lookup: DeepSpeed ZeRO-3's parameter dicts gather a partitioned
+                # parameter on item access (and register it as its module's external parameter);
+                # the graph feeds what the module holds now (zero3_gather="submodule" gathers inside).
+                t = _dict_item(table, attr)
                 if i == -2:  # fed as a float32 copy (fuse_initializers)
                     push(cache.float_copy(j, t))
                 elif cached_tensors[j] is t and pointers[j] == t.data_ptr():
@@ -366,7 +375,7 @@ def _export(
             else:
                 reasons = list(exported.static_reasons)
             exports += 1
-            if exported is None or exported.static_reasons:
+            if exported is None or (exported.static_reasons and not exported.static_spatial):
                 logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
                 values = run_stages(stages, {"request": request, "static_spatial": True}, records=records, **debug)
                 exported = values["exported"]
@@ -523,6 +532,16 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         logger.info("%s", report.summary())
         return {"graph": dataclasses.replace(graph, model_bytes=model.SerializeToString()), "recompute": report}
 
+    @stage("integration_rewrites", ("graph",), ("graph",), group="gradient_build")
+    def integration_rewrites(graph: TrainingGraph) -> dict:
+        """The integrations' rewrites of the built graph (``integrations.Integration.rewrite_graph``)."""
+        try:
+            return {"graph": integrations.rewrite_graph(graph)}
+        except UnsupportedInputError:
+            raise
+        except Exception as e:
+            raise GradientBuildError(f"rewriting the built graph failed: {type(e).__name__}: {e}") from e
+
     @stage("session", ("graph",), ("runner",), group="session")
     def session(graph: TrainingGraph) -> dict:
         return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
@@ -548,6 +567,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         aten_gradients,
         gradient_build,
         recompute,
+        integration_rewrites,
         session,
         program,
     ]

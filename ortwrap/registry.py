@@ -26,6 +26,13 @@ saying what is not supported). ``passes/torch_gradients.py`` applies them to tra
 Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op of its own in the
 ``ortwrap_ops`` namespace (:func:`define_ops`, ``torch.library``; autograd comes from the
 composite's decomposition).
+
+**ATen ops whose ONNX form is wrong** (:data:`ATEN_OPS`): an :class:`AtenViaTorch` entry makes the
+exporter (TorchScript: ``export/symbolics.py``) write the op as an ATen node, with the same gradient
+mechanism.
+
+Each registry op costs a Python call per node per step (forward, and one for its gradient), and
+runs where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.
 """
 
 from __future__ import annotations
@@ -407,6 +414,86 @@ def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
     return args if nd == 1 else [*args, None]
 
 
+def _axes_input(node: Any, index: int) -> list[int] | None:
+    """Constant axes from input ``index`` (opset 18 reductions) or the ``axes`` attribute; None if
+    they are computed at run time."""
+    from .passes._build import constant_value
+
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        axes = constant_value(node.inputs[index])
+        return None if axes is None else [int(a) for a in axes.reshape(-1)]
+    return list(_attr(node, "axes", []))
+
+
+def _reduce_to(kind: str) -> Callable:
+    """ReduceProd/ReduceL1/ReduceSumSquare/ReduceLogSum -> ``ortwrap_ops::reduce(x, kind, dims, keepdim)``."""
+
+    def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+        axes = _axes_input(node, 1)
+        if axes is None or (not axes and _attr(node, "noop_with_empty_axes", 0)):
+            return None
+        return [value(0), kind, axes, bool(_attr(node, "keepdims", 1))]
+
+    return args
+
+
+def _cumsum(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .passes._build import constant_value
+
+    axis = constant_value(value(1))
+    if axis is None:
+        return None
+    return [value(0), int(axis.reshape(-1)[0]), bool(_attr(node, "exclusive", 0)), bool(_attr(node, "reverse", 0))]
+
+
+def _pad(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Pad(mode=reflect|edge|wrap) -> ``ortwrap_ops::pad`` (ORT's Pad gradient handles the constant
+    mode only); the pads may be computed at run time."""
+    from .errors import PassError
+
+    mode = _attr(node, "mode", "constant")
+    if mode == "constant":
+        return None
+    if len(node.inputs) > 3 and node.inputs[3] is not None:
+        raise PassError(f"node {node.name!r}: Pad(mode={mode}) with axes cannot be trained")
+    return [value(0), value(1), {"reflect": "reflect", "edge": "replicate", "wrap": "circular"}[mode]]
+
+
+def _depth_to_space(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .errors import PassError
+
+    if _attr(node, "mode", "DCR") != "CRD":
+        raise PassError(f"node {node.name!r}: DepthToSpace(mode=DCR) cannot be trained (pixel_shuffle's is CRD)")
+    return [value(0), int(_attr(node, "blocksize", 1))]
+
+
+def _mod(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    x = node.inputs[0]
+    if not _attr(node, "fmod", 0) or x.dtype is None or not x.dtype.is_floating_point():
+        return None  # integer Mod: nothing to differentiate
+    return [value(0), value(1)]
+
+
+def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Slice with a negative step (``flip``): ORT 1.19.2's SliceGrad fails on it (narrowing_error)."""
+    import numpy as np_
+
+    from .passes._build import constant_value
+
+    if len(node.inputs) < 5 or node.inputs[4] is None:
+        return None
+    steps = constant_value(node.inputs[4])
+    if steps is None or not (steps < 0).any():
+        return None
+    rank = len(node.inputs[0].shape) if node.inputs[0].shape is not None else None
+    axes = value(3) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+    if axes is None:
+        if rank is None:
+            return None
+        axes = list(range(len(steps.reshape(-1))))
+    return [value(0), value(1), value(2), axes, [int(v) for v in np_.asarray(steps).reshape(-1)]]
+
+
 #: ONNX ops ORT 1.19.2 cannot differentiate, run as PyTorch ops (``passes/torch_gradients.py``).
 GRADIENTS: dict[str, OnnxViaTorch] = {
     g.onnx: g
@@ -439,6 +526,23 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         ),
         # Sign's derivative is zero where it exists (eager's too): dynamo's softshrink has a Sign.
         OnnxViaTorch("Sign", "sign", _unary()),
+        # Zero derivative where defined, as in eager.
+        OnnxViaTorch("Floor", "floor", _unary()),
+        OnnxViaTorch("Ceil", "ceil", _unary()),
+        OnnxViaTorch("Round", "round", _unary()),
+        OnnxViaTorch("Asin", "asin", _unary()),
+        OnnxViaTorch("Acos", "acos", _unary()),
+        OnnxViaTorch("Atan", "atan", _unary()),
+        OnnxViaTorch("Tan", "tan", _unary()),
+        OnnxViaTorch("CumSum", "ortwrap_ops::cumsum", _cumsum),
+        OnnxViaTorch("ReduceProd", "ortwrap_ops::reduce", _reduce_to("prod")),
+        OnnxViaTorch("ReduceL1", "ortwrap_ops::reduce", _reduce_to("l1")),
+        OnnxViaTorch("ReduceSumSquare", "ortwrap_ops::reduce", _reduce_to("sum_square")),
+        OnnxViaTorch("ReduceLogSum", "ortwrap_ops::reduce", _reduce_to("log_sum")),
+        OnnxViaTorch("Mod", "fmod.Tensor", _mod),
+        OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
+        OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
+        OnnxViaTorch("Slice", "ortwrap_ops::slice", _slice, why="SliceGrad fails on negative steps"),
         OnnxViaTorch("ReduceMax", "amax", _reduce("amax")),
         OnnxViaTorch("ReduceMin", "amin", _reduce("amin")),
         OnnxViaTorch(
@@ -515,7 +619,66 @@ def _shrink(x, lambd: float, bias: float):
     return torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, zero))
 
 
+def _reduce_impl(x, kind: str, dims: list[int], keepdim: bool):
+    import torch
+
+    dims = list(dims) or list(range(x.dim()))
+    if kind == "prod":
+        for d in sorted((d % x.dim() for d in dims), reverse=True):
+            x = x.prod(d, keepdim=True)
+        return x if keepdim else x.squeeze(dims) if dims else x
+    if kind == "l1":
+        return torch.linalg.vector_norm(x, 1, dims, keepdim)
+    if kind == "sum_square":
+        return (x * x).sum(dims, keepdim)
+    if kind == "log_sum":
+        return x.sum(dims, keepdim).log()
+    raise ValueError(f"ortwrap_ops::reduce: unknown kind {kind!r}")
+
+
+def _cumsum_impl(x, axis: int, exclusive: bool, reverse: bool):
+    y = x.flip(axis) if reverse else x
+    y = y.cumsum(axis)
+    if exclusive:
+        y = y - (x.flip(axis) if reverse else x)
+    return y.flip(axis) if reverse else y
+
+
+def _pad_impl(x, pads: list[int], mode: str):
+    """ONNX pads ([begin per dim, end per dim]) in ``F.pad``'s order (last dim first)."""
+    import torch.nn.functional as F
+
+    rank = x.dim()
+    begin, end = pads[:rank], pads[rank:]
+    first = next((i for i in range(rank) if begin[i] or end[i]), rank)
+    torch_pad: list[int] = []
+    for d in range(rank - 1, first - 1, -1):
+        torch_pad += [begin[d], end[d]]
+    return F.pad(x, torch_pad, mode=mode) if torch_pad else x.clone()
+
+
+def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: list[int]):
+    """ONNX Slice (negative steps included) from ``flip`` and ``aten::slice``."""
+    import torch
+
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = a % x.dim()
+        dim = x.shape[a]
+        if st > 0:
+            x = torch.ops.aten.slice.Tensor(x, a, s, e, st)
+            continue
+        s = s + dim if s < 0 else s
+        e = e + dim if e < 0 else e
+        s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
+        x = torch.ops.aten.slice.Tensor(x.flip(a), a, dim - 1 - s, max(dim - 1 - e, dim - 1 - s), -st)
+    return x  # a view of the input is copied by the ATen bridge
+
+
 _OPS = {
+    "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
+    "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
+    "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
+    "cumsum": ("cumsum(Tensor x, int axis, bool exclusive, bool reverse) -> Tensor", _cumsum_impl),
     "prelu": ("prelu(Tensor x, Tensor slope) -> Tensor", _prelu),
     "hard_sigmoid": ("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
     "shrink": ("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
@@ -542,6 +705,8 @@ def define_ops() -> None:
 
 def constant_array(value: Any) -> np.ndarray:
     """The ATen bridge's encoding of a constant argument (``bridge/aten.py``)."""
+    if isinstance(value, str):
+        return np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy()
     if isinstance(value, bool):
         return np.array(value, dtype=np.bool_)
     if isinstance(value, int):

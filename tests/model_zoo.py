@@ -41,7 +41,7 @@ class Case:
         make_model: builds the model (random weights, dropout off).
         make_inputs: ``(batch_size, generator) -> (args, kwargs)``.
         loss: the training loss from the model's outputs (None: ``parity.default_loss``).
-        slow: only in the slow selection.
+        fast: exporters whose run is in the default (non-slow) selection; the rest are slow.
         xfail: exporter -> why that exporter does not train it yet.
         atol: absolute tolerance (check_parity's default unless a case needs more).
     """
@@ -50,7 +50,7 @@ class Case:
     make_model: Callable[[], nn.Module]
     make_inputs: Callable[[int, torch.Generator], tuple[tuple, dict]]
     loss: Callable[[Any], torch.Tensor] | None = None
-    slow: bool = True
+    fast: tuple[str, ...] = ()
     xfail: dict[str, str] = dataclasses.field(default_factory=dict)
     atol: float = 1e-5
 
@@ -427,7 +427,7 @@ _BILSTM = "ORT 1.19.2's LSTM training kernel is forward-only for bidirectional L
 CASES: list[Case] = [
     Case("bert", bert, classification_inputs, hf_loss),
     Case("roberta", roberta, classification_inputs, hf_loss),
-    Case("distilbert", distilbert, classification_inputs, hf_loss, slow=False),
+    Case("distilbert", distilbert, classification_inputs, hf_loss, fast=("torchscript",)),
     Case("albert", albert, classification_inputs, hf_loss),
     Case("gpt2", gpt2, lm_inputs, hf_loss),
     Case("llama", llama, lm_inputs, hf_loss),
@@ -435,10 +435,10 @@ CASES: list[Case] = [
     Case("phi3", phi3, lm_inputs, hf_loss),
     Case("gpt_neox", gpt_neox, lm_inputs, hf_loss),
     Case("opt", opt, lm_inputs, hf_loss),
-    Case("mixtral", mixtral, lm_inputs, hf_loss, slow=False),
+    Case("mixtral", mixtral, lm_inputs, hf_loss),
     Case("qwen2_moe", qwen2_moe, lm_inputs, hf_loss),
-    Case("bart", bart, seq2seq_inputs, hf_loss, slow=False),
-    Case("t5", t5, seq2seq_inputs, hf_loss, slow=False),
+    Case("bart", bart, seq2seq_inputs, hf_loss, fast=("torchscript",)),
+    Case("t5", t5, seq2seq_inputs, hf_loss, fast=("torchscript",)),
     Case("nn_transformer", Seq2SeqTransformer, transformer_inputs, image_loss),
     Case("vit", vit, vit_inputs, hf_loss),
     Case("resnetish", ResNetish, image_inputs, image_loss),
@@ -461,7 +461,7 @@ CASES: list[Case] = [
     Case("wav2vec2_ctc", wav2vec2_ctc, audio_inputs, hf_loss),
     Case("wav2vec2_encoder", wav2vec2_encoder, audio_encoder_inputs, None),
     Case("whisper", whisper, whisper_inputs, hf_loss),
-    Case("lstm_gru", RecurrentStack, recurrent_inputs, None, slow=False, atol=1e-4),
+    Case("lstm_gru", RecurrentStack, recurrent_inputs, None, fast=("torchscript", "dynamo"), atol=1e-4),
     Case(
         "bilstm",
         lambda: RecurrentStack(bidirectional=True),

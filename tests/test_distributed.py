@@ -272,6 +272,11 @@ def test_data_parallel_inside_ortwrap_is_refused(one_rank_group):
     assert issubclass(UnsupportedInputError, TypeError)
 
 
+def test_zero3_gather_option_is_checked():
+    with pytest.raises(ValueError, match="zero3_gather='layer' is invalid; allowed: module, submodule"):
+        ORTWrap(nn.Linear(2, 2), zero3_gather="layer")
+
+
 # ------------------------------------------------------------------------------------ two real ranks
 
 
@@ -317,7 +322,7 @@ def torch_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
     cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "zero3_partial", "zero3_fallback"]
-    cases += ["deepspeed_comm", "zero3_leaf"]
+    cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule"]
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
 
 
@@ -400,6 +405,37 @@ def test_zero3_fallback_to_pytorch_matches_plain_deepspeed(deepspeed_runs):
     # The export fails (a Function with an int output); ORTWrap runs the module in PyTorch, where
     # DeepSpeed's own hooks gather the parameters again.
     _assert_deepspeed_parity(deepspeed_runs["zero3_fallback"], 3, fallback=True)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs):
+    # zero3_gather="submodule": losses and parameters equal to plain DeepSpeed ZeRO-3 (eager), and,
+    # recorded by the gather nodes over three training steps and a no-grad run: each layer is
+    # gathered when ORT reaches it, in the forward and again in the backward, and released before
+    # the next one, so that the whole parameters alive never exceed the largest layer's.
+    ranks = deepspeed_runs["zero3_submodule"]
+    _assert_deepspeed_parity(ranks, 3)
+    for r in ranks:
+        ours = r["ortwrap"]
+        n = ours["n_layers"]
+        assert n == 5
+        kinds: list[str] = []  # consecutive events of one kind, collapsed
+        for kind, _ in ours["gathers"]:
+            if not kinds or kinds[-1] != kind:
+                kinds.append(kind)
+        forward = [layer for kind, layer in ours["gathers"] if kind == "forward"]
+        backward = [layer for kind, layer in ours["gathers"] if kind == "backward"]
+        # The dropped run and 3 training steps (steps 1-3), then the no-grad run: each gathers every
+        # layer in order. Each backward gathers what its gradient nodes read, in reverse: every
+        # layer's weight but the first layer's (no input gradient there).
+        assert kinds == ["forward", "backward"] * 3 + ["forward"], kinds
+        assert forward == list(range(n)) * 5, forward
+        assert backward == [4, 3, 2, 1] * 3, backward
+        assert ours["live_layers_peak"] == 1, "two layers' parameters were whole at the same time"
+        largest = 16 * 16 + 16  # fc2
+        assert ours["live_numel_peak"] == largest < ours["model_numel"]
+        assert ours["handed_alive_after"] == 0, "ORT kept gathered parameters after the step"
 
 
 @pytest.mark.slow

@@ -210,6 +210,7 @@ _declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
+_GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
 
 
@@ -353,6 +354,58 @@ def submodule_table(module: torch.nn.Module) -> dict[str, torch.nn.Module | None
     return module.__dict__["_modules"]
 
 
+#: nn.Module's structure tables: what ``named_parameters``, ``named_buffers``, ``named_modules``,
+#: ``state_dict`` and attribute reads of parameters/buffers/submodules walk.
+MODULE_STRUCTURE_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def share_structure(view: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Make ``view``'s parameter, buffer and submodule tables ``module``'s own (the same objects):
+    ``view`` then has ``module``'s names, and registering on either registers on both."""
+    for name in MODULE_STRUCTURE_TABLES:
+        view.__dict__[name] = module.__dict__[name]
+
+
+_MISSING = object()
+
+
+def structure_member(module: torch.nn.Module, name: str, default: Any = _MISSING) -> Any:
+    """``module``'s parameter, buffer or submodule ``name`` (what ``nn.Module.__getattr__`` finds),
+    else ``default`` (or :data:`MISSING`)."""
+    d = module.__dict__
+    for table in ("_parameters", "_buffers", "_modules"):
+        t = d.get(table)
+        if t is not None and name in t:
+            return t[name]
+    return default
+
+
+#: What :func:`structure_member` returns for a name none of the tables has.
+MISSING = _MISSING
+_declare("Module._apply")
+
+
+def apply_to_tensors(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> None:
+    """``module._apply(fn, recurse)``: what ``to()``, ``float()``, ``cuda()`` ... run on parameters and buffers."""
+    module._apply(fn, recurse)
+
+
+_OPTIMIZED_MODULE = _declare("torch._dynamo.eval_frame.OptimizedModule")
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(m)``'s wrapper or was compiled in place (``m.compile()``).
+
+    Resolved only where dynamo is already imported (a compiled module exists only then)."""
+    import sys
+
+    if module.__dict__.get("_compiled_call_impl") is not None:
+        return True
+    if "torch._dynamo" not in sys.modules:
+        return False
+    return isinstance(module, _resolve(_OPTIMIZED_MODULE))
+
+
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     """The mutable set of the module's buffer names left out of ``state_dict``."""
     return module.__dict__["_non_persistent_buffers_set"]
@@ -419,6 +472,11 @@ def ts_is_none(value: Any) -> bool:
 def ts_rank(value: Any) -> int | None:
     """The rank of a symbolic argument, if known."""
     return _ts_helper()._get_tensor_rank(value)
+
+
+def ts_sizes(value: Any) -> list[int | None] | None:
+    """The sizes of a symbolic argument (None for a dynamic dim), if its rank is known."""
+    return _ts_helper()._get_tensor_sizes(value)
 
 
 def ts_scalar_type(value: Any, default: str = "FLOAT") -> tuple[int, torch.dtype]:
@@ -628,6 +686,14 @@ def is_op_overload(target: Any) -> bool:
 def op_schema(op: Any) -> Any:
     """The ``FunctionSchema`` of an ``OpOverload`` (``torch.ops.aten.add.Tensor``)."""
     return op._schema
+
+
+def grouped_mm_op() -> Any | None:
+    """``torch.ops.aten._grouped_mm`` (mixture-of-experts layers), or None on a torch without it."""
+    try:
+        return _resolve(_GROUPED_MM).default
+    except Exception:
+        return None
 
 
 def batch_norm_functional_op() -> Any:

@@ -43,6 +43,8 @@ ATEN_DOMAIN = "org.pytorch.aten"
 VJP_PREFIX = "ortwrap_vjp::"
 #: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
 NATIVE_PREFIX = "ortwrap_cpu::"
+#: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
+OWN_GRADIENT_OPS: set[str] = set()
 
 # Public entry points until install() swaps in the C one (ortwrap/_compat/torch.py).
 _from_dlpack = torch.utils.dlpack.from_dlpack
@@ -95,11 +97,15 @@ def _decoder(arg):
 class _Plan:
     """How to call one ATen overload from the node's inputs."""
 
-    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple")
+    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple", "written")
 
     def __init__(self, fn) -> None:
         schema = compat.op_schema(fn)
         self.fn = fn
+        #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
+        self.written = {
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        }
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
         self.simple = True  # every argument a plain Tensor: no decoding
@@ -152,8 +158,21 @@ def resolve(op: str, overload: str) -> _Plan:
 
             define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
-        plan = _plans[key] = _Plan(getattr(packet, overload or "default"))
+        plan = _plans[key] = _Plan(getattr(packet, overload or _default_overload(packet, op)))
     return plan
+
+
+def _default_overload(packet, op: str) -> str:
+    """The overload an ATen node without an overload name means: ``default``, else ``Tensor`` (the
+    node's arguments are all tensors: the TorchScript exporter writes ``ctc_loss`` so, whose
+    overloads are ``IntList`` and ``Tensor``), else the only one."""
+    names = packet.overloads()
+    for name in ("default", "Tensor"):
+        if name in names:
+            return name
+    if len(names) == 1:
+        return names[0]
+    raise RuntimeError(f"ATen node {op!r} names no overload and the op has several: {', '.join(names)}")
 
 
 def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
@@ -175,17 +194,41 @@ def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
             r = r.clone(memory_format=torch.contiguous_format)
         if r.dtype is torch.bool:
             r = r.view(torch.uint8)
-        out.append(_to_dlpack(r if r.is_contiguous() else r.contiguous()))
+        out.append(_to_dlpack(_dense(r)))
     return tuple(out)
 
 
-def _vjp(op: str, overload: str, tensors: list, n_out: int) -> list:
-    """PyTorch's backward of ``op``: inputs are the output gradients, then the forward inputs."""
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with row-major strides exactly (ORT's DLPack import checks every stride, those of
+    size-1 dims included, which ``is_contiguous`` ignores)."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
+
+
+def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = None) -> list:
+    """PyTorch's backward of ``op``: inputs are the output gradients (one per output of the forward
+    node: ``outs=N|op`` when it has fewer than the op returns), then the forward inputs."""
+    outs = None
+    if op.startswith(OUTS_MARK):
+        count, _, op = op[len(OUTS_MARK) :].partition("|")
+        outs = int(count)
     plan = resolve(op, overload)
-    grads_out, inputs = tensors[: plan.n_returns], list(tensors[plan.n_returns :])
+    n_grads = plan.n_returns if outs is None else outs
+    grads_out, inputs = tensors[:n_grads], list(tensors[n_grads:])
     leaves = []
     for i, t in enumerate(inputs):
-        if t is not None and (t.is_floating_point() or t.is_complex()):
+        if t is not None and i in plan.written:
+            # NOTE: recomputed on a copy: the forward node already updated the original (running
+            # statistics must not move twice), and autograd takes no gradient for it.
+            inputs[i] = t.detach().clone()
+        elif t is not None and (t.is_floating_point() or t.is_complex()):
+            if used is not None and (i >= len(used) or used[i] != "1"):
+                continue  # a gradient the graph does not take (a buffer, a frozen weight): not a leaf
             inputs[i] = t.detach().requires_grad_()
             leaves.append(i)
     with torch.enable_grad():
@@ -215,7 +258,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
         if op.startswith(VJP_PREFIX):
             name, used = _split_used(op[len(VJP_PREFIX) :])
-            grads = _vjp(name, overload, tensors, n_out)
+            grads = _vjp(name, overload, tensors, n_out, used)
             if used is not None:  # gradients the graph does not take (see mark_used_outputs)
                 grads = [g if i < len(used) and used[i] == "1" else None for i, g in enumerate(grads)]
             return _encode(grads, n_out, op)
@@ -232,7 +275,10 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
     if op.startswith(NATIVE_PREFIX):
         return True
     try:
-        plan = resolve(_split_used(op.removeprefix(VJP_PREFIX))[0], overload)
+        name = _split_used(op.removeprefix(VJP_PREFIX))[0]
+        if name.startswith(OUTS_MARK):
+            name = name.partition("|")[2]
+        plan = resolve(name, overload)
         schema = compat.op_schema(plan.fn)
         t = (schema.arguments if is_input else schema.returns)[index].type
         if t.kind() == "OptionalType":
@@ -463,6 +509,8 @@ def _refine_slices(model: onnx.ModelProto, constants: dict[str, torch.Tensor]) -
 
 
 USED_MARK = "used="
+#: ``ortwrap_vjp::outs=N|op``: the forward node has N outputs, fewer than ``op`` returns.
+OUTS_MARK = "outs="
 
 
 def mark_used_outputs(model: onnx.ModelProto) -> bool:
@@ -519,7 +567,8 @@ def declare_output_types(model: onnx.ModelProto) -> None:
 
 
 # ------------------------------------------------------------------------------------- gradients
-_gradient_arity: dict[str, int] = {}
+_gradient_arity: dict[str, tuple[int, int]] = {}
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
 def _gradient_attribute(name: str, value: str):
@@ -557,32 +606,40 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     position, so all nodes of one op must have the same number of inputs.
     """
     keys = []
+    types = _types(model)
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         op = attrs["operator"].decode()
         overload = attrs.get("overload_name", b"").decode()
-        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):  # native kernels register their own (kernels.install)
+        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in OWN_GRADIENT_OPS:  # they register their own
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)
         known = _gradient_arity.get(key)
-        if known is not None and known != n_in:
+        if known is not None and known != (n_in, n_out):
             raise RuntimeError(
-                f"ATen op {op} appears with {known} and {n_in} inputs; ORT allows one gradient definition per op"
+                f"ATen op {op} appears with {known[0]} inputs and {known[1]} outputs, and with {n_in} and {n_out}; "
+                "ORT allows one gradient definition per op"
             )
         if known is None:
-            schema_args = compat.op_schema(resolve(op, overload).fn).arguments
+            plan = resolve(op, overload)
+            schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            # An integer output (indices) has no gradient for any node to compute: an absent input.
+            grads_out = [
+                "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
+                for j, o in enumerate(node.output)
+            ]
             register_gradient(
                 op,
                 overload,
-                [f"GO({j})" for j in range(n_out)] + [f"I({i})" for i in range(n_in)],
+                grads_out + [f"I({i})" for i in range(n_in)],
                 [f"GI({i})" for i in range(n_in)],
-                VJP_PREFIX + op,
+                VJP_PREFIX + (op if n_out == plan.n_returns else f"{OUTS_MARK}{n_out}|{op}"),
                 stop,
             )
-            _gradient_arity[key] = n_in
+            _gradient_arity[key] = (n_in, n_out)
         keys.append(key)
     return keys

@@ -68,7 +68,28 @@ class Adapter(nn.Module):
         with autocast_contexts(self._autocast):
             out = self.module(*args, **kwargs)
         leaves: list[torch.Tensor] = []
-        self._traced.out_spec = _tree.flatten(out, "output", leaves, _opaque_output)
+        holding: list[str] = []  # opaque outputs that hold tensors
+
+        def opaque(path: str, value: Any) -> tuple:
+            if _holds_tensors(value):
+                holding.append(f"`{path}` ({type(value).__module__}.{type(value).__qualname__})")
+            return ("O", value)
+
+        self._traced.out_spec = _tree.flatten(out, "output", leaves, opaque)
+        if holding and not leaves:
+            raise ExportError(
+                f"forward() output {', '.join(holding)} holds tensors in an object ORTWrap cannot take apart. "
+                "Return tensors nested in tuples, lists, dicts, dataclasses (transformers' ModelOutput) or "
+                "namedtuples; make the class a dataclass, or return its tensors"
+            )
+        if holding:
+            from .._logging import logger
+
+            logger.warning(
+                "forward() output %s holds tensors ORTWrap cannot take apart: each call returns the object "
+                "built while exporting, not that call's values (return tensors in tuples, dicts or dataclasses)",
+                ", ".join(holding),
+            )
         self._traced.n_outputs = len(leaves)
         self._traced.out_dtypes = [t.dtype for t in leaves]
         buffers = dict(self.module.named_buffers())
@@ -100,8 +121,18 @@ def no_ambient_autocast() -> Iterator[None]:
         yield
 
 
-def _opaque_output(path: str, value: Any) -> tuple:
-    return ("O", value)
+def _holds_tensors(value: Any, depth: int = 2) -> bool:
+    """Whether an object's attributes (or their lists, tuples and dicts) hold tensors."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth < 0:
+        return False
+    if isinstance(value, dict):
+        return any(_holds_tensors(v, depth - 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(_holds_tensors(v, depth - 1) for v in value)
+    attributes = getattr(value, "__dict__", None)
+    return isinstance(attributes, dict) and any(_holds_tensors(v, depth - 1) for v in attributes.values())
 
 
 def state_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:

@@ -43,6 +43,8 @@ from .aten_fallback import fallback_translations
 from .model import ExportedModel
 from .translations import training_translations
 
+_log = logging.getLogger("ortwrap")
+
 #: Opset of the dynamo exporter's output; ORT 1.19.2 loads up to 21.
 DYNAMO_OPSET = 20
 
@@ -120,6 +122,7 @@ class DynamoCapture:
     aten_ops: tuple[str, ...]
     opset: int
     module_name: str
+    static_reasons: tuple[str, ...] = ()
 
 
 def export_dynamo(
@@ -157,21 +160,41 @@ def capture_dynamo(
 
     adapter = Adapter(module, in_spec, autocast)
     input_names = [f"input:{p}" for p in input_paths]
-    dims = (lambda t: range(min(t.dim(), 1))) if static_spatial else (lambda t: range(t.dim()))
-    dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
-    was_training = module.training
-    try:
-        module.train(training)
+    static_reasons: list[str] = []
+
+    def export(static: bool):
+        dims = (lambda t: range(min(t.dim(), 1))) if static else (lambda t: range(t.dim()))
+        dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
         with (
             _quiet_exporter(),
             preserved_state(module),
             no_ambient_autocast(),
             _collective_stubs(),
-            bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
+            bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as scope,
         ):
-            program = torch.export.export(
+            return torch.export.export(
                 adapter, tuple(t.detach() for t in flat_inputs), dynamic_shapes=dynamic_shapes, strict=False
-            )
+            ), scope
+
+    was_training = module.training
+    try:
+        module.train(training)
+        try:
+            program, bridge = export(static_spatial)
+        except Exception as first:
+            # A constraint torch.export cannot prove on a dynamic non-batch dim (a UNet's
+            # ``Eq(x - 4*((x/2)//2), 0) cannot be solved`` for its image size): capture again with
+            # those dims static, as TorchScript does; the program is then kept per non-batch shape.
+            if static_spatial or all(t.dim() <= 1 for t in flat_inputs):
+                raise
+            try:
+                program, bridge = export(True)
+            except Exception:
+                raise first from None
+            static_spatial = True
+            reason = re.sub(r"\s+", " ", str(first)).strip()[:200]
+            static_reasons.append(f"torch.export failed with dynamic non-batch dims ({type(first).__name__}: {reason})")
+            _log.info("dynamo: %s; captured with static non-batch dims", static_reasons[-1])
     except Exception as e:
         raise _export_error("torch.export.export", type(module).__name__, e) from e
     finally:
@@ -186,6 +209,7 @@ def capture_dynamo(
         tuple(aten_ops),
         opset if opset and opset >= 18 else DYNAMO_OPSET,
         type(module).__name__,
+        tuple(static_reasons),
     )
 
 
@@ -279,7 +303,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
         ir.serde.serialize_model(ir_model),
         input_names,
         state_inputs,
-        static_reasons=[],
+        static_reasons=list(capture.static_reasons),
         static_spatial=capture.static_spatial,
         bridge=bridge,
         shape_guards=guards,

@@ -22,6 +22,8 @@ adaptive_avg/max_pool{1,2,3}d  the default symbolic bakes the traced input size 
                                shapes (see ``export.torchscript``).
 prim::PythonOp                 autograd.Function calls become PythonOps (``bridge/symbolic.py``).
 ``Options.aten_ops``           each listed op becomes an ATen node (``bridge/aten.py``).
+softmax, log_softmax           with ``dtype=``, torch's symbolic casts the result; ortwrap casts
+                               the input first, as eager does.
 ``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal: torch's ONNX form is
                                wrong or untrainable; ATen nodes (PyTorch's kernel and autograd).
 =============================  =================================================================
@@ -65,6 +67,10 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
 
 
 def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, label_smoothing):
+    if not isinstance(compat.ts_constant(ignore_index, "i"), int):
+        # ignore_index computed from a traced size: an ATen node reads it at run time (ONNX's
+        # SoftmaxCrossEntropyLoss takes it as an attribute only).
+        return _aten_symbolic("cross_entropy_loss")(g, logits, target, weight, reduction, ignore_index, label_smoothing)
     reduction = compat.ts_constant(reduction, "i")
     ignore_index = compat.ts_constant(ignore_index, "i")
     label_smoothing = float(compat.ts_constant(label_smoothing, "f") or 0.0)
@@ -105,6 +111,16 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
 def _adaptive_pool(name: str, default: Callable) -> Callable:
     def symbolic(g, x, output_size, *rest):
         sizes = compat.ts_constant(output_size, "is")
+        t = x.type()
+        spatial = t.varyingSizes()[2:] if hasattr(t, "varyingSizes") and t.varyingSizes() else None
+        if (
+            isinstance(sizes, (list, tuple))
+            and any(s != 1 for s in sizes)
+            and (spatial is None or any(i is None or o <= 0 or i % o for i, o in zip(spatial, sizes)))
+        ):
+            # torch's symbolic has no ONNX form for an output size that does not divide the input
+            # (it writes an op ORT cannot load): PyTorch's kernel and autograd, as an ATen node.
+            return _aten_symbolic(name)(g, x, output_size, *rest)
         if not isinstance(sizes, (list, tuple)) or any(s != 1 for s in sizes):
             reasons = _static_reasons.get()
             if reasons is not None:
@@ -223,6 +239,37 @@ def _aten_symbolic(name: str) -> Callable:
     return symbolic
 
 
+def _softmax_in(default: Callable) -> Callable:
+    """``softmax``/``log_softmax`` with ``dtype=``: eager casts the input first, torch's symbolic casts
+    the result (the op then runs in the input's dtype: float64 has no SoftmaxGrad on ORT's CPU
+    provider). Here the input is cast, then torch's symbolic runs without a dtype."""
+
+    def symbolic(g, input, dim, dtype=None):
+        from ..bridge.aten import _SCALAR_TYPES, ONNX_TYPES
+
+        code = None if dtype is None or compat.ts_is_none(dtype) else compat.ts_constant(dtype, "i")
+        if isinstance(code, int) and _SCALAR_TYPES.get(code) in ONNX_TYPES:
+            input = g.op("Cast", input, to_i=ONNX_TYPES[_SCALAR_TYPES[code]])
+            dtype = None
+        return default(g, input, dim, dtype)
+
+    return symbolic
+
+
+def _multinomial(default: Callable) -> Callable:
+    """``multinomial`` of 1-D probabilities: torch's symbolic writes ONNX Multinomial, which takes
+    2-D input only. The probabilities get a batch of one, the samples lose it."""
+
+    def symbolic(g, input, num_samples, replacement=False, generator=None):
+        if compat.ts_rank(input) != 1:
+            return default(g, input, num_samples, replacement, generator)
+        axes = g.op("Constant", value_t=torch.tensor([0], dtype=torch.int64))
+        out = default(g, g.op("Unsqueeze", input, axes), num_samples, replacement, generator)
+        return g.op("Squeeze", out, axes)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
@@ -245,14 +292,23 @@ def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
     from ..bridge.symbolic import pythonop_symbolic
+    from .grouped_mm import grouped_mm_symbolic
 
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
         "aten::unflatten": _unflatten,
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
+        "aten::_grouped_mm": grouped_mm_symbolic,
     }
     compat.ts_load_opset_symbolics(opset)
+    default_multinomial = compat.ts_symbolic("aten::multinomial", opset)
+    if default_multinomial is not None:
+        symbolics["aten::multinomial"] = _multinomial(default_multinomial)
+    for name in ("aten::softmax", "aten::log_softmax"):
+        default = compat.ts_symbolic(name, opset)
+        if default is not None:
+            symbolics[name] = _softmax_in(default)
     for entry in ATEN_OPS:  # ops whose ONNX form loses what training needs (ortwrap/registry.py)
         if "torchscript" not in entry.exporters:
             continue

@@ -31,6 +31,8 @@ ATen op                                                 torchlib 0.7 does / ortw
                                                         torch's is a no-op. ortwrap squeezes only the
                                                         axes whose size is a static 1 (torch.export
                                                         assumes symbolic dims are at least 2).
+``aten.softmax.int``/``log_softmax.int`` with dtype     casts the result, not the input (eager's
+                                                        order). ortwrap casts the input first.
 ``aten.native_layer_norm`` without weight               ``LayerNormalization`` without its scale
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
@@ -256,8 +258,28 @@ def _squeeze_dim(self, dim):
     return _squeeze_dims(self, [dim])
 
 
+def _softmax_in(onnx_op: str):
+    """``softmax(x, dim, dtype)``/``log_softmax``: eager casts the input to ``dtype`` first; torchlib
+    casts the result (so the op ran in the input's dtype: a float64 SoftmaxGrad, which ORT's CPU
+    provider lacks, and different numbers)."""
+
+    def translate(self, dim, dtype=None, half_to_float=False):
+        from onnxscript import opset18 as op
+
+        if dtype is not None and dtype != -1:
+            self = op.Cast(self, to=dtype)
+        if self.shape is not None and len(self.shape) == 0:
+            axes = op.Constant(value_ints=[0])
+            return op.Squeeze(getattr(op, onnx_op)(op.Unsqueeze(self, axes), axis=0), axes)
+        return getattr(op, onnx_op)(self, axis=dim)
+
+    return translate
+
+
 def training_translations() -> dict:
     """The ``custom_translation_table`` entries ortwrap always passes to the dynamo exporter."""
+    from .grouped_mm import grouped_mm_ops, grouped_mm_translation
+
     table = {}
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
@@ -275,5 +297,9 @@ def training_translations() -> dict:
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
     table[aten.min.other] = _min_other
+    for op in grouped_mm_ops():
+        table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
+    table[aten.softmax.int] = _softmax_in("Softmax")
+    table[aten.log_softmax.int] = _softmax_in("LogSoftmax")
     return table

@@ -10,6 +10,8 @@ an integration:
   :meth:`Integration.applies` is asked on every call and must be cheap.
 - **before export**: :meth:`Integration.export_context` surrounds each export (DeepSpeed's module
   hooks hidden while tracing).
+- **after the gradient build**: :meth:`Integration.rewrite_graph` may rewrite the built training
+  graph (DeepSpeed ZeRO-3 with ``zero3_gather="submodule"``: per-layer gathers in the backward).
 - **parameter gather and release**: :meth:`Integration.gather` and :meth:`Integration.release`,
   which :meth:`step` implementations use, and which ``ORTWrap`` calls around work that reads all
   parameters outside a step (``verify=True``'s eager run).
@@ -27,8 +29,17 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..api import ORTWrap
+    from ..grad.builder import TrainingGraph
 
-__all__ = ["INTEGRATIONS", "Integration", "check_wrappable", "export_context", "step_integration"]
+__all__ = [
+    "INTEGRATIONS",
+    "Integration",
+    "check_wrappable",
+    "export_context",
+    "rewrite_graph",
+    "step_integration",
+    "wrapper_attribute",
+]
 
 
 class Integration:
@@ -51,6 +62,14 @@ class Integration:
         """What surrounds an export of ``wrapper``'s module."""
         return contextlib.nullcontext()
 
+    def rewrite_graph(self, graph: TrainingGraph) -> TrainingGraph:
+        """The built (forward+backward or inference) graph, rewritten before its session is created."""
+        return graph
+
+    #: Prefixes of attribute names the integration sets on the wrapper itself (its bookkeeping);
+    #: other attributes set on a wrapper go to the wrapped module.
+    wrapper_attributes: tuple[str, ...] = ()
+
     def gather(self, wrapper: ORTWrap) -> Any:
         """Make the module's parameters whole; return a token for :meth:`release`."""
         return None
@@ -70,12 +89,18 @@ def _load() -> list[Integration]:
 INTEGRATIONS: list[Integration] = _load()
 #: Those that may take a step over (asked on every call, so only these are asked).
 _STEPPING: tuple[Integration, ...] = tuple(i for i in INTEGRATIONS if type(i).applies is not Integration.applies)
+_WRAPPER_ATTRIBUTES: tuple[str, ...] = tuple(p for i in INTEGRATIONS for p in i.wrapper_attributes)
 
 
 def check_wrappable(module: nn.Module) -> None:
     """Every integration's wrap-time check."""
     for integration in INTEGRATIONS:
         integration.check_wrappable(module)
+
+
+def wrapper_attribute(name: str) -> bool:
+    """Whether an integration keeps attribute ``name`` on the wrapper rather than on the wrapped module."""
+    return name.startswith(_WRAPPER_ATTRIBUTES) if _WRAPPER_ATTRIBUTES else False
 
 
 def step_integration(wrapper: ORTWrap) -> Integration | None:
@@ -93,3 +118,10 @@ def export_context(wrapper: ORTWrap) -> Iterator[None]:
         for integration in INTEGRATIONS:
             stack.enter_context(integration.export_context(wrapper))
         yield
+
+
+def rewrite_graph(graph: TrainingGraph) -> TrainingGraph:
+    """Every integration's rewrite of a built graph, in list order."""
+    for integration in INTEGRATIONS:
+        graph = integration.rewrite_graph(graph)
+    return graph

@@ -19,7 +19,10 @@ ortwrap therefore treats the whole wrapped module as the unit DeepSpeed gathers:
 - a run without a backward (``torch.no_grad()``, eval) releases them right after the forward.
 
 NOTE: peak parameter memory is therefore the whole wrapped module's parameters during a training
-step (eager ZeRO-3 holds one submodule's at a time); between steps they are partitioned.
+step (eager ZeRO-3 holds one submodule's at a time); between steps they are partitioned. With
+``zero3_gather="submodule"`` the graph gathers each submodule's parameters itself, in the forward and
+again in the backward, and hands the gradients to DeepSpeed inside ORT's backward
+(``zero3_layers.py``; docs/distributed.md).
 
 Nothing here imports DeepSpeed at module import.
 """
@@ -39,7 +42,7 @@ from .._compat import torch as compat
 from .._logging import logger
 from .._tree import flatten
 from ..errors import UnsupportedInputError
-from . import Integration
+from . import Integration, zero3_layers
 
 if TYPE_CHECKING:
     from ..api import ORTWrap
@@ -128,7 +131,65 @@ def export_guard(wrapper: ORTWrap) -> Iterator[None]:
         return
     with _deepspeed_hooks_hidden(wrapper.module) as n:
         logger.debug("ZeRO-3: %d DeepSpeed module hooks hidden while exporting", n)
+        if not _per_submodule(wrapper):
+            yield
+            return
+        with _submodule_export(wrapper):
+            yield
+
+
+@contextlib.contextmanager
+def _submodule_export(wrapper: ORTWrap) -> Iterator[None]:
+    """``zero3_gather="submodule"``: the trace reads each submodule's parameters from a gather node.
+
+    The parameters are whole while the module is traced (gathered here, partitioned after), and the
+    submodules that own partitioned parameters get the export hooks of ``zero3_layers``.
+    """
+    exporter = wrapper.options.exporter
+    if exporter != "torchscript":
+        raise UnsupportedInputError(
+            f"ORTWrap(zero3_gather='submodule') exports with the TorchScript exporter only (exporter={exporter!r}): "
+            "pass exporter='torchscript', or use zero3_gather='module'"
+        )
+    st = _state(wrapper)
+    table = _layer_table(wrapper, st)
+    zero3_layers.register_symbolics(wrapper.options.opset)
+    _gather(wrapper, st)
+    remove = zero3_layers.install_export_hooks(wrapper.module, table)
+    table.exporting = True
+    zero3_layers.set_current(table)
+    try:
+        with _plain_linear():
+            yield
+    finally:
+        table.exporting = False
+        remove()
+        _release_if_idle(wrapper, st)
+
+
+@contextlib.contextmanager
+def _plain_linear() -> Iterator[None]:
+    """``torch.nn.functional.linear`` as torch defines it while exporting.
+
+    DeepSpeed's ZeRO-3 replaces it (``memory_efficient_linear``, on by default) with an autograd
+    Function that saves the weight *parameter* for its backward, to gather it again there. Inside
+    ORT that Function would be a PythonOp whose saved weight is a whole copy kept until the backward;
+    exported as torch's linear, ORT differentiates it and the graph gathers the weight again itself.
+    """
+    from deepspeed.runtime.zero import linear as ds_linear
+    from deepspeed.runtime.zero import partition_parameters as ds_pp
+
+    functional = torch.nn.functional
+    original = getattr(ds_pp.InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    patched = functional.linear
+    if original is None or patched is not ds_linear.zero3_linear_wrap:
         yield
+        return
+    functional.linear = original
+    try:
+        yield
+    finally:
+        functional.linear = patched
 
 
 # --------------------------------------------------------------------------- gathering around a run
@@ -148,6 +209,9 @@ class _Zero3State:
         self.gathered: list[nn.Parameter] = []
         self.pending: weakref.WeakSet = weakref.WeakSet()
         self.checked: set[int] = set()
+        self.table: zero3_layers.LayerTable | None = None
+        self.handed_over: list[nn.Parameter] = []
+        self.table_of: int | None = None
 
 
 def _state(wrapper: ORTWrap) -> _Zero3State:
@@ -177,16 +241,26 @@ def _check_supported(wrapper: ORTWrap, st: _Zero3State) -> None:
     st.checked.add(key)
 
 
+def _per_submodule(wrapper: ORTWrap) -> bool:
+    return wrapper.options.zero3_gather == "submodule"
+
+
 def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = None) -> Any:
     """``wrapper(*args, **kwargs)`` for a module whose parameters DeepSpeed ZeRO-3 partitions.
 
-    Gathers the partitioned parameters, runs the wrapper's forward (which exports with
-    :func:`export_guard` on its first call), and arranges for the parameters to be partitioned
+    Gathers the partitioned parameters (``zero3_gather="module"``; with ``"submodule"`` the graph
+    gathers each submodule's itself, see ``zero3_layers``), runs the wrapper's forward (which exports
+    with :func:`export_guard` on its first call), and arranges for the parameters to be partitioned
     again after the backward, or at once when no backward will run.
     """
     st = _state(wrapper)
     _check_supported(wrapper, st)
-    _gather(wrapper, st)
+    per_submodule = _per_submodule(wrapper)
+    if per_submodule:
+        zero3_layers.define_ops()
+        zero3_layers.set_current(_layer_table(wrapper, st))
+    else:
+        _gather(wrapper, st)
     wrapper.__dict__[BUSY_MARK] = True
     try:
         out = (forward or wrapper.forward)(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
@@ -208,8 +282,57 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
         node_ref: weakref.ref | None = weakref.ref(node)
     except TypeError:  # a C++ node: no weak reference; it is simply not counted as pending
         node_ref = None
+    if per_submodule:
+        table = st.table
+        # NOTE: the graph's gather nodes read the current table; the backward may run after another
+        # wrapper's forward, so it is set again just before this run's backward.
+        node.register_prehook(lambda grad_outputs: zero3_layers.set_current(table))
     node.register_hook(_on_backward(wrapper, node_ref))
     return out
+
+
+def _layer_table(wrapper: ORTWrap, st: _Zero3State) -> zero3_layers.LayerTable:
+    """The wrapper's per-submodule gather table (``zero3_gather="submodule"``)."""
+    if st.table is None:
+        not_available = _status("NOT_AVAILABLE")
+
+        def gather(params: list[nn.Parameter]) -> None:
+            # NOTE: a collective: every rank's graph gathers the same layers in the same order.
+            with torch.no_grad():
+                params[0].all_gather(param_list=params)
+            known = {id(p) for p in st.gathered}
+            st.gathered.extend(p for p in params if id(p) not in known)
+
+        def partition(params: list[nn.Parameter]) -> None:
+            to_release = [p for p in params if not getattr(p, "ds_persist", False) and not p.ds_active_sub_modules]
+            if to_release:
+                with torch.no_grad():
+                    to_release[0].partition(param_list=to_release)
+            released = {id(p) for p in to_release}
+            st.gathered[:] = [p for p in st.gathered if id(p) not in released]
+
+        def hand_over(p: nn.Parameter, grad: torch.Tensor) -> None:
+            # NOTE: the parameter's own AccumulateGrad: p.grad += grad, then its post-accumulate-grad
+            # hooks, where DeepSpeed adds the gradient to its reduce-scatter bucket, as when eager
+            # autograd reaches the parameter. The parameter is also an input of ortwrap's autograd
+            # node, whose backward returns no gradient for it; torch still runs its AccumulateGrad
+            # (and the hooks) at the end of the backward: ``ds_grad_is_ready`` (DeepSpeed's own flag
+            # for gradients produced in pieces) makes DeepSpeed skip that second call.
+            p.ds_grad_is_ready = True
+            torch.autograd.graph.get_gradient_edge(p).node(grad)
+            p.ds_grad_is_ready = False
+            st.handed_over.append(p)
+
+        st.table = zero3_layers.LayerTable(
+            gather=gather,
+            partition=partition,
+            available=lambda p: p.ds_status != not_available,
+            hand_over=hand_over,
+        )
+    if st.table_of != id(wrapper.module):  # (a new wrapped module: number its submodules)
+        st.table.register(wrapper.module, _is_zero_param)
+        st.table_of = id(wrapper.module)
+    return st.table
 
 
 def _gather(wrapper: ORTWrap, st: _Zero3State) -> None:
@@ -268,7 +391,12 @@ def _on_backward(wrapper: ORTWrap, node_ref: weakref.ref | None) -> Any:
 
 def _release_if_idle(wrapper: ORTWrap, st: _Zero3State) -> None:
     """Partition what this wrapper gathered, unless a run still waits for its backward."""
-    if len(st.pending) or not st.gathered:
+    if len(st.pending):
+        return
+    for p in st.handed_over:  # (zero3_gather="submodule": see hand_over)
+        p.ds_grad_is_ready = True
+    st.handed_over.clear()
+    if not st.gathered:
         return
     available = _status("AVAILABLE")
     to_release = [
@@ -290,6 +418,18 @@ class DeepSpeedZero3(Integration):
     gather and release; before export, DeepSpeed's module hooks hidden."""
 
     name = "deepspeed-zero3"
+    #: DeepSpeed's per-module bookkeeping (ZeRO-3's hooks set these on every module they walk, the
+    #: wrapper included) belongs to the wrapper, not to the wrapped module.
+    wrapper_attributes = (
+        "ds_",
+        "_ds_",
+        "_external_params",
+        "_original_parameters",
+        "all_parameters",
+        "applied_pre_backward_ref_cnt",
+        "post_bwd_fn",
+        "pre_bwd_fn",
+    )
 
     def check_wrappable(self, module: nn.Module) -> None:
         pass  # (the wrap-order check of DeepSpeed engines is DataParallelWrappers')
@@ -303,6 +443,9 @@ class DeepSpeedZero3(Integration):
 
     def export_context(self, wrapper: ORTWrap) -> Any:
         return export_guard(wrapper)
+
+    def rewrite_graph(self, graph: Any) -> Any:
+        return zero3_layers.rewrite_training_graph(graph)
 
     def gather(self, wrapper: ORTWrap) -> Any:
         if not is_zero3_module(wrapper):

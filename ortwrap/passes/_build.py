@@ -59,12 +59,14 @@ def constant_value(value: ir.Value | None) -> np.ndarray | None:
     if value is None:
         return None
     if value.const_value is not None:
-        return value.const_value.numpy()
+        # NOTE: a writable copy, whatever the storage (raw bytes, a read-only mapping, a torch
+        # tensor): callers may use numpy's iterators and in-place operations on it.
+        return np.array(value.const_value.numpy())
     node = value.producer()
     if node is None:
         return None
     if node.op_type == "Constant" and "value" in node.attributes:
-        return node.attributes["value"].as_tensor().numpy()
+        return np.array(node.attributes["value"].as_tensor().numpy())
     if node.op_type == "Constant" and "value_float" in node.attributes:
         return np.array(node.attributes["value_float"].as_float(), dtype=np.float32)
     if node.op_type == "Constant" and "value_int" in node.attributes:

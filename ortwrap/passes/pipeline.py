@@ -29,6 +29,7 @@ from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .sequence_ops import RefuseSequenceOpsPass
+from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
 from .torch_gradients import TorchGradientsPass
 from .where_broadcast import WhereBroadcastPass
@@ -98,6 +99,8 @@ def default_passes(
     # Constants the rewrites left without consumers (ORT would warn about each when it loads them).
     # Not onnx_ir's RemoveUnusedNodesPass: it also trims the optional outputs the gradient builders need.
     passes.append(RemoveUnusedConstantsPass())
+    if with_backward:
+        passes.append(ShapesForGradientsPass())  # last: the gradient builder reads these shapes
     return passes
 
 

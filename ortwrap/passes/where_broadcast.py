@@ -50,7 +50,7 @@ class WhereBroadcastPass(ir.passes.InPlacePass):
                     continue
                 if constant_value(x) is not None or _same_shape(x.shape, out.shape):
                     continue
-                b = NodeBuilder(node.name or f"where_{id(node):x}")
+                b = NodeBuilder(f"{node.name or f'where_{id(node):x}'}/input{i}")
                 other = node.inputs[3 - i]
                 expanded = b.op("Expand", x, b.op("Shape", node.inputs[0]))
                 expanded = b.op("Expand", expanded, b.op("Shape", other))

@@ -9,6 +9,9 @@ NOTE: invariants.
 - Outputs ORT calls non-differentiable, and buffer outputs, are marked non-differentiable, so
   autograd gives them no gradient. A missing gradient of a differentiable output is materialized
   as zeros, full-shaped only where the backward needs the shape.
+- Outputs ORT's backward reads (the builder's ``saved_output_indices``) are saved with
+  ``save_for_backward``: autograd's version counters then catch an in-place edit of one before the
+  backward, as eager does. Parameters are not checked (optimizers update them in place between steps).
 - The backward is not differentiable: a double backward (``create_graph=True``) raises rather
   than silently returning gradients without a graph.
 
@@ -63,6 +66,8 @@ class RunTrainingGraph(torch.autograd.Function):
             ctx.shapes = {i: outputs[i].shape for i in runner.full_shape_outputs}
         if program.non_differentiable:
             ctx.mark_non_differentiable(*[outputs[i] for i in program.non_differentiable])
+        if program.saved_outputs:
+            ctx.save_for_backward(*[outputs[i] for i in program.saved_outputs])
         return tuple(outputs)
 
     @staticmethod
@@ -71,6 +76,10 @@ class RunTrainingGraph(torch.autograd.Function):
             raise RuntimeError(
                 "ortwrap: double backward (create_graph=True) through an ORTWrap module is not supported"
             )
+        # NOTE: unpacking the saved outputs is autograd's in-place check: an output ORT's backward
+        # reads, edited in place since the forward, raises eager's "modified by an inplace
+        # operation" error here, before ORT computes anything from the edited values.
+        ctx.saved_tensors  # noqa: B018
         runner: TrainingRunner = ctx.runner
         state, ctx.state = ctx.state, None
         if state is None:

@@ -73,6 +73,13 @@ def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDev
                 f"inputs are on {device} but this onnxruntime has no CUDAExecutionProvider; "
                 "install ortwrap[cuda] (onnxruntime-training==1.19.2) instead of ortwrap[cpu]"
             )
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            # NOTE: checked before ORT sees a CUDA provider: creating one with no GPU aborts the
+            # whole process (cudaDriverWrapper) instead of raising.
+            raise SessionError(
+                f"inputs are on {device} but PyTorch sees {torch.cuda.device_count()} CUDA device(s) on this machine; "
+                "move the model and inputs to an existing device (or to the CPU)"
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         # NOTE: ORT computes on torch's current stream, so its kernels are ordered after the torch
         # kernels that produced the inputs and before those that consume the outputs.
@@ -104,6 +111,14 @@ def _create_session(
         )
     except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
+    missing = [p for p in providers if p not in sess.get_providers()]
+    if missing:
+        # ORT falls back to the CPU provider when one fails to load (a missing CUDA/cuDNN library).
+        raise SessionError(
+            f"onnxruntime created the session without {', '.join(missing)} (it failed to load; onnxruntime's log "
+            f"says why: most often a missing CUDA 11.8 / cuDNN 8 library); the session has {sess.get_providers()}. "
+            "Install ortwrap[cuda] with its NVIDIA libraries, or run on the CPU"
+        )
     return sess, ort_device
 
 
@@ -112,6 +127,41 @@ _LEADING_ARGS = 2
 
 #: Ops whose ORT kernels may return their input's buffer instead of a new one.
 _ALIASING_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast"})
+
+
+def _neutral(name: str, producers: dict, value: float) -> bool:
+    """Whether ``name`` is a constant whose every element is ``value`` (through Unsqueeze/Reshape/Cast/Identity)."""
+    node = producers.get(name)
+    while node is not None and node.op_type in ("Unsqueeze", "Reshape", "Cast", "Identity", "Expand"):
+        name = node.input[0]
+        node = producers.get(name)
+    if node is None:  # an initializer (the gradient builder folds constants into them)
+        tensor = producers.get(("initializer", name))
+    elif node.op_type == "Constant":
+        tensor = next((a.t for a in node.attribute if a.name == "value"), None)
+    else:
+        return False
+    if tensor is None:
+        return False
+    array = onnx.numpy_helper.to_array(tensor)
+    return array.size > 0 and bool((array == value).all())
+
+
+def _through_noops(node, producers: dict):
+    """The producer that remains after ORT's optimizer drops ``x * 1``, ``x / 1``, ``x + 0`` and ``x - 0``
+    (``GroupNorm(affine=False)``: its output became a Reshape's view, changed during the backward)."""
+    while node is not None and node.domain in ("", "ai.onnx") and len(node.input) == 2:
+        neutral = {"Mul": 1.0, "Div": 1.0, "Add": 0.0, "Sub": 0.0}.get(node.op_type)
+        if neutral is None:
+            break
+        a, b = node.input
+        if _neutral(b, producers, neutral):
+            node = producers.get(a)
+        elif node.op_type in ("Mul", "Add") and _neutral(a, producers, neutral):
+            node = producers.get(b)
+        else:
+            break
+    return node
 
 
 def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int, ...]:
@@ -123,11 +173,12 @@ def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int,
     ``loss.backward()``). These outputs are copied once after the forward, before the backward
     can run; other outputs are ORT's own buffers and cross without a copy.
     """
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers: dict = {o: n for n in model.graph.node for o in n.output}
+    producers.update({("initializer", t.name): t for t in model.graph.initializer})
     inputs = {i.name for i in model.graph.input}
     found = []
     for i, name in enumerate(graph.info.user_output_names):
-        node = producers.get(name)
+        node = _through_noops(producers.get(name), producers)
         if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _ALIASING_OPS:
             continue
         source = node.input[0] if node.input else ""
@@ -230,6 +281,10 @@ class TrainingRunner:
             _raise_run_error("backward", e)
         if _pending:
             bridge_state.reraise_pending(None)
+        if not self._grad_index:
+            # NOTE: with no gradient to fetch (DeepSpeed ZeRO-3 per submodule: the graph hands them to the
+            # parameters itself), ORT 1.19.2's agent fills the vector with values that are not tensors.
+            return []
         return fetches.to_dlpacks(self._from_dlpack)  # gradients are never bool
 
     def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:

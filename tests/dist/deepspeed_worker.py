@@ -52,6 +52,23 @@ class Outer(nn.Module):
         return self.post(torch.relu(self.body(self.pre(x))))
 
 
+class Deep(nn.Module):
+    """Five submodules that own parameters: per-submodule gathering has something to spread out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.fc1(x)))
+        h = h + torch.relu(self.fc3(torch.tanh(self.fc2(h))))
+        return self.head(h)
+
+
 class ScaleAndCount(torch.autograd.Function):
     """Returns a tensor and an int: ortwrap cannot bridge it, so the export fails and ORTWrap falls back."""
 
@@ -108,16 +125,25 @@ def deepspeed_hooks(module: nn.Module) -> int:
     return n
 
 
-def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> dict:
+def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **options) -> dict:
     if wrap and not isinstance(model, Outer):
-        model = ORTWrap(model, fallback=isinstance(model, Unexportable))
+        model = ORTWrap(model, fallback=isinstance(model, Unexportable), **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(stage, accumulation))
     rank = dist.get_rank()
     ortwrap = engine.module if isinstance(engine.module, ORTWrap) else getattr(engine.module, "body", None)
     hooks_before = deepspeed_hooks(ortwrap.module) if wrap else 0
     losses, partitioned = [], []
+    tracker = None
+    if options.get("zero3_gather") == "submodule":
+        from ortwrap.integrations import zero3_layers
+
+        tracker = zero3_layers.GatherTracker()
     for step, (x, y) in enumerate(batches(rank, STEPS * accumulation)):
+        if tracker is not None and step == 1:  # (the first step exported, with every parameter whole)
+            from ortwrap.integrations.deepspeed import _state
+
+            _state(ortwrap).table.tracker = tracker
         if stage == 3 and step == 1:
             engine(x)  # a forward whose outputs are dropped without a backward
         out = engine(x)
@@ -129,6 +155,13 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> di
         engine.step()
         losses.append(loss.item())
     result = {"losses": losses, "params": full_params(engine), "partitioned_after_backward": partitioned}
+    if tracker is not None:
+        result["gathers"] = tracker.events
+        result["live_layers_peak"] = tracker.live_layers_peak
+        result["live_numel_peak"] = tracker.peak
+        result["handed_alive_after"] = len(tracker.handed)
+        result["n_layers"] = len(_state(ortwrap).table.layers)
+        result["model_numel"] = sum(p.ds_numel for p in ortwrap.parameters())
     if wrap:
         # ortwrap hid DeepSpeed's hooks on the wrapped module's submodules while exporting: restored.
         result["deepspeed_hooks"] = [hooks_before, deepspeed_hooks(ortwrap.module)]
@@ -146,8 +179,12 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1) -> di
     return result
 
 
-def build(init: bool, stage: int, partial: bool = False, wrap: bool = False, fallback: bool = False) -> nn.Module:
+def build(
+    init: bool, stage: int, partial: bool = False, wrap: bool = False, fallback: bool = False, deep: bool = False
+) -> nn.Module:
     torch.manual_seed(0)
+    if deep:
+        return Deep()
     if partial:
         return Outer(wrap)
     if fallback:
@@ -244,6 +281,11 @@ def main() -> None:
                 result.update(case_deepspeed_comm())
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
+            elif case == "zero3_submodule":
+                result["plain"] = train(build(False, 3, deep=True), 3, wrap=False)
+                result["ortwrap"] = train(
+                    build(False, 3, deep=True), 3, wrap=True, exporter="torchscript", zero3_gather="submodule"
+                )
             else:
                 plain_model = build(init, stage, partial, fallback=fallback)
                 our_model = build(init, stage, partial, wrap=True, fallback=fallback)

@@ -1,0 +1,133 @@
+"""Training loops people use, on ORTWrap(model), against the same loop on the bare model:
+transformers' Trainer with default arguments (its column filtering, label names and
+``num_items_in_batch`` loss scaling all read off the model), gradient accumulation, checkpoints
+and resuming, evaluation; and an accelerate ``prepare()`` loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from parity import assert_close
+
+from ortwrap import ORTWrap
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)  # tied input/output embeddings
+
+
+def rows(n: int = 24, seed: int = 1) -> list[dict]:
+    """Token rows with padding (masked, labels -100) and an extra column the model does not take."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (12,), generator=g)
+        mask = torch.ones(12, dtype=torch.long)
+        if i % 3 == 0:
+            mask[-4:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100), "row_id": i})
+    return out
+
+
+class RecordingTrainer(transformers.Trainer):
+    """Trainer that keeps each step's exact loss (the logged ones are rounded)."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.step_losses.append(float(loss))
+        return loss
+
+
+def train(model, tmp_path, name: str, resume: str | None = None, **arguments) -> RecordingTrainer:
+    defaults = dict(
+        output_dir=str(tmp_path / name), per_device_train_batch_size=4, max_steps=4, report_to=[], use_cpu=True,
+        learning_rate=1e-2, save_strategy="no", torch_compile=False, seed=0,
+    )  # fmt: skip
+    args = transformers.TrainingArguments(**{**defaults, **arguments})
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(8, seed=2))
+    trainer.step_losses = []
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def assert_same_parameters(ours, eager, atol: float = 1e-4) -> None:
+    names = [n for n, _ in eager.named_parameters()]
+    assert [n for n, _ in ours.named_parameters()] == names
+    for (n, p), q in zip(eager.named_parameters(), ours.parameters()):
+        assert_close(q.detach(), p.detach(), f"parameter {n}", atol=atol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2], ids=["no-accumulation", "accumulation-2"])
+def test_trainer_with_default_arguments_matches_the_bare_model(tmp_path, accumulation):
+    bare = gpt2()
+    wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
+    eager = train(bare, tmp_path, "bare", gradient_accumulation_steps=accumulation)
+    ours = train(wrapped, tmp_path, "ort", gradient_accumulation_steps=accumulation)
+    # What Trainer infers about the model is the same: kept columns, label names, loss kwargs.
+    assert ours._signature_columns == eager._signature_columns
+    assert ours.label_names == eager.label_names == ["labels"]
+    assert ours.model_accepts_loss_kwargs and eager.model_accepts_loss_kwargs  # num_items_in_batch passed
+    assert ours.can_return_loss == eager.can_return_loss
+    assert len(eager.step_losses) == 4 * accumulation
+    torch.testing.assert_close(ours.step_losses, eager.step_losses, rtol=1e-5, atol=1e-5)
+    assert_same_parameters(wrapped, bare)
+    assert wrapped.fallback_reason is None and len(wrapped.programs()) == 1
+    # evaluate(): Trainer finds the labels (read off the model's class) and gets the loss.
+    torch.testing.assert_close(ours.evaluate()["eval_loss"], eager.evaluate()["eval_loss"], rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_save_steps_and_resume_from_checkpoint(tmp_path):
+    bare = gpt2()
+    wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
+    constant = {"lr_scheduler_type": "constant"}  # the same learning rates in a 2-step and a 4-step run
+    eager = train(bare, tmp_path, "bare", **constant)
+    interrupted = train(wrapped, tmp_path, "ort", max_steps=2, save_strategy="steps", save_steps=2, **constant)
+    checkpoint = tmp_path / "ort" / "checkpoint-2"
+    # Saved the model's own way (save_pretrained: tied weights kept tied), loadable by the bare class.
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(checkpoint))
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    resumed_model = ORTWrap(gpt2(), fallback=False)
+    resumed = train(resumed_model, tmp_path, "ort", resume=str(checkpoint), **constant)
+    losses = interrupted.step_losses + resumed.step_losses
+    torch.testing.assert_close(losses, eager.step_losses, rtol=1e-5, atol=1e-5)
+    assert_same_parameters(resumed_model, bare)
+
+
+def test_accelerate_prepare_loop_matches_the_bare_model():
+    accelerate = pytest.importorskip("accelerate")
+
+    def loop(model):
+        accelerator = accelerate.Accelerator(cpu=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.utils.data.DataLoader(rows(16), batch_size=4, collate_fn=collate)
+        model, opt, data = accelerator.prepare(model, opt, data)
+        losses = []
+        for batch in data:
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def collate(batch):
+        return {k: torch.stack([r[k] for r in batch]) for k in ("input_ids", "attention_mask", "labels")}
+
+    bare = gpt2()
+    wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
+    eager_losses = loop(bare)
+    ours = loop(wrapped)
+    torch.testing.assert_close(ours, eager_losses, rtol=1e-5, atol=1e-5)
+    assert_same_parameters(wrapped, bare)
+    assert wrapped.fallback_reason is None
