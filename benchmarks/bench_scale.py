@@ -4,16 +4,20 @@
                                                      #   seq 256, batch 4 (98M parameters), AdamW
     python benchmarks/bench_scale.py --size small    # 4 layers, d=256: a quick run of the same script
     python benchmarks/bench_scale.py --no-compile --iters 5
+    python benchmarks/bench_scale.py --batch 16      # a larger batch: activations dominate memory
+    python benchmarks/bench_scale.py --no-recompute  # skip the ortwrap recompute="layers" variant
 
 Prints, from one interleaved run (each step: forward, loss.backward, AdamW step, zero_grad):
 
-- the median step of eager, torch.compile (default mode) and ortwrap, and the ratios to eager;
+- the median step of eager, torch.compile (default mode), ortwrap and ortwrap with
+  ``recompute="layers"`` (activation recompute), and the ratios to eager;
 - the GEMM limit: the time 6 * N * tokens FLOPs take at the best float32 GEMM rate this machine
   reaches on the model's own matmul shapes (each shape of the forward and both backward GEMMs,
   through torch and through ONNX Runtime's MatMul, measured in the same run), and each variant's
   fraction of it (limit / step);
 - the first ortwrap step (build + run) and ortwrap's stage times;
-- the peak RSS of each variant, each in its own fresh process (``--no-rss`` skips).
+- the peak RSS (VmHWM) of each variant over three steps, each in its own fresh process
+  (``--no-rss`` skips), and the ratio to eager's.
 
 Run on an otherwise idle machine, and name the CPU (printed from /proc/cpuinfo) with the numbers.
 """
@@ -51,10 +55,14 @@ def cpu_name() -> str:
     return f"{name} ({os.cpu_count()} cores; {' '.join(feats) or 'no AVX2'})"
 
 
-def make(size: str):
+#: ORTWrap options of the ortwrap variants.
+ORTWRAP_VARIANTS = {"ortwrap": {}, "ortwrap recompute": {"recompute": "layers"}}
+
+
+def make(size: str, batch_size: int | None = None):
     from tiny_gpt import GPTConfig, TinyGPT, batch
 
-    s = SIZES[size]
+    s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=s["vocab"], d=s["d"], heads=s["heads"], layers=s["layers"], max_len=s["seq"])
     model = TinyGPT(cfg)
@@ -74,9 +82,9 @@ def step_fn(model, ids, tgt):
     return step
 
 
-def matmul_shapes(size: str) -> list[tuple[int, int, int]]:
+def matmul_shapes(size: str, batch_size: int | None = None) -> list[tuple[int, int, int]]:
     """(M, K, N) of every parameter GEMM of one training step: forward, input grad, weight grad."""
-    s = SIZES[size]
+    s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     rows = s["batch"] * s["seq"]
     d = s["d"]
     linears = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * s["layers"] + [(d, s["vocab"])]
@@ -129,19 +137,19 @@ def _best_rate(shapes: list[tuple[int, int, int]], reps: int = 3) -> tuple[float
     return flops / best_torch, flops / best_ort
 
 
-def _rss_child(size: str, variant: str, steps: int) -> dict:
+def _rss_child(size: str, variant: str, steps: int, batch_size: int | None = None) -> dict:
     code = f"""
 import json, sys, time
 sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
 import bench_scale as b
 import torch
 torch.set_num_threads({torch.get_num_threads()})
-model, ids, tgt = b.make({size!r})
+model, ids, tgt = b.make({size!r}, {batch_size!r})
 if {variant!r} == "compile":
     model = torch.compile(model)
-elif {variant!r} == "ortwrap":
+elif {variant!r} in b.ORTWRAP_VARIANTS:
     from ortwrap import ORTWrap
-    model = ORTWrap(model, fallback=False)
+    model = ORTWrap(model, fallback=False, **b.ORTWRAP_VARIANTS[{variant!r}])
 step = b.step_fn(model, ids, tgt)
 for _ in range({steps}):
     step()
@@ -156,13 +164,20 @@ print("RSS " + json.dumps(hwm / 1024))
     return {"variant": variant, "error": proc.stderr[-1500:]}
 
 
-def main(size: str = "gpt2", iters: int = 6, compile_: bool = True, rss: bool = True) -> None:
+def main(
+    size: str = "gpt2",
+    iters: int = 6,
+    compile_: bool = True,
+    rss: bool = True,
+    batch_size: int | None = None,
+    recompute: bool = True,
+) -> None:
     from ortwrap import ORTWrap
 
-    s = SIZES[size]
+    s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     print(f"\n== scale: {size} {s}, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"   CPU: {cpu_name()}")
-    eager, ids, tgt = make(size)
+    eager, ids, tgt = make(size, batch_size)
     n_params = sum(p.numel() for p in eager.parameters())
     tokens = s["batch"] * s["seq"]
     steps = {"eager": step_fn(eager, ids, tgt)}
@@ -172,15 +187,19 @@ def main(size: str = "gpt2", iters: int = 6, compile_: bool = True, rss: bool = 
         steps["torch.compile"] = step_fn(compiled, ids, tgt)
         steps["torch.compile"]()
         print(f"   torch.compile first step {time.perf_counter() - t0:.1f} s")
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False)
-    steps["ortwrap"] = step_fn(ours, ids, tgt)
-    t0 = time.perf_counter()
-    steps["ortwrap"]()
-    first = time.perf_counter() - t0
-    stages = ", ".join(f"{k} {v:.2f}" for k, v in ours.last_artifacts.seconds.items())
-    print(f"   ortwrap first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
+    variants = {k: v for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")}
+    for name, options in variants.items():
+        ours = ORTWrap(copy.deepcopy(eager), fallback=False, **options)
+        steps[name] = step_fn(ours, ids, tgt)
+        t0 = time.perf_counter()
+        steps[name]()
+        first = time.perf_counter() - t0
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in ours.last_artifacts.seconds.items())
+        print(f"   {name} first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
+        if ours.last_artifacts.recompute is not None:
+            print(f"   {name}: {ours.last_artifacts.recompute.summary()}")
     times = interleaved(steps, warmup=1, iters=iters)
-    rate_torch, rate_ort = _best_rate(matmul_shapes(size))
+    rate_torch, rate_ort = _best_rate(matmul_shapes(size, batch_size))
     rate = max(rate_torch, rate_ort)
     limit = 6 * n_params * tokens / rate
     report(f"scale {size}: {n_params / 1e6:.1f}M parameters, {tokens} tokens/step", times)
@@ -191,17 +210,25 @@ def main(size: str = "gpt2", iters: int = 6, compile_: bool = True, rss: bool = 
     for name, ts in times.items():
         print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the GEMM limit")
     if rss:
-        print("\n== peak RSS, each variant in its own process (3 steps)")
-        variants = ["eager", "ortwrap"] + (["compile"] if compile_ else [])
-        results = {r["variant"]: r for r in (_rss_child(size, v, 3) for v in variants)}
-        base = results["eager"].get("peak_rss_mib")
-        for v, r in results.items():
-            if "error" in r:
-                print(f"  {v:<16} failed: {r['error'][-300:]}")
-            else:
-                ratio = f"  ({r['peak_rss_mib'] / base:.2f}x eager)" if base else ""
-                print(f"  {v:<16} {r['peak_rss_mib']:8.0f} MiB{ratio}")
+        rss_report(size, batch_size, compile_, recompute)
     np.set_printoptions()  # (numpy imported for ORT's inputs)
+
+
+def rss_report(size: str, batch_size: int | None, compile_: bool, recompute: bool) -> dict[str, dict]:
+    """Peak RSS of each variant, each in its own fresh process (3 steps); printed and returned."""
+    s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
+    print(f"\n== peak RSS (VmHWM), each variant in its own process (3 steps): {size} {s}")
+    variants = [k for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")]
+    names = ["eager", *variants] + (["compile"] if compile_ else [])
+    results = {r["variant"]: r for r in (_rss_child(size, v, 3, batch_size) for v in names)}
+    base = results["eager"].get("peak_rss_mib")
+    for v, r in results.items():
+        if "error" in r:
+            print(f"  {v:<18} failed: {r['error'][-300:]}")
+        else:
+            ratio = f"  ({r['peak_rss_mib'] / base:.2f}x eager)" if base else ""
+            print(f"  {v:<18} {r['peak_rss_mib']:8.0f} MiB{ratio}")
+    return results
 
 
 if __name__ == "__main__":
@@ -210,5 +237,13 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-rss", action="store_true")
+    parser.add_argument("--no-recompute", action="store_true", help="skip the recompute='layers' variant")
+    parser.add_argument("--batch", type=int, default=None, help="batch size instead of the size's own")
+    parser.add_argument(
+        "--rss-only", action="store_true", help="only the peak RSS of each variant (no timing, no GEMM limit)"
+    )
     a = parser.parse_args()
-    main(a.size, a.iters, not a.no_compile, not a.no_rss)
+    if a.rss_only:
+        rss_report(a.size, a.batch, not a.no_compile, not a.no_recompute)
+    else:
+        main(a.size, a.iters, not a.no_compile, not a.no_rss, a.batch, not a.no_recompute)

@@ -293,6 +293,7 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.aten_ops,
         options.aggressive_cpu_fallback,
         options.native_kernels,
+        options.recompute,
         options.fusions,
         options.fuse_initializers,
         options.zero3_gather,

@@ -17,6 +17,7 @@ __all__ = ["ENV_VARS", "Options", "env_flag"]
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
 _ZERO3_GATHER = ("module", "submodule")
+_RECOMPUTE = ("none", "layers")  # grad.recompute.RECOMPUTE_MODES
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -111,6 +112,13 @@ class Options:
         "<ORTWRAP_CACHE_DIR>/builds), keyed by the module's structure and code, the input schema, the options and "
         "the versions: a second process skips export, passes and the gradient build (docs/user-guide.md).",
     )
+    recompute: str = _opt(
+        "none",
+        "ORTWRAP_RECOMPUTE",
+        "Activation recompute, one of none, layers. 'layers' keeps only the residual stream between sublayers "
+        "(checkpoints) from the forward to the backward and recomputes the rest of each segment in the backward: "
+        "much less memory for activations, for about one more forward per step (docs/performance.md).",
+    )
     aggressive_cpu_fallback: bool = _opt(
         False,
         "ORTWRAP_AGGRESSIVE_CPU_FALLBACK",
@@ -142,6 +150,10 @@ class Options:
                 f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
             )
 
+        if self.recompute not in _RECOMPUTE:
+            raise ValueError(
+                f"ORTWrap option recompute={self.recompute!r} is invalid; allowed: {', '.join(_RECOMPUTE)}"
+            )
         if not 7 <= int(self.opset) <= 20:
             raise ValueError(f"ORTWrap option opset={self.opset!r} is invalid; the TorchScript exporter takes 7..20")
         for name in ("inline_functions", "aten_ops"):

@@ -33,6 +33,7 @@ from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
+from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
 from .passes.half_precision import FuseHalfInitializersPass
@@ -63,6 +64,8 @@ class BuildArtifacts:
         stage_seconds: wall time of each stage of the build (``pipeline.Stage``), in order.
         stages: each stage's record (time, debug snapshots).
         cached: the program came from the build cache (``exports`` is 0).
+        recompute: with ``recompute``, what the rewrite kept and recomputed (grad/recompute.py);
+            ``None`` otherwise, and for programs loaded from the build cache.
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -82,6 +85,7 @@ class BuildArtifacts:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     stages: list[StageRecord] = field(default_factory=list)
     cached: bool = False
+    recompute: RecomputeReport | None = None
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -515,6 +519,19 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             graph = dataclasses.replace(graph, float_feeds=frozenset(float_feeds))
         return {"graph": graph, "feeds": feeds}
 
+    @stage("recompute", ("graph", "feeds"), ("graph", "recompute"), group="gradient_build")
+    def recompute(graph: TrainingGraph, feeds: ExportedModel) -> dict:
+        """With ``recompute``: the backward recomputes activations between checkpoints (grad/recompute.py)."""
+        if not with_backward or o.recompute == "none":
+            return {"graph": graph, "recompute": None}
+        model = graph.model()
+        try:
+            report = recompute_segments(model, {n for n in feeds.user_input_names if n is not None}, o.recompute)
+        except Exception as e:
+            raise GradientBuildError(f"recompute={o.recompute!r} could not rewrite the training graph: {e}") from e
+        logger.info("%s", report.summary())
+        return {"graph": dataclasses.replace(graph, model_bytes=model.SerializeToString()), "recompute": report}
+
     @stage("integration_rewrites", ("graph",), ("graph",), group="gradient_build")
     def integration_rewrites(graph: TrainingGraph) -> dict:
         """The integrations' rewrites of the built graph (``integrations.Integration.rewrite_graph``)."""
@@ -549,6 +566,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         serialize,
         aten_gradients,
         gradient_build,
+        recompute,
         integration_rewrites,
         session,
         program,
@@ -805,6 +823,7 @@ def compile_program(
         exporter,
         stage_seconds,
         records,
+        recompute=values["recompute"],
     )
     if logger.isEnabledFor(logging.INFO):
         logger.info(

@@ -102,6 +102,9 @@ def _create_session(
     graph: TrainingGraph, device: torch.device, options: Options
 ) -> tuple[ort.InferenceSession, C.OrtDevice]:
     providers, provider_options, ort_device = providers_for(device)
+    # NOTE: ORT's common subexpression elimination would merge recomputed copies of forward nodes
+    # back into the originals (grad/recompute.py).
+    disabled = ["CommonSubexpressionElimination"] if graph.has_backward and options.recompute != "none" else []
     try:
         # NOTE: ORT 1.19.2's MatMulScaleFusion gave a wrong gradient in a built training graph
         # (wav2vec2 with stable layer norm: the last layer's v_proj weight); off, every gradient
@@ -111,7 +114,7 @@ def _create_session(
             session_options(options),
             providers,
             provider_options,
-            disabled_optimizers=["MatMulScaleFusion"],
+            disabled_optimizers=[*disabled, "MatMulScaleFusion"],
         )
     except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
