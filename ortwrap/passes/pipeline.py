@@ -19,6 +19,7 @@ from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
+from .grouped_conv import GroupedConvGradPass
 from .half_precision import HalfPrecisionOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
@@ -91,6 +92,8 @@ def default_passes(
             RefuseSequenceOpsPass(),
         ]
         if device_type == "cpu":
+            # ORT 1.19.2's CPU ConvGrad writes past its input gradient for grouped 1-D/3-D convolutions.
+            passes.append(GroupedConvGradPass())
             # Forms whose gradients ORT 1.19.2's CPU kernels compute faster (same values).
             passes.append(UnfuseErfGeluPass())
             if native_kernels:

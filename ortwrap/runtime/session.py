@@ -106,15 +106,12 @@ def _create_session(
     # back into the originals (grad/recompute.py).
     disabled = ["CommonSubexpressionElimination"] if graph.has_backward and options.recompute != "none" else []
     try:
-        # NOTE: ORT 1.19.2's MatMulScaleFusion gave a wrong gradient in a built training graph
-        # (wav2vec2 with stable layer norm: the last layer's v_proj weight); off, every gradient
-        # matches eager (tests/test_coverage.py wav2vec2_encoder).
         sess = ort.InferenceSession(
             graph.model_bytes,
             session_options(options),
             providers,
             provider_options,
-            disabled_optimizers=[*disabled, "MatMulScaleFusion"],
+            disabled_optimizers=disabled,
         )
     except Exception as e:
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
