@@ -11,10 +11,11 @@ VENV ?= .venv-$(TORCH)
 endif
 PY := $(VENV)/bin/python
 ORT_EXTRA ?= cpu
-PYTEST_ARGS ?=
+# `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those.
+PYTEST_ARGS ?= -m "not slow"
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
-.PHONY: demo test test-all bench bench-scale lint clean
+.PHONY: demo test test-slow test-all bench bench-scale lint clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
@@ -30,10 +31,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
 # The suite on both ends of the tested torch range (what .ci/run does).
 test-all:
 	$(MAKE) test TORCH=2.13.0
 	$(MAKE) test TORCH=2.14.1
+	$(MAKE) test-slow TORCH=2.13.0
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -480,8 +480,9 @@ def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None
 
     from .passes._build import constant_value
 
-    if len(node.inputs) < 5 or node.inputs[4] is None:
-        return None
+    x = node.inputs[0]
+    if len(node.inputs) < 5 or node.inputs[4] is None or x.dtype is None or not x.dtype.is_floating_point():
+        return None  # integer slices (shape arithmetic) have nothing to differentiate
     steps = constant_value(node.inputs[4])
     if steps is None or not (steps < 0).any():
         return None

@@ -34,14 +34,18 @@ def test_a_requested_provider_that_did_not_load_is_refused(monkeypatch):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     model_bytes = model.SerializeToString()
     cpu = session.providers_for(torch.device("cpu"))
-    sess, _ = session._create_session(types.SimpleNamespace(model_bytes=model_bytes), torch.device("cpu"), Options())
+    sess, _ = session._create_session(
+        types.SimpleNamespace(model_bytes=model_bytes, has_backward=False), torch.device("cpu"), Options()
+    )
     assert sess.get_providers() == ["CPUExecutionProvider"]
     # A provider list naming one this onnxruntime cannot load (the CPU wheel has no CUDA provider).
     monkeypatch.setattr(
         session, "providers_for", lambda device: (["CUDAExecutionProvider", *cpu[0]], [{}, *cpu[1]], cpu[2])
     )
     with pytest.raises(SessionError, match="without CUDAExecutionProvider"):
-        session._create_session(types.SimpleNamespace(model_bytes=model_bytes), torch.device("cpu"), Options())
+        session._create_session(
+            types.SimpleNamespace(model_bytes=model_bytes, has_backward=False), torch.device("cpu"), Options()
+        )
 
 
 @pytest.mark.gpu
@@ -54,6 +58,8 @@ def test_cuda_session_has_the_cuda_provider():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     sess, _ = session._create_session(
-        types.SimpleNamespace(model_bytes=model.SerializeToString()), torch.device("cuda"), Options()
+        types.SimpleNamespace(model_bytes=model.SerializeToString(), has_backward=False),
+        torch.device("cuda"),
+        Options(),
     )
     assert sess.get_providers()[0] == "CUDAExecutionProvider"

@@ -67,5 +67,7 @@ def classification_inputs(b, g):
 )
 def test_transformers_model_trains_like_eager(make_model, make_inputs):
     w = check_parity(make_model, make_inputs, loss_fn=lambda out: out.loss)
-    assert w.export_count == 1  # new batch sizes and sequence lengths reuse the graph
+    # new batch sizes and sequence lengths reuse the graph (0 exports: the test session's build
+    # cache already held it)
+    assert w.export_count <= 1 and len(w.programs()) == 1
     assert w.fallback_reason is None

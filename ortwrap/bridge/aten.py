@@ -103,9 +103,7 @@ class _Plan:
         schema = compat.op_schema(fn)
         self.fn = fn
         #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
-        self.written = {
-            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        }
+        self.written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
         self.simple = True  # every argument a plain Tensor: no decoding
@@ -392,7 +390,7 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
     return result if isinstance(result, (tuple, list)) else (result,)
 
 
-def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto:
+def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = True) -> onnx.ModelProto:
     """ONNX shape inference, extended through ATen nodes.
 
     ONNX cannot infer the outputs of ``org.pytorch.aten::ATen``, so inference stops at the first
@@ -421,7 +419,12 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64) -> onnx.ModelProto
             op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
             if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):
                 continue
-            first = _meta_outputs(node, op, overload, known, constants, _STAND_INS[0])
+            try:
+                first = _meta_outputs(node, op, overload, known, constants, _STAND_INS[0])
+            except Exception:
+                if strict:
+                    raise
+                continue  # best effort (strict=False): its outputs stay unknown
             if first is None:
                 continue
             symbolic = any(name in known and None in known[name][1] for name in node.input if name not in constants)

@@ -41,10 +41,16 @@ class ShapesForGradientsPass(ir.passes.FunctionalPass):
         for node in model.graph:  # ONNX inference wants every domain imported (passes add ATen nodes)
             if node.domain and node.domain not in model.opset_imports:
                 model.opset_imports[node.domain] = 1
-        proto = infer_types(ir.serde.serialize_model(model))
+        before = {v.name: (v.dtype, v.shape) for node in model.graph for v in node.outputs if v.name}
+        proto = infer_types(ir.serde.serialize_model(model), strict=False)
         model = ir.serde.deserialize_model(proto)
         for node in model.graph:
             for v in node.outputs:
+                dtype, shape = before.get(v.name, (None, None))
+                if dtype is not None:  # known before: kept (inference fills in what was unknown)
+                    v.dtype = dtype
+                if shape is not None:
+                    v.shape = shape
                 _forget_invented(v)
         for v in model.graph.outputs:
             _forget_invented(v)
