@@ -407,11 +407,16 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     untyped = [v for v in model.graph.value_info if not v.type.HasField("tensor_type")]
     for v in untyped:
         model.graph.value_info.remove(v)
+    refined: set[tuple] = set()
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
         constants = _proto_constants(model)
-        progress = _refine_slices(model, constants)
+        # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims
+        # each round, and counting their re-refinement as progress ran all max_rounds rounds
+        # (seconds on HF GPT-2).
+        progress = _refine_slices(model, constants) and _slice_signature(model) not in refined
+        refined.add(_slice_signature(model))
         for node in model.graph.node:
             if node.domain != ATEN_DOMAIN or node.op_type != "ATen" or all(o in known for o in node.output):
                 continue
@@ -506,9 +511,26 @@ def _refine_slices(model: onnx.ModelProto, constants: dict[str, torch.Tensor]) -
             for v in graph.value_info
             if v.name in standard and any(d.dim_param.startswith("unk__") for d in v.type.tensor_type.shape.dim)
         ]
-        for v in stale:
-            graph.value_info.remove(v)
+        if stale:  # one rebuild: removing entries one by one is quadratic in protobuf
+            drop = {v.name for v in stale}
+            keep = [
+                onnx.ValueInfoProto.FromString(v.SerializeToString()) for v in graph.value_info if v.name not in drop
+            ]
+            del graph.value_info[:]
+            graph.value_info.extend(keep)
     return changed
+
+
+def _slice_signature(model: onnx.ModelProto) -> tuple:
+    """The shapes of every Slice output, as value infos record them."""
+    slices = {o for n in model.graph.node if n.op_type == "Slice" for o in n.output}
+    return tuple(
+        sorted(
+            (v.name, tuple((d.dim_value, d.dim_param) for d in v.type.tensor_type.shape.dim))
+            for v in model.graph.value_info
+            if v.name in slices
+        )
+    )
 
 
 USED_MARK = "used="
