@@ -441,23 +441,15 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
         }
         p = FuseHalfInitializersPass(names)
-        start = time.perf_counter()
-        result = run_pass(p, ir_model)
-        record = PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)
-        return {
-            "ir_model": result.model,
-            "pass_records": [*pass_records, record],
-            "float_feeds": frozenset(p.converted),
-        }
+        result, records = _recorded(p, ir_model, pass_records)
+        return {"ir_model": result.model, "pass_records": records, "float_feeds": frozenset(p.converted)}
 
     def pass_stage(p: ir.passes.PassBase) -> Stage:
         name = type(p).__name__
 
         def run(ir_model: ir.Model, pass_records: list[PassRecord]) -> dict:
-            start = time.perf_counter()
-            result = run_pass(p, ir_model)
-            record = PassRecord(name, result.modified, time.perf_counter() - start)
-            return {"ir_model": result.model, "pass_records": [*pass_records, record]}
+            result, records = _recorded(p, ir_model, pass_records)
+            return {"ir_model": result.model, "pass_records": records}
 
         return Stage(name, ("ir_model", "pass_records"), ("ir_model", "pass_records"), run, "passes", _modified)
 
@@ -468,10 +460,8 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         if not o.aggressive_cpu_fallback:
             return {"ir_model": ir_model, "pass_records": pass_records, "host_split": None}
         p = HostShapeSplitPass({n for n in exported.user_input_names if n is not None})
-        start = time.perf_counter()
-        result = run_pass(p, ir_model)
-        record = PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)
-        return {"ir_model": result.model, "pass_records": [*pass_records, record], "host_split": result.split}
+        result, records = _recorded(p, ir_model, pass_records)
+        return {"ir_model": result.model, "pass_records": records, "host_split": result.split}
 
     @stage("serialize", ("ir_model",), ("pre_grad",), group="passes")
     def serialize(ir_model: ir.Model) -> dict:
@@ -571,6 +561,13 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         session,
         program,
     ]
+
+
+def _recorded(p: ir.passes.PassBase, ir_model: ir.Model, pass_records: list[PassRecord]) -> tuple[Any, list]:
+    """Run pass ``p``; its result and ``pass_records`` with its record (name, modified, seconds) added."""
+    start = time.perf_counter()
+    result = run_pass(p, ir_model)
+    return result, [*pass_records, PassRecord(type(p).__name__, result.modified, time.perf_counter() - start)]
 
 
 def _native_gate(st: Stage) -> Stage:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx.parser
-import onnx_ir as ir
+import onnx_text
 import pytest
 import torch
 from parity import check_parity, seq_len
@@ -17,17 +16,9 @@ from ortwrap._ort import ort
 from ortwrap.passes.fusions import StandardOpFusionPass
 
 
-def _model(body: str, opset: int) -> onnx.ModelProto:
-    return onnx.shape_inference.infer_shapes(
-        onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n{body}')
-    )
-
-
 def _fuse(body: str, opset: int, training: bool = False) -> tuple[onnx.ModelProto, onnx.ModelProto, bool]:
-    before = _model(body, opset)
-    ir_model = ir.serde.deserialize_model(before)
-    result = StandardOpFusionPass(training=training)(ir_model)
-    return before, ir.serde.serialize_model(result.model), result.modified
+    result, after = onnx_text.run_pass(StandardOpFusionPass(training=training), body, opset)
+    return onnx.shape_inference.infer_shapes(onnx_text.parse(body, opset)), after, result.modified
 
 
 def _ops(model: onnx.ModelProto) -> list[tuple[str, str]]:

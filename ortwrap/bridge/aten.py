@@ -415,8 +415,9 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
         # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims
         # each round, and counting their re-refinement as progress ran all max_rounds rounds
         # (seconds on HF GPT-2).
-        progress = _refine_slices(model, constants) and _slice_signature(model) not in refined
-        refined.add(_slice_signature(model))
+        changed, signature = _refine_slices(model, constants), _slice_signature(model)
+        progress = changed and signature not in refined
+        refined.add(signature)
         for node in model.graph.node:
             if node.domain != ATEN_DOMAIN or node.op_type != "ATen" or all(o in known for o in node.output):
                 continue
