@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -57,3 +59,19 @@ def train_step(model, opt, make_loss: Callable[[object], object]) -> Callable[[]
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def peak_rss_child(code: str, timeout: int = 1800) -> dict:
+    """Run ``code`` (Python source) in a fresh interpreter; its peak RSS in MiB afterwards.
+
+    Returns ``{"peak_rss_mib": ...}``, or ``{"error": <the end of stderr>}`` if it failed."""
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
+    code += (
+        '\nhwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))'
+        '\nprint("RSS " + str(hwm / 1024))\n'
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RSS "):
+            return {"peak_rss_mib": json.loads(line[4:])}
+    return {"error": proc.stderr[-1500:]}

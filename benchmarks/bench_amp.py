@@ -24,15 +24,13 @@ docs/performance.md for which kernels run in which precision.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 import _harness  # noqa: F401  (puts examples/ on sys.path)
 import torch
-from _harness import interleaved, median_ms, report
+from _harness import interleaved, median_ms, peak_rss_child, report
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -139,14 +137,8 @@ model, ids, tgt = b.build({size!r}, {adapters!r}, options)
 step = b.step_fn(model, ids, tgt, amp)
 for _ in range({steps}):
     step()
-hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print("RSS " + json.dumps(hwm / 1024))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RSS "):
-            return {"peak_rss_mib": json.loads(line[4:])}
-    return {"error": proc.stderr[-1500:]}
+    return peak_rss_child(code, timeout=3600)
 
 
 def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) -> None:

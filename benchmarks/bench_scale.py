@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import subprocess
-import sys
 import time
 
 import _harness  # noqa: F401  (puts examples/ on sys.path)
 import numpy as np
 import torch
-from _harness import interleaved, median_ms, report
+from _harness import interleaved, median_ms, peak_rss_child, report
 
 SIZES = {
     "gpt2": dict(vocab=8192, d=768, heads=12, layers=12, seq=256, batch=4),
@@ -153,15 +150,8 @@ elif {variant!r} in b.ORTWRAP_VARIANTS:
 step = b.step_fn(model, ids, tgt)
 for _ in range({steps}):
     step()
-# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
-hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print("RSS " + json.dumps(hwm / 1024))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RSS "):
-            return {"variant": variant, "peak_rss_mib": json.loads(line[4:])}
-    return {"variant": variant, "error": proc.stderr[-1500:]}
+    return {"variant": variant, **peak_rss_child(code)}
 
 
 def main(
