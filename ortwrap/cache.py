@@ -5,7 +5,8 @@ A build's key is a hash of everything that decides the graph, computed without e
 - the module: every submodule's class, name and ``training`` flag; the names, shapes, dtypes and
   ``requires_grad`` of its parameters and buffers (not their values: they are graph inputs); its
   plain attributes (numbers, strings, containers of them, configs with ``to_dict()``, such as
-  transformers' ``PretrainedConfig``), and the bytes of tensors it keeps outside parameters and
+  transformers' ``PretrainedConfig``), the plain values its classes hold (a class-level flag the
+  forward reads, changed at run time), and the bytes of tensors it keeps outside parameters and
   buffers (the graph bakes those in);
 - the code: the source file of every class in the module tree and its bases, or, for classes
   installed as a package (torch, transformers, ...), that package's version;
@@ -238,6 +239,10 @@ def _cell_set(cell: Any) -> bool:
     return True
 
 
+#: Class attributes whose values enter the key (methods, properties and descriptors are code).
+_CLASS_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset, torch.dtype)
+
+
 def _module_fingerprint(module: nn.Module) -> tuple:
     parts: list = []
     classes: set[type] = set()
@@ -261,6 +266,16 @@ def _module_fingerprint(module: nn.Module) -> tuple:
         )
         parts.append((name, type(sub).__module__, type(sub).__qualname__, sub.training, params, buffers, tuple(attrs)))
     code = tuple(sorted(_class_code(c) for c in classes))
+    # Class-level settings a forward reads (``factor = 1.0`` on the class, changed at run time by a
+    # config or a test): the source file does not change, so the values themselves are keyed.
+    class_values = tuple(
+        sorted(
+            (c.__module__, c.__qualname__, name, repr(_plain(value)))
+            for c in classes
+            for name, value in vars(c).items()
+            if not name.startswith("__") and isinstance(value, _CLASS_VALUE_TYPES)
+        )
+    )
     # A class defined inside a function can close over that function's variables (a test's
     # parametrized equation, say): its methods' closure values are part of its code.
     closures = tuple(
@@ -276,7 +291,7 @@ def _module_fingerprint(module: nn.Module) -> tuple:
             if inspect.isfunction(fn) and fn.__closure__
         )
     )
-    return tuple(parts), code, closures
+    return tuple(parts), code, class_values, closures
 
 
 def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: bool) -> str:

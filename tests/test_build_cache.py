@@ -39,6 +39,19 @@ class Scaled(nn.Module):
         return self.l2(torch.tanh(self.l1(x)) * self.scale)
 
 
+class ClassScaled(Scaled):
+    factor = 1.0  # read by forward: the traced graph bakes it in
+
+    def forward(self, x):
+        return super().forward(x) * self.factor
+
+
+@pytest.fixture(autouse=True)
+def _restore_class_attribute():
+    yield
+    ClassScaled.factor = 1.0
+
+
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad()
     out = model(x)
@@ -74,11 +87,11 @@ def test_a_second_build_loads_the_first_and_trains_the_same(cache_dir):
 
 @pytest.mark.parametrize(
     "change",
-    ["width", "attribute", "option", "input dtype", "requires_grad", "eval mode", "closure"],
+    ["width", "attribute", "class attribute", "option", "input dtype", "requires_grad", "eval mode", "closure"],
 )
 def test_every_change_is_a_rebuild_never_a_stale_graph(cache_dir, change):
     x = torch.randn(5, 4)
-    _assert_like_eager(Scaled, x)
+    _assert_like_eager(ClassScaled if change == "class attribute" else Scaled, x)
     make, options = Scaled, {}
     if change == "width":
         make = lambda: Scaled(width=16)  # noqa: E731
@@ -101,6 +114,11 @@ def test_every_change_is_a_rebuild_never_a_stale_graph(cache_dir, change):
                 return super().forward(x) * factor
 
         make = Closure
+    elif change == "class attribute":
+        # a class-level setting the forward reads, changed at run time (a config flag, say): the
+        # source file is the same, so only the value itself can tell the builds apart
+        make = ClassScaled
+        ClassScaled.factor = 3.0
     w = _assert_like_eager(make, x, **options)
     if change != "option":  # (an option that does not change this graph may still share nothing)
         assert not w.last_artifacts.cached, f"{change}: a cached graph was served"
