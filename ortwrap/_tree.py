@@ -4,6 +4,12 @@ Containers: tuple, namedtuple, list, dict (and subclasses such as OrderedDict an
 ``ModelOutput``) and dataclasses. Leaves are tensors or constants. The spec is hashable when its
 constants are, so the input spec is a cache key: a new structure or constant value means a new
 export.
+
+Outputs (``objects=True``) also take apart the objects a module returns that hold tensors: a type
+registered with torch's pytree by its children, any other object by its attributes (``__dict__``
+and ``__slots__``: transformers' ``DynamicCache`` and its layers, a user's result class). Each call then rebuilds a new object of
+the class from that call's tensors (``cls.__new__`` and the attributes; ``__init__`` does not run).
+Objects that hold no tensor stay opaque: the same object every call.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TENSOR", "flatten", "unflatten"]
+__all__ = ["TENSOR", "flatten", "holds_tensors", "unflatten"]
 
 #: Spec of a tensor leaf.
 TENSOR = ("T",)
@@ -22,7 +28,9 @@ TENSOR = ("T",)
 _CONST_TYPES = (int, float, bool, type(None), str, torch.dtype, torch.device)
 
 
-def flatten(obj: Any, path: str, leaves: list[torch.Tensor], on_other: Callable[[str, Any], Any]) -> tuple:
+def flatten(
+    obj: Any, path: str, leaves: list[torch.Tensor], on_other: Callable[[str, Any], Any], objects: bool = False
+) -> tuple:
     """Append the tensors of ``obj`` to ``leaves`` and return the spec of ``obj``.
 
     Args:
@@ -31,6 +39,7 @@ def flatten(obj: Any, path: str, leaves: list[torch.Tensor], on_other: Callable[
         leaves: list the tensor leaves are appended to, depth first.
         on_other: called as ``on_other(path, value)`` for a leaf that is neither a tensor nor a
             constant; returns the spec to store or raises.
+        objects: take apart objects that hold tensors (see the module docstring); for outputs.
     """
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
@@ -42,14 +51,59 @@ def flatten(obj: Any, path: str, leaves: list[torch.Tensor], on_other: Callable[
         # Dataclasses, including transformers' ModelOutput (an OrderedDict and a dataclass): keep
         # the fields that are set, in field order.
         names = tuple(f.name for f in dataclasses.fields(obj) if getattr(obj, f.name) is not None)
-        return ("D", cls, names, tuple(flatten(getattr(obj, n), f"{path}.{n}", leaves, on_other) for n in names))
+        return (
+            "D",
+            cls,
+            names,
+            tuple(flatten(getattr(obj, n), f"{path}.{n}", leaves, on_other, objects) for n in names),
+        )
     if isinstance(obj, dict):
         keys = tuple(obj.keys())
-        return ("M", cls, keys, tuple(flatten(obj[k], f"{path}[{k!r}]", leaves, on_other) for k in keys))
+        return ("M", cls, keys, tuple(flatten(obj[k], f"{path}[{k!r}]", leaves, on_other, objects) for k in keys))
     if isinstance(obj, (tuple, list)):
-        children = tuple(flatten(v, f"{path}[{i}]", leaves, on_other) for i, v in enumerate(obj))
+        children = tuple(flatten(v, f"{path}[{i}]", leaves, on_other, objects) for i, v in enumerate(obj))
         return ("S", cls, children)
+    if objects and holds_tensors(obj) and not isinstance(obj, (torch.nn.Module, type)):
+        from ._compat import torch as compat
+
+        node = compat.pytree_children(obj)
+        if node is not None:
+            children, context = node
+            specs = tuple(flatten(c, f"{path}<{i}>", leaves, on_other, objects) for i, c in enumerate(children))
+            return ("P", cls, context, specs)
+        attributes = _attributes(obj)
+        if attributes is not None:
+            names = tuple(attributes)
+            specs = tuple(flatten(attributes[n], f"{path}.{n}", leaves, on_other, objects) for n in names)
+            return ("A", cls, names, specs)
     return on_other(path, obj)
+
+
+def _attributes(obj: Any) -> dict[str, Any] | None:
+    """An object's attributes: its ``__dict__`` and the ``__slots__`` it has set; None if it has neither."""
+    attributes = getattr(obj, "__dict__", None)
+    out = dict(attributes) if isinstance(attributes, dict) else None
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                out = {} if out is None else out
+                out[name] = getattr(obj, name)
+    return out
+
+
+def holds_tensors(value: Any, depth: int = 8) -> bool:
+    """Whether an object, its attributes (or their lists, tuples and dicts) hold tensors."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth < 0 or isinstance(value, (torch.nn.Module, type)) or type(value) in _CONST_TYPES:
+        return False
+    if isinstance(value, dict):
+        return any(holds_tensors(v, depth - 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_tensors(v, depth - 1) for v in value)
+    attributes = _attributes(value)
+    return attributes is not None and any(holds_tensors(v, depth - 1) for v in attributes.values())
 
 
 def unflatten(spec: tuple, leaves: Any) -> Any:
@@ -83,4 +137,15 @@ def _build(spec: tuple, it: Any) -> Any:
     if kind == "D":
         cls, names, children = spec[1], spec[2], spec[3]
         return cls(**{n: _build(c, it) for n, c in zip(names, children)})
+    if kind == "P":  # a registered pytree type (outputs only)
+        from ._compat import torch as compat
+
+        cls, context, children = spec[1], spec[2], spec[3]
+        return compat.pytree_rebuild(cls, [_build(c, it) for c in children], context)
+    if kind == "A":  # an object rebuilt from its attributes (outputs only)
+        cls, names, children = spec[1], spec[2], spec[3]
+        obj = cls.__new__(cls)
+        for n, c in zip(names, children):
+            object.__setattr__(obj, n, _build(c, it))  # past a frozen class's __setattr__
+        return obj
     raise AssertionError(f"unknown spec kind {kind!r}")
