@@ -179,3 +179,48 @@ def test_float64_op_without_a_replacement_is_refused_before_the_session():
     model = ir.Model(ir.Graph([x], [node.outputs[0]], nodes=[node], opset_imports={"": 17}), ir_version=8)
     with pytest.raises(PassError, match=r"ReduceL2\) cannot be run in float64.*ReduceL2\(13\)"):
         DoublePrecisionOnCPUPass(with_backward=False)(model)
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+def test_float64_batchnorm_in_training_mode_is_refused_with_a_clear_error():
+    torch.manual_seed(0)
+    w = ORTWrap(ConvBN().double(), fallback=False)
+    with pytest.raises(PassError, match=r"BatchNorm in training mode cannot be trained in float64.*eval\(\)"):
+        w(torch.randn(2, 3, 6, 6, dtype=torch.float64))
+
+
+def test_float64_batchnorm_in_eval_mode_trains_like_eager():
+    def make():
+        m = ConvBN()
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+        return m
+
+    class Frozen(nn.Module):  # check_parity puts the whole model in train mode: BatchNorm stays in eval
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = make()
+
+        def train(self, mode: bool = True):
+            super().train(mode)
+            self.inner.bn.eval()
+            return self
+
+        def forward(self, x):
+            return self.inner(x)
+
+    check_parity(
+        _double(Frozen),
+        lambda b, g: ((torch.randn(b, 3, 6, 6, generator=g, dtype=torch.float64),), {}),
+        atol=ATOL,
+        rtol=RTOL,
+    )

@@ -105,21 +105,32 @@ def probe_node(
 
 @functools.lru_cache(maxsize=4096)
 def _probe(model_bytes: bytes, grads: tuple[str, ...], with_backward: bool) -> str | None:
+    import re
+
     import onnxruntime as ort
 
     from .builder import build_graph
 
     model = onnx.load_model_from_string(model_bytes)
+    wanted = list(grads)
     try:
-        if with_backward and grads:
-            model_bytes = build_graph(
-                model,
-                state_names=[],
-                trainable_names=[],
-                input_names_require_grad=list(grads),
-                build_gradient=True,
-                log_level=50,
-            ).model_bytes
+        while with_backward and wanted:
+            try:
+                model_bytes = build_graph(
+                    model,
+                    state_names=[],
+                    trainable_names=[],
+                    input_names_require_grad=wanted,
+                    build_gradient=True,
+                    log_level=50,
+                ).model_bytes
+                break
+            except Exception as e:
+                # An input the op has no gradient for (BatchNorm's running statistics): ask without it.
+                undifferentiable = re.search(r"failed to find NodeArg by name: (\S+)_grad", str(e))
+                if undifferentiable is None or undifferentiable.group(1) not in wanted:
+                    raise
+                wanted.remove(undifferentiable.group(1))
         options = ort.SessionOptions()
         options.log_severity_level = 4
         ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])

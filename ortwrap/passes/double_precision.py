@@ -11,6 +11,12 @@ PyTorch's autograd (``bridge/aten.py``), as ``TorchGradientsPass`` does for ops 
 Float attributes the replacement reads are taken as written (``registry.written``: ``1e-5``, not
 its float32 ``9.99999974e-06``), so results match eager's float64 ones to rounding.
 
+Two gaps no probe sees, because ORT registers the kernel (or swaps the op) and fails only later:
+``Concat``'s float64 gradient (``SplitTraining``) fails when it runs, so float64 ``Concat`` is
+joined by ``torch.cat`` two inputs at a time; ``BatchNormalization`` in training mode becomes
+``BatchNormInternal`` at session creation, which has no float64 kernel: refused with a
+:class:`~ortwrap.errors.PassError` (eval-mode BatchNorm is decomposed and trains).
+
 A node ORT cannot run in float64, that runs in float32 and that has no registry entry raises
 :class:`~ortwrap.errors.PassError` naming the op and what ORT lacks, before any session is built.
 Graphs without a float64 value are not touched (the pass returns after one scan).
@@ -85,6 +91,19 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
             if node.op_type == "Concat" and node.domain in ("", "ai.onnx") and _is_double(node.outputs[0]):
                 self._concat(graph, node)
                 continue
+            if (
+                node.op_type == "BatchNormalization"
+                and node.domain in ("", "ai.onnx")
+                and "training_mode" in node.attributes
+                and node.attributes["training_mode"].as_int() == 1
+                and _is_double(node.inputs[0])
+            ):
+                # ORT swaps it for BatchNormInternal when it creates the session: no probe sees it.
+                raise PassError(
+                    f"node {node.name!r}: BatchNorm in training mode cannot be trained in float64 on ONNX Runtime's "
+                    "CPU provider (no float64 BatchNormInternal kernel). Train the model in float32, or put its "
+                    "BatchNorm layers in eval() (running statistics: that form trains in float64)"
+                )
             domain = _DOMAINS.get(node.domain)
             if domain is None or not (any(map(_is_double, node.inputs)) or any(map(_is_double, node.outputs))):
                 continue
