@@ -24,6 +24,9 @@ __all__ = ["TENSOR", "flatten", "holds_tensors", "unflatten"]
 
 #: Spec of a tensor leaf.
 TENSOR = ("T",)
+#: Spec of an ``int`` input fed as a 0-d int64 tensor leaf (``promote_ints``): inside an export it
+#: reaches the module as that tensor (TorchScript) or as its ``.item()`` (torch.export: a symbolic int).
+INT = ("I",)
 
 _CONST_TYPES = (int, float, bool, type(None), str, torch.dtype, torch.device)
 
@@ -118,6 +121,9 @@ def _build(spec: tuple, it: Any) -> Any:
         return next(it)
     if kind == "C":
         return spec[2]
+    if kind == "I":
+        value = next(it)
+        return value if torch.jit.is_tracing() else value.item()
     if kind == "O":  # an opaque object kept by identity (outputs only)
         return spec[1]
     if kind == "S":
@@ -149,3 +155,63 @@ def _build(spec: tuple, it: Any) -> Any:
             object.__setattr__(obj, n, _build(c, it))  # past a frozen class's __setattr__
         return obj
     raise AssertionError(f"unknown spec kind {kind!r}")
+
+
+def _is_int(spec: tuple) -> bool:
+    return spec[0] == "C" and spec[1] is int
+
+
+def int_constants(spec: tuple) -> list[int]:
+    """The ``int`` constants of an input spec, in flattening order."""
+    out: list[int] = []
+
+    def walk(s: tuple) -> None:
+        if _is_int(s):
+            out.append(s[2])
+        elif s[0] == "S":
+            for c in s[2]:
+                walk(c)
+        elif s[0] in ("M", "D"):
+            for c in s[3]:
+                walk(c)
+
+    walk(spec)
+    return out
+
+
+def rewrite_ints(
+    spec: tuple, leaves: list[torch.Tensor], change: Callable[[int, int], Any], device: torch.device | None = None
+) -> tuple:
+    """``spec`` with each ``int`` constant (the ``i``-th, value ``v``) replaced by ``change(i, v)``:
+    an int (a new constant), :data:`INT` (fed as a leaf: a 0-d int64 tensor of ``v`` is inserted
+    into ``leaves`` where the spec consumes it, on ``device``), or None (no value: a key for every
+    value). ``leaves`` (the spec's tensors, in order) is updated in place."""
+    source = list(leaves)
+    leaves.clear()
+    position = [0, 0]  # next int, next source leaf
+
+    def walk(s: tuple) -> tuple:
+        kind = s[0]
+        if kind == "T":
+            leaves.append(source[position[1]])
+            position[1] += 1
+            return s
+        if kind == "I":
+            leaves.append(source[position[1]])
+            position[1] += 1
+            return s
+        if _is_int(s):
+            i = position[0]
+            position[0] += 1
+            new = change(i, s[2])
+            if new is INT:
+                leaves.append(torch.tensor(s[2], dtype=torch.int64, device=device))
+                return INT
+            return ("C", int, new)
+        if kind == "S":
+            return ("S", s[1], tuple(walk(c) for c in s[2]))
+        if kind in ("M", "D"):
+            return (kind, s[1], s[2], tuple(walk(c) for c in s[3]))
+        return s
+
+    return walk(spec)
