@@ -652,6 +652,18 @@ def _gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     return [value(0), _attr(node, "approximate", "none")]
 
 
+def _fast_gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """com.microsoft ``FastGelu`` (the fused tanh GELU of inference graphs), without its bias."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return None
+    return [value(0), "tanh"]
+
+
+def _instance_norm(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """``InstanceNormalization`` -> ``instance_norm`` with the input's statistics."""
+    return [value(0), value(1), value(2), None, None, True, 0.1, written(float(_attr(node, "epsilon", 1e-5))), False]
+
+
 #: Ops that ORT 1.19.2's CPU provider cannot run or differentiate in float64 (its probe says which,
 #: ``grad/probe.py``), run as PyTorch ops (``passes/double_precision.py``).
 #: Keyed by (domain, op type).
@@ -680,6 +692,10 @@ DOUBLE_PRECISION: dict[tuple[str, str], OnnxViaTorch] = {
         ),
         OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf", domain="com.microsoft"),
         OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf"),  # opset 20
+        OnnxViaTorch("FastGelu", "gelu", _fast_gelu, devices=("cpu",), why="no float64 kernel", domain="com.microsoft"),
+        OnnxViaTorch(
+            "InstanceNormalization", "instance_norm", _instance_norm, devices=("cpu",), why="no float64 kernel"
+        ),
         OnnxViaTorch("Conv", "convolution", _conv, devices=("cpu",), why="no float64 Conv"),
         OnnxViaTorch(
             "MatMul", "matmul", lambda n, v, b: [v(0), v(1)], devices=("cpu",), why="no float64 FusedMatMul (batched)"

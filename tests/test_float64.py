@@ -135,6 +135,24 @@ def test_float64_model_trains_like_eager(case):
     assert len(w.programs()) == 1  # the changing batch and sequence sizes reuse one graph
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_float64_inference_matches_eager(case, exporter):
+    """Graphs without a backward (eval mode, ``torch.no_grad()``) get ORT's inference fusions
+    (FastGelu, FusedMatMul) and the forward ops' float attributes: float64 results stay eager's."""
+    import copy
+
+    from parity import assert_close
+
+    make_model, make_inputs = CASES[case]
+    eager = _double(make_model)().eval()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter)
+    g = torch.Generator().manual_seed(1)
+    for b in (4, 7, 3):
+        (x,), _ = make_inputs(b, g)
+        with torch.no_grad():
+            assert_close(w(x), eager(x), f"batch {b}", atol=1e-12, rtol=1e-12)
+
+
 def test_float64_llama_trains_like_eager():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

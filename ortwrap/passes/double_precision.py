@@ -29,7 +29,7 @@ import onnx_ir as ir
 from ..bridge.aten import ATEN_DOMAIN
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
-from ..registry import DOUBLE_PRECISION, constant_array
+from ..registry import DOUBLE_PRECISION, constant_array, written
 from ._build import NodeBuilder, constant_value
 from .torch_gradients import replace_with_torch
 
@@ -40,6 +40,15 @@ _DOMAINS = {"": "", "ai.onnx": "", "com.microsoft": "com.microsoft"}
 
 def _is_double(value: ir.Value | None) -> bool:
     return value is not None and value.dtype == _DOUBLE
+
+
+def _rounded_float_attribute(node: ir.Node) -> bool:
+    """Whether a float attribute of ``node`` is not the value its author wrote (``LeakyReLU(0.3)``
+    reads back 0.30000001192...): ORT's float64 kernel would compute with the float32."""
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.FLOAT and written(attr.as_float()) != attr.as_float():
+            return True
+    return False
 
 
 def _infer_dtypes(graph: ir.Graph, opsets: dict[str, int]) -> None:
@@ -87,6 +96,7 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
         opsets = dict(model.opset_imports)
         _infer_dtypes(graph, opsets)
         self._silu(graph, opsets)
+        self._transposed_matmul(graph, opsets)
         for node in list(graph):
             if node.op_type == "Concat" and node.domain in ("", "ai.onnx") and _is_double(node.outputs[0]):
                 self._concat(graph, node)
@@ -107,10 +117,10 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
             domain = _DOMAINS.get(node.domain)
             if domain is None or not (any(map(_is_double, node.inputs)) or any(map(_is_double, node.outputs))):
                 continue
-            why = probe_node(node, opsets, with_backward=self.with_backward, constant_value=constant_value)
-            if why is None:
-                continue
             entry = DOUBLE_PRECISION.get((domain, node.op_type))
+            why = probe_node(node, opsets, with_backward=self.with_backward, constant_value=constant_value)
+            if why is None and not (entry is not None and _rounded_float_attribute(node)):
+                continue
             if entry is not None:
                 self._drop_unused_outputs(node)
             aten = replace_with_torch(graph, node, entry) if entry is not None else None
@@ -153,6 +163,28 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
             out.dtype = _DOUBLE
         b.replace(graph, node, [out])
         self.rewritten["Concat"] = self.rewritten.get("Concat", 0) + 1
+
+    def _transposed_matmul(self, graph: ir.Graph, opsets: dict[str, int]) -> None:
+        """``MatMul`` of a ``Transpose``'s output: ORT fuses the pair into ``FusedMatMul`` when it
+        creates the session, which has no float64 kernel: probed as that fused op, and where ORT
+        cannot run it, PyTorch's ``matmul``."""
+        entry = DOUBLE_PRECISION[("", "MatMul")]
+        for node in list(graph):
+            if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or not _is_double(node.outputs[0]):
+                continue
+            producers = [v.producer() for v in node.inputs if v is not None]
+            if not any(p is not None and p.op_type == "Transpose" for p in producers):
+                continue
+            fused = ir.node("FusedMatMul", list(node.inputs), domain="com.microsoft", name=f"{node.name}/probe")
+            fused.outputs[0].dtype, fused.outputs[0].shape = node.outputs[0].dtype, node.outputs[0].shape
+            probe_opsets = {**opsets, "com.microsoft": 1}
+            why = probe_node(fused, probe_opsets, with_backward=False, constant_value=constant_value)
+            if why is None:
+                continue
+            aten = replace_with_torch(graph, node, entry)
+            if aten is not None:
+                aten.outputs[0].dtype = _DOUBLE
+                self.rewritten["MatMul"] = self.rewritten.get("MatMul", 0) + 1
 
     def _silu(self, graph: ir.Graph, opsets: dict[str, int]) -> None:
         """``x * Sigmoid(x)``: ORT's gradient builder fuses it into ``QuickGelu`` (whatever the
