@@ -66,19 +66,34 @@ def flatten(
     if isinstance(obj, (tuple, list)):
         children = tuple(flatten(v, f"{path}[{i}]", leaves, on_other, objects) for i, v in enumerate(obj))
         return ("S", cls, children)
-    if objects and holds_tensors(obj) and not isinstance(obj, (torch.nn.Module, type)):
-        from ._compat import torch as compat
+    if objects and id(obj) not in _active and holds_tensors(obj) and not isinstance(obj, (torch.nn.Module, type)):
+        _active.add(id(obj))  # an object that holds itself (a parent link) is opaque the second time
+        try:
+            return _object(obj, path, leaves, on_other)
+        finally:
+            _active.discard(id(obj))
+    return on_other(path, obj)
 
-        node = compat.pytree_children(obj)
-        if node is not None:
-            children, context = node
-            specs = tuple(flatten(c, f"{path}<{i}>", leaves, on_other, objects) for i, c in enumerate(children))
-            return ("P", cls, context, specs)
-        attributes = _attributes(obj)
-        if attributes is not None:
-            names = tuple(attributes)
-            specs = tuple(flatten(attributes[n], f"{path}.{n}", leaves, on_other, objects) for n in names)
-            return ("A", cls, names, specs)
+
+#: ids of the objects being taken apart (``flatten(objects=True)``), against reference cycles.
+_active: set[int] = set()
+
+
+def _object(obj: Any, path: str, leaves: list[torch.Tensor], on_other: Callable[[str, Any], Any]) -> tuple:
+    """The spec of an object that holds tensors: by its pytree children, or by its attributes."""
+    from ._compat import torch as compat
+
+    cls = type(obj)
+    node = compat.pytree_children(obj)
+    if node is not None:
+        children, context = node
+        specs = tuple(flatten(c, f"{path}<{i}>", leaves, on_other, True) for i, c in enumerate(children))
+        return ("P", cls, context, specs)
+    attributes = _attributes(obj)
+    if attributes is not None:
+        names = tuple(attributes)
+        specs = tuple(flatten(attributes[n], f"{path}.{n}", leaves, on_other, True) for n in names)
+        return ("A", cls, names, specs)
     return on_other(path, obj)
 
 
