@@ -585,8 +585,6 @@ def _layer_norm(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
     """``LayerNormalization`` -> ``layer_norm(x, x.shape[axis:], scale, bias, eps)``, or with its
     statistics read, ``native_layer_norm``: the same three outputs (mean and inverse standard
     deviation keep the reduced axes as 1s)."""
-    if node.inputs[0].dtype is not None and int(_attr(node, "stash_type", 1)) != 1:
-        return None
     axis = int(_attr(node, "axis", -1))
     shape = b.op("Shape", value(0), start=axis)
     args = [value(0), shape, value(1), value(2), written(float(_attr(node, "epsilon", 1e-5)))]

@@ -11,11 +11,18 @@ PyTorch's autograd (``bridge/aten.py``), as ``TorchGradientsPass`` does for ops 
 Float attributes the replacement reads are taken as written (``registry.written``: ``1e-5``, not
 its float32 ``9.99999974e-06``), so results match eager's float64 ones to rounding.
 
-Two gaps no probe sees, because ORT registers the kernel (or swaps the op) and fails only later:
-``Concat``'s float64 gradient (``SplitTraining``) fails when it runs, so float64 ``Concat`` is
-joined by ``torch.cat`` two inputs at a time; ``BatchNormalization`` in training mode becomes
-``BatchNormInternal`` at session creation, which has no float64 kernel: refused with a
-:class:`~ortwrap.errors.PassError` (eval-mode BatchNorm is decomposed and trains).
+What a one-node probe cannot see:
+
+- ORT's fusions of node pairs, whatever the dtype: ``x * Sigmoid(x)`` becomes ``QuickGelu`` (in
+  the gradient builder) and a ``MatMul`` of a ``Transpose`` becomes ``FusedMatMul`` (at session
+  creation). The fused op is probed instead; where ORT lacks it, PyTorch's ``silu``/``matmul`` run.
+- ``Concat``'s float64 gradient (``SplitTraining``) is registered for every type and fails when
+  it runs: float64 ``Concat`` is joined by ``torch.cat``, two inputs at a time.
+- ``BatchNormalization`` in training mode becomes ``BatchNormInternal`` at session creation,
+  which has no float64 kernel: refused with a :class:`~ortwrap.errors.PassError` (eval-mode
+  BatchNorm is decomposed and trains).
+- A float attribute float32 cannot hold (``LeakyReLU(0.3)``): ORT would compute with its float32
+  rounding, so an op with a registry entry runs as PyTorch's with the written value.
 
 A node ORT cannot run in float64, that runs in float32 and that has no registry entry raises
 :class:`~ortwrap.errors.PassError` naming the op and what ORT lacks, before any session is built.
