@@ -266,3 +266,44 @@ def test_generate_gives_eagers_tokens_and_never_switches_ort_off():
         tokens = w.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(tokens, eager.generate(ids, max_new_tokens=5, do_sample=False))
     assert w.fallback_reason is None and "forward" not in vars(m)
+
+
+class Pair:
+    """A result type registered with torch's pytree (as libraries register theirs)."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first, self.second = first, second
+
+
+def test_a_pytree_registered_output_is_rebuilt_by_its_registration():
+    import copy
+
+    import torch.utils._pytree as pytree
+
+    rebuilt = []
+
+    def unflatten(children, context):
+        rebuilt.append(context)
+        return Pair(*children)
+
+    pytree.register_pytree_node(Pair, lambda p: ([p.first, p.second], "pair"), unflatten)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return Pair(y.relu(), y * 2)
+
+    torch.manual_seed(0)
+    eager = M()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False)
+    for b in (2, 5):
+        x = torch.randn(b, 4)
+        out, expected = w(x), eager(x)
+        assert type(out) is Pair and rebuilt[-1] == "pair"
+        assert_close(out.first, expected.first, "first")
+        assert_close(out.second, expected.second, "second")
+        (out.first.sum() + out.second.sum()).backward()
