@@ -106,10 +106,11 @@ class ORTWrap(nn.Module):
         d["_arg_names"] = _positional_names(module)
         # NOTE: int arguments that change between calls (``_promote_ints``): by the input spec
         # without its int values, the values of the last build, the int positions fed as graph
-        # inputs, and the specs whose ints stay constants (their promotion failed).
+        # inputs, the positions that failed alone, and the promotions tried.
         d["_ints_seen"] = {}
         d["_ints_fed"] = {}
-        d["_ints_refused"] = set()
+        d["_ints_refused"] = {}
+        d["_ints_tries"] = {}
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
         d["_params"] = list(module.parameters())
@@ -359,7 +360,8 @@ class ORTWrap(nn.Module):
 
         The promoted build must match eager on this call and on this call's tensors with the last
         build's ints (an int the trace turned into a constant gives the first value's result for
-        the second): else it is dropped, and the ints of these inputs stay constants.
+        the second): else it is dropped. An int that failed alone stays a constant; ints that
+        failed together are tried again when fewer change at once, up to ``_INT_TRIES`` builds.
         """
         values = _tree.int_constants(in_spec)
         if not values:
@@ -367,11 +369,13 @@ class ORTWrap(nn.Module):
         stripped = _tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None)
         previous = self._ints_seen.get(stripped)
         self._ints_seen[stripped] = values
-        if previous is None or stripped in self._ints_refused or stripped in self._ints_fed:
+        if previous is None or stripped in self._ints_fed or self._ints_tries.get(stripped, 0) >= _INT_TRIES:
             return None
-        changed = frozenset(i for i, (a, b) in enumerate(zip(previous, values)) if a != b)
+        refused = self._ints_refused.get(stripped, frozenset())
+        changed = frozenset(i for i, (a, b) in enumerate(zip(previous, values)) if a != b and i not in refused)
         if not changed:
             return None
+        self._ints_tries[stripped] = self._ints_tries.get(stripped, 0) + 1
         fed_leaves = list(leaves)
         device = self._int_device(leaves)
         spec = _tree.rewrite_ints(in_spec, fed_leaves, lambda i, v: _tree.INT if i in changed else v, device)
@@ -389,7 +393,8 @@ class ORTWrap(nn.Module):
             _tree.rewrite_ints(old_spec, old_leaves, lambda i, v: _tree.INT if i in changed else v, device)
             verify_program(self.module, program, old_args, old_kwargs, old_leaves, _run_program)
         except Exception as e:
-            self._ints_refused.add(stripped)
+            if len(changed) == 1:  # (several: one of them may be a value, tried when it changes alone)
+                self._ints_refused[stripped] = refused | changed
             self._programs.pop(fed_key, None)  # the set this build made: no later call may run it
             logger.info(
                 "int arguments of %s that change between calls stay graph constants (one export per value): %s",
@@ -589,6 +594,10 @@ def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | No
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     return None
+
+
+#: Promotions of changing ints tried per input structure (each a build and two checks).
+_INT_TRIES = 3
 
 
 class _NotPromoted(Exception):

@@ -196,3 +196,10 @@ def test_ints_fed_and_ints_kept_constant_mix():
     """``step`` becomes an input; a new ``n`` then builds a graph of its own that still takes ``step``."""
     w = _steps([(1, 2), (2, 2), (3, 3), (4, 3), (5, 2)])
     assert len(w.programs()) == 3  # step=1 constant; step fed with n=2; step fed with n=3
+
+
+def test_a_value_int_is_fed_even_when_it_first_changed_with_a_loop_count():
+    """``step`` and ``n`` change together on the second call (no promotion: ``n`` cannot be fed);
+    when ``step`` then changes alone it becomes an input."""
+    w = _steps([(1, 2), (2, 3), (3, 3), (4, 3), (5, 3)])
+    assert len(w.programs()) == 3  # (1, 2) and (2, 3) as constants; step fed with n=3
