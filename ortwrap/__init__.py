@@ -19,6 +19,7 @@ from .errors import (  # noqa: E402
     SessionError,
     UnsupportedFunctionError,
     UnsupportedInputError,
+    UnsupportedOutputError,
     UnsupportedTorchError,
     VerificationError,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "SessionError",
     "UnsupportedFunctionError",
     "UnsupportedInputError",
+    "UnsupportedOutputError",
     "UnsupportedTorchError",
     "UnsupportedTorchWarning",
     "VerificationError",

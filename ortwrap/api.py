@@ -104,6 +104,13 @@ class ORTWrap(nn.Module):
         d["_in_method"] = False  # a method of the module is running (see _routed_method)
         d["_method_warned"] = False
         d["_arg_names"] = _positional_names(module)
+        # NOTE: int arguments that change between calls (``_promote_ints``): by the input spec
+        # without its int values, the values of the last build, the int positions fed as graph
+        # inputs, the positions that failed alone, and the promotions tried.
+        d["_ints_seen"] = {}
+        d["_ints_fed"] = {}
+        d["_ints_refused"] = {}
+        d["_ints_tries"] = {}
         # NOTE: the parameter list is cached for the per-step requires_grad check; it is refreshed
         # whenever the module's parameters may have been replaced (load_state_dict, _apply, builds).
         d["_params"] = list(module.parameters())
@@ -263,6 +270,12 @@ class ORTWrap(nn.Module):
                     )
                 return self.module(*args, **kwargs)
             structure = in_spec
+            if self._ints_fed and _tree.int_constants(in_spec):
+                fed = self._ints_fed.get(_tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None))
+                if fed is not None:
+                    in_spec = structure = _tree.rewrite_ints(
+                        in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self._int_device(leaves)
+                    )
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
         key = (
             self.module.training,
@@ -289,13 +302,17 @@ class ORTWrap(nn.Module):
                         "an input with a zero-size dimension runs in PyTorch (ORT kernels reject empty tensors)"
                     )
                 return self.module(*args, **kwargs)
-            try:
-                program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
-            except _GuardMiss as miss:
-                return self._run_eagerly_once(miss.error, args, kwargs)
-            if program is None:
-                return self.module(*args, **kwargs)
-            if self._options.verify:
+            promoted = self._promote_ints(key, leaves, in_spec, needs_grad, args, kwargs)
+            if promoted is not None:
+                program, leaves = promoted
+            else:
+                try:
+                    program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
+                except _GuardMiss as miss:
+                    return self._run_eagerly_once(miss.error, args, kwargs)
+                if program is None:
+                    return self.module(*args, **kwargs)
+            if self._options.verify and promoted is None:
                 try:
                     verify_program(self.module, program, args, kwargs, leaves, _run_program)
                 except VerificationError:
@@ -331,6 +348,69 @@ class ORTWrap(nn.Module):
         if spec is _tree.TENSOR:
             return outputs[0]
         return _tree.unflatten(spec, outputs[:n])
+
+    def _promote_ints(
+        self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, args: tuple, kwargs: dict
+    ) -> tuple[Program, list[torch.Tensor]] | None:
+        """A build for a call whose ``int`` arguments differ from the last build's for the same
+        inputs otherwise: those ints become 0-d int64 graph inputs, so that the next values reuse
+        the graph. Returns the program and the call's leaves (the ints added), or None: no int
+        changed, or the graph cannot take them as inputs (an int deciding a shape or a loop count:
+        they stay constants, one export per value, as before).
+
+        The promoted build must match eager on this call and on this call's tensors with the last
+        build's ints (an int the trace turned into a constant gives the first value's result for
+        the second): else it is dropped. An int that failed alone stays a constant; ints that
+        failed together are tried again when fewer change at once, up to ``_INT_TRIES`` builds.
+        """
+        values = _tree.int_constants(in_spec)
+        if not values:
+            return None
+        stripped = _tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None)
+        previous = self._ints_seen.get(stripped)
+        self._ints_seen[stripped] = values
+        if previous is None or stripped in self._ints_fed or self._ints_tries.get(stripped, 0) >= _INT_TRIES:
+            return None
+        refused = self._ints_refused.get(stripped, frozenset())
+        changed = frozenset(i for i, (a, b) in enumerate(zip(previous, values)) if a != b and i not in refused)
+        if not changed:
+            return None
+        self._ints_tries[stripped] = self._ints_tries.get(stripped, 0) + 1
+        fed_leaves = list(leaves)
+        device = self._int_device(leaves)
+        spec = _tree.rewrite_ints(in_spec, fed_leaves, lambda i, v: _tree.INT if i in changed else v, device)
+        fed_key = (key[0], key[1], spec, tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in fed_leaves]),
+                   *key[4:])  # fmt: skip
+        program = None
+        try:
+            program = self._build(fed_key, fed_leaves, spec, needs_grad, None, args, kwargs, may_fall_back=False)
+            if program is None or _random_ops(program):
+                raise _NotPromoted("its graph has random ops: its results cannot be compared with eager")
+            verify_program(self.module, program, args, kwargs, fed_leaves, _run_program)
+            old_spec = _tree.rewrite_ints(in_spec, list(leaves), lambda i, v: previous[i])
+            old_args, old_kwargs = _tree.unflatten(old_spec, leaves)
+            old_leaves = list(leaves)
+            _tree.rewrite_ints(old_spec, old_leaves, lambda i, v: _tree.INT if i in changed else v, device)
+            verify_program(self.module, program, old_args, old_kwargs, old_leaves, _run_program)
+        except Exception as e:
+            if len(changed) == 1:  # (several: one of them may be a value, tried when it changes alone)
+                self._ints_refused[stripped] = refused | changed
+            self._programs.pop(fed_key, None)  # the set this build made: no later call may run it
+            logger.info(
+                "int arguments of %s that change between calls stay graph constants (one export per value): %s",
+                type(self.module).__name__,
+                str(e).split(". ")[0][:300],
+            )
+            return None
+        self._ints_fed[stripped] = changed
+        logger.info("int arguments of %s that change between calls are graph inputs", type(self.module).__name__)
+        return program, fed_leaves
+
+    def _int_device(self, leaves: list[torch.Tensor]) -> torch.device:
+        """Where ints fed as graph inputs go: with the call's tensors (or the parameters)."""
+        if leaves:
+            return leaves[0].device
+        return self._params[0].device if self._params else torch.device("cpu")
 
     def _fall_back(self, error: ORTWrapError) -> None:
         """Run the module in PyTorch from now on, saying why once."""
@@ -398,6 +478,7 @@ class ORTWrap(nn.Module):
         programs: ProgramSet | None,
         args: tuple = (),
         kwargs: dict | None = None,
+        may_fall_back: bool = True,
     ) -> Program | None:
         devices = {t.device for t in leaves} | {p.device for p in self.module.parameters()}
         if len(devices) > 1:
@@ -428,7 +509,7 @@ class ORTWrap(nn.Module):
             self._raise_if_eager_raises(args, kwargs or {})
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
-            if not self._options.fallback:
+            if not self._options.fallback or not may_fall_back:
                 raise
             self._fall_back(e)
             return None
@@ -515,6 +596,20 @@ def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | No
     return None
 
 
+#: Promotions of changing ints tried per input structure (each a build and two checks).
+_INT_TRIES = 3
+
+
+class _NotPromoted(Exception):
+    """Internal: int arguments cannot be graph inputs of this build (``ORTWrap._promote_ints``)."""
+
+
+def _random_ops(program: Program) -> bool:
+    from .verify import _random_nodes
+
+    return bool(_random_nodes(program))
+
+
 class _GuardMiss(Exception):
     """A dynamo program exists for the input schema, but these shapes neither fit nor export."""
 
@@ -537,7 +632,7 @@ def _leaf_paths(in_spec: tuple, arg_names: list[str]) -> list[str]:
 
     def walk(spec: tuple, path: str) -> None:
         kind = spec[0]
-        if kind == "T":
+        if kind in ("T", "I"):  # a tensor, an int fed as a 0-d tensor
             paths.append(path)
         elif kind == "S":
             for i, c in enumerate(spec[2]):

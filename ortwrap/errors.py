@@ -16,6 +16,7 @@ __all__ = [
     "SessionError",
     "UnsupportedFunctionError",
     "UnsupportedInputError",
+    "UnsupportedOutputError",
     "UnsupportedTorchError",
     "VerificationError",
 ]
@@ -68,6 +69,13 @@ class UnsupportedInputError(ORTWrapError, TypeError):
     """An input of ``forward`` has a type or layout ortwrap cannot feed to ONNX Runtime."""
 
     phase = "inputs"
+
+
+class UnsupportedOutputError(ExportError, TypeError):
+    """An output of ``forward`` holds tensors in an object ortwrap cannot take apart and rebuild
+    from each call's values."""
+
+    phase = "outputs"
 
 
 class UnsupportedFunctionError(ORTWrapError, TypeError):

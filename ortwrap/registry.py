@@ -47,6 +47,7 @@ import numpy as np
 
 __all__ = [
     "ATEN_OPS",
+    "DOUBLE_PRECISION",
     "GRADIENTS",
     "KERNELS",
     "AtenViaTorch",
@@ -259,6 +260,8 @@ class OnnxViaTorch:
     args: Callable[[Any, Callable[[int], Any], Any], list[Arg] | None]
     devices: tuple[str, ...] = ("cpu", "cuda")
     why: str = "no gradient in ORT 1.19.2"
+    #: the ONNX op's domain ("" is ai.onnx)
+    domain: str = ""
 
 
 def _attr(node: Any, name: str, default: Any) -> Any:
@@ -566,6 +569,143 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
 }
 
 
+def written(value: float) -> float:
+    """A float attribute as its author wrote it: ONNX stores float attributes in float32, so
+    ``epsilon=1e-5`` reads back as 9.99999974e-06; a float64 computation wants the decimal the
+    float32 came from (the shortest one that rounds to it), which is the Python float eager used."""
+    return float(str(np.float32(value)))
+
+
+def _softmax(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Softmax/LogSoftmax over one axis (opset 13 and later; before, they flatten from ``axis`` on)."""
+    return [value(0), int(_attr(node, "axis", -1)), False]
+
+
+def _layer_norm(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
+    """``LayerNormalization`` -> ``layer_norm(x, x.shape[axis:], scale, bias, eps)``, or with its
+    statistics read, ``native_layer_norm``: the same three outputs (mean and inverse standard
+    deviation keep the reduced axes as 1s)."""
+    axis = int(_attr(node, "axis", -1))
+    shape = b.op("Shape", value(0), start=axis)
+    args = [value(0), shape, value(1), value(2), written(float(_attr(node, "epsilon", 1e-5)))]
+    return args if len(node.outputs) > 1 else [*args, True]  # layer_norm's cudnn_enable
+
+
+def _conv(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .errors import PassError
+
+    x = node.inputs[0]
+    rank = len(x.shape) - 2 if x.shape is not None else None
+    if rank is None:
+        return None
+    if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        raise PassError(f"node {node.name!r}: a float64 Conv with auto_pad cannot be trained (explicit pads can)")
+    pads = list(_attr(node, "pads", [0] * (2 * rank)))
+    if pads[:rank] != pads[rank:]:
+        raise PassError(f"node {node.name!r}: a float64 Conv with asymmetric pads {pads} cannot be trained")
+    return [
+        value(0),
+        value(1),
+        value(2) if len(node.inputs) > 2 else None,
+        list(_attr(node, "strides", [1] * rank)),
+        pads[:rank],
+        list(_attr(node, "dilations", [1] * rank)),
+        False,
+        [0] * rank,
+        int(_attr(node, "group", 1)),
+    ]
+
+
+def _max_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    from .errors import PassError
+
+    k = list(_attr(node, "kernel_shape", []))
+    nd = len(k)
+    if len(node.outputs) > 1 and node.outputs[1].uses():
+        raise PassError(f"node {node.name!r}: a float64 MaxPool whose indices are read cannot be trained")
+    if _attr(node, "auto_pad", "NOTSET") != "NOTSET" or _attr(node, "storage_order", 0):
+        raise PassError(f"node {node.name!r}: a float64 MaxPool with auto_pad or storage_order cannot be trained")
+    pads = list(_attr(node, "pads", [0] * (2 * nd)))
+    if pads[:nd] != pads[nd:]:
+        raise PassError(f"node {node.name!r}: a float64 MaxPool with asymmetric pads {pads} cannot be trained")
+    return [
+        value(0),
+        k,
+        list(_attr(node, "strides", [1] * nd)),
+        pads[:nd],
+        list(_attr(node, "dilations", [1] * nd)),
+        bool(_attr(node, "ceil_mode", 0)),
+    ]
+
+
+def _global_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    x = node.inputs[0]
+    if x.shape is None:
+        return None
+    dims = list(range(2, len(x.shape)))
+    return [value(0), dims, True] + ([None] if node.op_type == "GlobalAveragePool" else [])
+
+
+def _gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    return [value(0), _attr(node, "approximate", "none")]
+
+
+def _fast_gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """com.microsoft ``FastGelu`` (the fused tanh GELU of inference graphs), without its bias."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return None
+    return [value(0), "tanh"]
+
+
+def _instance_norm(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """``InstanceNormalization`` -> ``instance_norm`` with the input's statistics."""
+    return [value(0), value(1), value(2), None, None, True, 0.1, written(float(_attr(node, "epsilon", 1e-5))), False]
+
+
+#: Ops that ORT 1.19.2's CPU provider cannot run or differentiate in float64 (its probe says which,
+#: ``grad/probe.py``), run as PyTorch ops (``passes/double_precision.py``).
+#: Keyed by (domain, op type).
+DOUBLE_PRECISION: dict[tuple[str, str], OnnxViaTorch] = {
+    (g.domain, g.onnx): g
+    for g in (
+        OnnxViaTorch("Relu", "relu", _unary(), devices=("cpu",), why="no float64 ReluGrad"),
+        OnnxViaTorch(
+            "LeakyRelu",
+            "leaky_relu",
+            _unary(lambda n: [written(float(_attr(n, "alpha", 0.01)))]),
+            devices=("cpu",),
+            why="no float64 LeakyReluGrad",
+        ),
+        OnnxViaTorch("Erf", "erf", _unary(), devices=("cpu",), why="no float64 Erf"),
+        OnnxViaTorch("Sin", "sin", _unary(), devices=("cpu",), why="no float64 Cos"),
+        OnnxViaTorch("Cos", "cos", _unary(), devices=("cpu",), why="no float64 Cos"),
+        OnnxViaTorch("Softmax", "_softmax", _softmax, devices=("cpu",), why="no float64 SoftmaxGrad_13"),
+        OnnxViaTorch("LogSoftmax", "_log_softmax", _softmax, devices=("cpu",), why="no float64 LogSoftmaxGrad_13"),
+        OnnxViaTorch(
+            "LayerNormalization",
+            "layer_norm",
+            _layer_norm,
+            devices=("cpu",),
+            why="the float64 LayerNormalizationGrad function body is invalid at opset 18",
+        ),
+        OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf", domain="com.microsoft"),
+        OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf"),  # opset 20
+        OnnxViaTorch("FastGelu", "gelu", _fast_gelu, devices=("cpu",), why="no float64 kernel", domain="com.microsoft"),
+        OnnxViaTorch(
+            "InstanceNormalization", "instance_norm", _instance_norm, devices=("cpu",), why="no float64 kernel"
+        ),
+        OnnxViaTorch("Conv", "convolution", _conv, devices=("cpu",), why="no float64 Conv"),
+        OnnxViaTorch(
+            "MatMul", "matmul", lambda n, v, b: [v(0), v(1)], devices=("cpu",), why="no float64 FusedMatMul (batched)"
+        ),
+        OnnxViaTorch("MaxPool", "max_pool", _max_pool, devices=("cpu",), why="no float64 MaxPoolGrad"),
+        OnnxViaTorch("AveragePool", "avg_pool", _avg_pool, devices=("cpu",), why="no float64 AveragePool"),
+        OnnxViaTorch("GlobalAveragePool", "mean.dim", _global_pool, devices=("cpu",), why="no float64 kernel"),
+        OnnxViaTorch("GlobalMaxPool", "amax", _global_pool, devices=("cpu",), why="no float64 kernel"),
+    )
+}
+
+
 @dataclass(frozen=True)
 class AtenViaTorch:
     """An ATen op whose ONNX form loses what training needs: exported as an ATen node instead, so
@@ -675,7 +815,14 @@ def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: l
     return x  # a view of the input is copied by the ATen bridge
 
 
+def _cat2(a, b, dim: int):
+    import torch
+
+    return torch.cat([a, b], dim)
+
+
 _OPS = {
+    "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),

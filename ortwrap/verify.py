@@ -49,7 +49,7 @@ def _random_nodes(program) -> list[str]:
 
 def _flat_outputs(out: Any) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
-    _tree.flatten(out, "output", leaves, lambda path, value: ("O", value))
+    _tree.flatten(out, "output", leaves, lambda path, value: ("O", value), objects=True)
     return leaves
 
 

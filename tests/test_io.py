@@ -141,3 +141,65 @@ def test_same_tensor_returned_twice_and_input_returned():
             return y, y, passthrough
 
     check_parity(M, lambda b, g: ((torch.randn(b, 3, generator=g), torch.arange(b)), {}))
+
+
+class StepScaled(nn.Module):
+    """``step`` feeds arithmetic (a value); ``n`` is a loop count (it decides the graph's structure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, step: int, n: int = 2):
+        y = self.lin(x) * (step + 1) - step / 10
+        for _ in range(n):
+            y = torch.tanh(y) * 1.5
+        return y
+
+
+def _steps(calls):
+    import copy
+
+    from parity import assert_close
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = StepScaled()
+    ours = copy.deepcopy(eager)
+    w = ORTWrap(ours, fallback=False, exporter=__import__("parity").EXPORTER)
+    for i, (step, n) in enumerate(calls):
+        x = torch.randn(3 + i % 2, 4)
+        y, expected = w(x, step, n=n), eager(x, step, n=n)
+        assert_close(y.detach(), expected.detach(), f"call {i} (step={step}, n={n})")
+        y.sum().backward()
+        expected.sum().backward()
+        for (name, p), (_, q) in zip(ours.named_parameters(), eager.named_parameters()):
+            assert_close(p.grad, q.grad, f"call {i} grad of {name}")
+    return w
+
+
+def test_an_int_that_changes_every_call_is_a_graph_input():
+    """The second value of ``step`` builds a graph that takes it as a 0-d int64 input (checked
+    against eager at both values); later values reuse it."""
+    w = _steps([(1, 2), (2, 2), (3, 2), (10, 2), (7, 2)])
+    assert len(w.programs()) == 2  # step=1 as a constant, then step as an input
+
+
+def test_an_int_that_decides_a_loop_count_stays_a_constant():
+    """``range(n)`` cannot read a graph input: each ``n`` is its own export, and each is right."""
+    w = _steps([(1, 2), (1, 3), (1, 2), (1, 4), (1, 3)])
+    assert len(w.programs()) == 3  # n = 2, 3, 4 (the attempt to feed n was dropped)
+
+
+def test_ints_fed_and_ints_kept_constant_mix():
+    """``step`` becomes an input; a new ``n`` then builds a graph of its own that still takes ``step``."""
+    w = _steps([(1, 2), (2, 2), (3, 3), (4, 3), (5, 2)])
+    assert len(w.programs()) == 3  # step=1 constant; step fed with n=2; step fed with n=3
+
+
+def test_a_value_int_is_fed_even_when_it_first_changed_with_a_loop_count():
+    """``step`` and ``n`` change together on the second call (no promotion: ``n`` cannot be fed);
+    when ``step`` then changes alone it becomes an input."""
+    w = _steps([(1, 2), (2, 3), (3, 3), (4, 3), (5, 3)])
+    assert len(w.programs()) == 3  # (1, 2) and (2, 3) as constants; step fed with n=3

@@ -71,3 +71,43 @@ def test_transformers_model_trains_like_eager(make_model, make_inputs):
     # cache already held it)
     assert w.export_count <= 1 and len(w.programs()) == 1
     assert w.fallback_reason is None
+
+
+@pytest.mark.parametrize("make_model", [llama, gpt2], ids=["llama", "gpt2"])
+def test_cache_returned_in_training_holds_each_calls_tensors(make_model):
+    """``use_cache=True`` in train mode returns a ``DynamicCache``: each call's cache is a new object
+    whose key/value tensors equal eager's for that call (never the export trace's), and the loss
+    trains like eager."""
+    import copy
+
+    from parity import assert_close
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = make_model().train()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=parity_exporter())
+    g = torch.Generator().manual_seed(1)
+    previous = None
+    for b in (4, 7, 3):
+        _, kwargs = lm_inputs(b, g)
+        out, expected = w(**kwargs, use_cache=True), eager(**kwargs, use_cache=True)
+        cache, cache_e = out.past_key_values, expected.past_key_values
+        assert type(cache) is type(cache_e)
+        assert cache.get_seq_length() == cache_e.get_seq_length() == kwargs["input_ids"].shape[1]
+        assert len(cache.layers) == len(cache_e.layers)
+        for i, (layer, layer_e) in enumerate(zip(cache.layers, cache_e.layers)):
+            assert_close(layer.keys.detach(), layer_e.keys.detach(), f"batch {b} layer {i} keys")
+            assert_close(layer.values.detach(), layer_e.values.detach(), f"batch {b} layer {i} values")
+        assert_close(out.loss.detach(), expected.loss.detach(), f"batch {b} loss")
+        out.loss.backward()
+        if previous is not None:
+            assert previous is not cache and previous.layers[0].keys is not cache.layers[0].keys
+        previous = cache
+    assert len(w.programs()) == 1
+
+
+def parity_exporter() -> str:
+    import parity
+
+    return parity.EXPORTER

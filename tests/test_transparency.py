@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from parity import assert_close
 from torch import nn
@@ -176,6 +177,17 @@ def test_transformers_model_attributes_methods_and_save_pretrained(tmp_path):
 
 
 class Result:
+    """A user's result class: a plain object, not a dataclass."""
+
+    def __init__(self, logits: torch.Tensor, hidden: list[torch.Tensor], step: int) -> None:
+        self.logits = logits
+        self.hidden = hidden
+        self.step = step
+
+
+class Slotted:
+    __slots__ = ("logits",)
+
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits
 
@@ -184,18 +196,53 @@ class ReturnsObject(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
+        self.lin2 = nn.Linear(3, 3)
 
-    def forward(self, x: torch.Tensor) -> Result:
-        return Result(self.lin(x))
+    def forward(self, x: torch.Tensor) -> tuple[Result, Slotted]:
+        h = self.lin(x)
+        return Result(self.lin2(h.tanh()), [h], step=3), Slotted(h.sigmoid())
 
 
-def test_an_output_object_holding_tensors_gets_an_error_that_names_it():
-    import pytest
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_output_objects_are_rebuilt_from_each_calls_tensors(exporter):
+    """A plain object (``__dict__``) or a slotted one holding tensors comes back as a new object of
+    its class per call, holding that call's values (never the tensors of the export trace)."""
+    import copy
 
+    torch.manual_seed(0)
+    eager = ReturnsObject()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter)
+    previous = None
+    for b in (2, 5, 3):
+        x = torch.randn(b, 4)
+        (out, slotted), (expected, expected_slotted) = w(x), eager(x)
+        assert type(out) is Result and type(slotted) is Slotted and out.step == 3
+        assert_close(out.logits, expected.logits, "logits")
+        assert_close(out.hidden[0], expected.hidden[0], "hidden")
+        assert_close(slotted.logits, expected_slotted.logits, "slotted logits")
+        (out.logits.sum() + slotted.logits.sum()).backward()
+        if previous is not None:
+            assert previous is not out and previous.logits is not out.logits
+        previous = out
+    assert len(w.programs()) == 1
+
+
+class ReturnsSet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor):
+        y = self.lin(x)
+        return y, frozenset([y.sum()])
+
+
+def test_an_output_object_ortwrap_cannot_rebuild_gets_an_error_that_names_it():
     from ortwrap.errors import ExportError
 
-    w = ORTWrap(ReturnsObject(), fallback=False)
-    with pytest.raises(ExportError, match=r"output `output` \(test_transparency\.Result\) holds tensors"):
+    w = ORTWrap(ReturnsSet(), fallback=False)
+    # UnsupportedOutputError, raised inside the trace: each exporter reports it as its failure
+    with pytest.raises(ExportError, match=r"output `output\[1\]` \(builtins\.frozenset\) holds tensors"):
         w(torch.randn(2, 4))
 
 
@@ -219,3 +266,44 @@ def test_generate_gives_eagers_tokens_and_never_switches_ort_off():
         tokens = w.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(tokens, eager.generate(ids, max_new_tokens=5, do_sample=False))
     assert w.fallback_reason is None and "forward" not in vars(m)
+
+
+class Pair:
+    """A result type registered with torch's pytree (as libraries register theirs)."""
+
+    def __init__(self, first: torch.Tensor, second: torch.Tensor) -> None:
+        self.first, self.second = first, second
+
+
+def test_a_pytree_registered_output_is_rebuilt_by_its_registration():
+    import copy
+
+    import torch.utils._pytree as pytree
+
+    rebuilt = []
+
+    def unflatten(children, context):
+        rebuilt.append(context)
+        return Pair(*children)
+
+    pytree.register_pytree_node(Pair, lambda p: ([p.first, p.second], "pair"), unflatten)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return Pair(y.relu(), y * 2)
+
+    torch.manual_seed(0)
+    eager = M()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False)
+    for b in (2, 5):
+        x = torch.randn(b, 4)
+        out, expected = w(x), eager(x)
+        assert type(out) is Pair and rebuilt[-1] == "pair"
+        assert_close(out.first, expected.first, "first")
+        assert_close(out.second, expected.second, "second")
+        (out.first.sum() + out.second.sum()).backward()

@@ -212,6 +212,8 @@ _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
 _GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
+# Pytrees ----------------------------------------------------------------------------------------
+_PYTREE_NODES = _declare("torch.utils._pytree.SUPPORTED_NODES")
 
 
 # ------------------------------------------------------------------------------- tensors, autograd
@@ -668,6 +670,24 @@ def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+# ------------------------------------------------------------------------------- pytrees
+
+
+def pytree_children(obj: Any) -> tuple[list[Any], Any] | None:
+    """``(children, context)`` of an object whose type is registered with torch's pytree (by torch,
+    or by a library: ``register_pytree_node``); None for any other type."""
+    node = _resolve(_PYTREE_NODES).get(type(obj))
+    if node is None:
+        return None
+    children, context = node.flatten_fn(obj)
+    return list(children), context
+
+
+def pytree_rebuild(cls: type, children: list[Any], context: Any) -> Any:
+    """The object of registered pytree type ``cls`` made of ``children`` (:func:`pytree_children`)."""
+    return _resolve(_PYTREE_NODES)[cls].unflatten_fn(children, context)
 
 
 # ------------------------------------------------------------------------------- operators

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .. import _tree
-from ..errors import ExportError
+from ..errors import ExportError, UnsupportedOutputError
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
 from .model import ExportedModel
 
@@ -71,24 +71,18 @@ class Adapter(nn.Module):
         holding: list[str] = []  # opaque outputs that hold tensors
 
         def opaque(path: str, value: Any) -> tuple:
-            if _holds_tensors(value):
+            if _tree.holds_tensors(value):
                 holding.append(f"`{path}` ({type(value).__module__}.{type(value).__qualname__})")
             return ("O", value)
 
-        self._traced.out_spec = _tree.flatten(out, "output", leaves, opaque)
-        if holding and not leaves:
-            raise ExportError(
-                f"forward() output {', '.join(holding)} holds tensors in an object ORTWrap cannot take apart. "
-                "Return tensors nested in tuples, lists, dicts, dataclasses (transformers' ModelOutput) or "
-                "namedtuples; make the class a dataclass, or return its tensors"
-            )
+        self._traced.out_spec = _tree.flatten(out, "output", leaves, opaque, objects=True)
         if holding:
-            from .._logging import logger
-
-            logger.warning(
-                "forward() output %s holds tensors ORTWrap cannot take apart: each call returns the object "
-                "built while exporting, not that call's values (return tensors in tuples, dicts or dataclasses)",
-                ", ".join(holding),
+            # NOTE: never the object built while exporting: its tensors are the export trace's.
+            raise UnsupportedOutputError(
+                f"forward() output {', '.join(holding)} holds tensors in an object ORTWrap cannot take apart "
+                "(it has no __dict__ and no pytree registration). Return tensors nested in tuples, lists, dicts, "
+                "dataclasses (transformers' ModelOutput), namedtuples or plain objects, or register the class "
+                "with torch.utils._pytree.register_pytree_node"
             )
         self._traced.n_outputs = len(leaves)
         self._traced.out_dtypes = [t.dtype for t in leaves]
@@ -119,20 +113,6 @@ def no_ambient_autocast() -> Iterator[None]:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
-
-
-def _holds_tensors(value: Any, depth: int = 2) -> bool:
-    """Whether an object's attributes (or their lists, tuples and dicts) hold tensors."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth < 0:
-        return False
-    if isinstance(value, dict):
-        return any(_holds_tensors(v, depth - 1) for v in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_tensors(v, depth - 1) for v in value)
-    attributes = getattr(value, "__dict__", None)
-    return isinstance(attributes, dict) and any(_holds_tensors(v, depth - 1) for v in attributes.values())
 
 
 def state_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:

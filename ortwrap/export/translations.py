@@ -33,6 +33,9 @@ ATen op                                                 torchlib 0.7 does / ortw
                                                         assumes symbolic dims are at least 2).
 ``aten.softmax.int``/``log_softmax.int`` with dtype     casts the result, not the input (eager's
                                                         order). ortwrap casts the input first.
+``aten.scalar_tensor`` (Python scalars, after type      a float32 constant cast to the scalar's dtype:
+promotion)                                              a float64 scalar loses its digits. ortwrap
+                                                        writes a constant of the dtype itself.
 ``aten.native_layer_norm`` without weight               ``LayerNormalization`` without its scale
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
@@ -109,7 +112,7 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
     dtype = logits.dtype
 
     def const(v: float):
-        return op.Cast(op.Constant(value_float=v), to=dtype)
+        return _typed_constant(v, dtype)
 
     log_p = op.LogSoftmax(logits, axis=1)
     smooth = op.Neg(op.ReduceSum(log_p, op.Constant(value_ints=[1]), keepdims=0))
@@ -124,13 +127,44 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
     return op.Add(op.Mul(const(1.0 - label_smoothing), loss), op.Mul(op.Div(const(label_smoothing), classes), smooth))
 
 
+def _typed_constant(v: float, dtype):
+    """A scalar constant in ``dtype`` (an ONNX type), rounded once from ``v``: float64 keeps the
+    Python float exactly (a float32 constant cast to float64 would not), half-precision types go
+    through float32 as before."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    code = int(getattr(dtype, "value", dtype))
+    if code == onnx.TensorProto.DOUBLE:
+        return op.Constant(value=onnx.numpy_helper.from_array(np.array(v, dtype=np.float64)))
+    return op.Cast(op.Constant(value_float=v), to=code)
+
+
+def _scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten.scalar_tensor``: torchlib writes a Python float as a float32 constant and casts it,
+    which rounds a float64 scalar (``x * (1/3)`` in a ``.double()`` model) to float32 precision.
+    Here a constant scalar becomes a constant of its dtype directly."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    code = onnx.TensorProto.FLOAT if dtype is None or dtype == -1 else int(getattr(dtype, "value", dtype))
+    if isinstance(s, (bool, int, float)) and code != onnx.TensorProto.BFLOAT16:
+        np_dtype = onnx.helper.tensor_dtype_to_np_dtype(code)
+        return op.Constant(value=onnx.numpy_helper.from_array(np.array(s, dtype=np_dtype)))
+    if isinstance(s, (bool, int, float)):
+        return op.Cast(op.Constant(value_float=float(s)), to=code)
+    return op.Cast(s, to=code)
+
+
 def _gelu(x, approximate="none"):
     from onnxscript import opset18 as op
 
     dtype = x.dtype
 
     def const(v: float):
-        return op.Cast(op.Constant(value_float=v), to=dtype)
+        return _typed_constant(v, dtype)
 
     if approximate == "tanh":
         inner = op.Mul(const(0.7978845608028654), op.Add(x, op.Mul(const(0.044715), op.Mul(x, op.Mul(x, x)))))
@@ -289,6 +323,7 @@ def training_translations() -> dict:
     table[aten.native_layer_norm.default] = _native_layer_norm
     table[aten.layer_norm.default] = _layer_norm
     table[aten.to.dtype] = _to_dtype
+    table[aten.scalar_tensor.default] = _scalar_tensor
     table[aten.to.dtype_layout] = _to_dtype_layout
     table[aten.to.device] = _to_device
     table[aten.__and__.Tensor] = _bitwise_and

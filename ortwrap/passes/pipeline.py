@@ -14,6 +14,7 @@ from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .control_flow import RefuseControlFlowPass
+from .double_precision import DoublePrecisionOnCPUPass
 from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
 from .fusions import StandardOpFusionPass
@@ -73,9 +74,7 @@ def default_passes(
     # partitions the graph. Not GELU in CPU training graphs: ortwrap's own GELU kernels (and, without
     # them, the unfused form ORT differentiates faster) beat ORT's fused Gelu there.
     if fusions:
-        passes.append(
-            StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu"))
-        )
+        passes.append(StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu")))
     if with_backward:
         # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
         passes += [
@@ -99,6 +98,10 @@ def default_passes(
             if native_kernels:
                 passes.append(NativeCPUKernelsPass())
             passes += [GatherToGatherNDPass(), LinearToGemmPass()]
+    if device_type == "cpu":
+        # Last of the rewrites: the float64 ops ORT's CPU provider cannot run or differentiate
+        # (of the graph as the rewrites above leave it) run as PyTorch ops.
+        passes.append(DoublePrecisionOnCPUPass(with_backward))
     # Constants the rewrites left without consumers (ORT would warn about each when it loads them).
     # Not onnx_ir's RemoveUnusedNodesPass: it also trims the optional outputs the gradient builders need.
     passes.append(RemoveUnusedConstantsPass())

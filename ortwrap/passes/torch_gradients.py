@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
 from ..errors import PassError
-from ..registry import GRADIENTS, constant_array
+from ..registry import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder
 
 _ONNX = ("", "ai.onnx")
@@ -30,7 +30,40 @@ def _torch_op(name: str, node: ir.Node, args: list) -> str:
         return _resize_op(node)[0]
     if name == "avg_pool":
         return f"avg_pool{len(args[1])}d"
+    if name == "layer_norm" and len(node.outputs) > 1:
+        return "native_layer_norm"
+    if name == "max_pool":
+        return f"max_pool{len(args[1])}d"
     return name
+
+
+def replace_with_torch(graph: ir.Graph, node: ir.Node, entry: OnnxViaTorch) -> ir.Node | None:
+    """Replace ``node`` by one ATen node calling ``entry``'s PyTorch op and return it; None where
+    the entry's ``args`` leaves the node as it is.
+
+    Raises:
+        PassError: the entry refuses the node, or an argument cannot be encoded.
+    """
+    inputs = list(node.inputs)
+    b = NodeBuilder(node.name or f"{node.op_type}_{id(node):x}")
+    args = entry.args(node, lambda i, inputs=inputs: inputs[i] if i < len(inputs) else None, b)
+    if args is None:
+        return None
+    values: list[ir.Value | None] = []
+    for a in args:
+        if a is None or isinstance(a, ir.Value):
+            values.append(a)
+        else:
+            try:
+                values.append(b.const(constant_array(a)))
+            except TypeError as e:
+                raise PassError(f"node {node.name!r} ({node.op_type}): {e}") from e
+    # NOTE: every argument, absent ones included: ORT keeps one gradient definition per
+    # op and overload per process, which reads the inputs by position.
+    op, _, overload = _torch_op(entry.torch_op, node, args).partition(".")
+    aten = b.node("ATen", values, domain=ATEN_DOMAIN, outputs=len(node.outputs), operator=op, overload_name=overload)
+    b.replace(graph, node, list(aten.outputs))
+    return aten
 
 
 class TorchGradientsPass(ir.passes.InPlacePass):
@@ -49,26 +82,6 @@ class TorchGradientsPass(ir.passes.InPlacePass):
             entry = GRADIENTS.get(node.op_type) if node.domain in _ONNX else None
             if entry is None or self.device_type not in entry.devices:
                 continue
-            inputs = list(node.inputs)
-            b = NodeBuilder(node.name or f"{node.op_type}_{id(node):x}")
-            args = entry.args(node, lambda i, inputs=inputs: inputs[i] if i < len(inputs) else None, b)
-            if args is None:
-                continue
-            values: list[ir.Value | None] = []
-            for a in args:
-                if a is None or isinstance(a, ir.Value):
-                    values.append(a)
-                else:
-                    try:
-                        values.append(b.const(constant_array(a)))
-                    except TypeError as e:
-                        raise PassError(f"node {node.name!r} ({node.op_type}): {e}") from e
-            # NOTE: every argument, absent ones included: ORT keeps one gradient definition per
-            # op and overload per process, which reads the inputs by position.
-            op, _, overload = _torch_op(entry.torch_op, node, args).partition(".")
-            aten = b.node(
-                "ATen", values, domain=ATEN_DOMAIN, outputs=len(node.outputs), operator=op, overload_name=overload
-            )
-            b.replace(graph, node, list(aten.outputs))
-            self.rewritten[node.op_type] = self.rewritten.get(node.op_type, 0) + 1
+            if replace_with_torch(graph, node, entry) is not None:
+                self.rewritten[node.op_type] = self.rewritten.get(node.op_type, 0) + 1
         return ir.passes.PassResult(model, modified=bool(self.rewritten))
