@@ -639,7 +639,9 @@ def _reduce_impl(x, kind: str, dims: list[int], keepdim: bool):
 
 def _cumsum_impl(x, axis: int, exclusive: bool, reverse: bool):
     y = x.flip(axis) if reverse else x
-    y = y.cumsum(axis)
+    # NOTE: dtype=x.dtype: torch's cumsum of an integer tensor is int64, and an ATen node's output
+    # must have the type the graph declares for it (ORT reads the buffer as that type).
+    y = y.cumsum(axis, dtype=x.dtype)
     if exclusive:
         y = y - (x.flip(axis) if reverse else x)
     return y.flip(axis) if reverse else y

@@ -428,16 +428,7 @@ _W2V_GUARD = (
 
 CASES: list[Case] = [
     Case("bert", bert, classification_inputs, hf_loss),
-    Case(
-        "roberta",
-        roberta,
-        classification_inputs,
-        hf_loss,
-        # open: the forward loss differs from eager by ~0.25% at step 0 under TorchScript (seen
-        # 2026-11-25 after the op-registry merge; RoBERTa's position ids come from a cumsum over
-        # the padding mask); dynamo matches
-        xfail={"torchscript": "loss differs from eager at step 0 under TorchScript (open)"},
-    ),
+    Case("roberta", roberta, classification_inputs, hf_loss),
     Case("distilbert", distilbert, classification_inputs, hf_loss, fast=("torchscript",)),
     Case("albert", albert, classification_inputs, hf_loss),
     Case("gpt2", gpt2, lm_inputs, hf_loss),

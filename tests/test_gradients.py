@@ -172,6 +172,32 @@ def test_elementwise(name, exporter):
     check_parity(lambda: Pre(Fn(ELEMENTWISE[name])), seq)
 
 
+class PaddedPositions(nn.Module):
+    """RoBERTa's position ids: a cumsum over the int32 padding mask indexes an embedding; then a
+    float cumsum of the same op (ORT keeps one gradient definition per op: the integer one, had it
+    been an ATen node, would have left out the float one's output gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8, padding_idx=1)
+        self.positions = nn.Embedding(32, 8, padding_idx=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        mask = ids.ne(1).int()
+        positions = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + 1
+        return self.head((self.tokens(ids) + self.positions(positions)).cumsum(1))
+
+
+def test_position_ids_from_integer_cumsum():
+    def inputs(b, g):
+        ids = torch.randint(2, 20, (b, 6 + b), generator=g)
+        ids[1:, -2:] = 1  # padded rows
+        return (ids,), {}
+
+    check_parity(PaddedPositions, inputs)
+
+
 class SkipUp(nn.Module):
     """A U-Net skip: the coarse map is resized to the fine map's size, read at run time."""
 

@@ -120,3 +120,36 @@ def test_pass_leaves_non_constant_axes_to_ort():
 def test_conv_transpose_only_on_cpu():
     assert GRADIENTS["ConvTranspose"].devices == ("cpu",)
     assert all(not op.startswith(NATIVE_PREFIX) for op in GRADIENTS)
+
+
+def test_integer_cumsum_stays_ort_and_float_cumsum_keeps_its_type():
+    """An integer CumSum (RoBERTa's position ids) has nothing to differentiate: ORT's kernel."""
+    _, p = _run_pass(
+        """
+        g (int32[2, 5] m, float[2, 5] x) => (int32[2, 5] c, float[2, 5] y) {
+            axis = Constant<value = int64 {1}>()
+            c = CumSum(m, axis)
+            y = CumSum<exclusive = 1, reverse = 1>(x, axis)
+        }
+        """
+    )
+    assert p.rewritten == {"CumSum": 1}
+
+
+def test_rewrite_returning_another_type_is_refused(monkeypatch):
+    """ORT reads an ATen node's result as the type the graph declares (torch's cumsum of an int32
+    tensor, int64, gave RoBERTa wrong position ids instead of an error): a registry entry whose op
+    returns another type is refused when the graph is built."""
+    from ortwrap.errors import PassError
+    from ortwrap.registry import OnnxViaTorch
+
+    entry = OnnxViaTorch("Softplus", "_cast_Double", lambda n, v, b: [v(0), False])
+    monkeypatch.setitem(GRADIENTS, "Softplus", entry)
+    with pytest.raises(PassError, match=r"_cast_Double returns torch\.float64 where the graph has torch\.float32"):
+        _run_pass(
+            """
+            g (float[2, 5] x) => (float[2, 5] y) {
+                y = Softplus(x)
+            }
+            """
+        )

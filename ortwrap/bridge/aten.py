@@ -383,6 +383,12 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
             inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
         else:
             return None
+    return meta_outputs(op, overload, inputs)
+
+
+def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
+    """The results of ATen node ``op`` for ``inputs`` (tensors, constants encoded as the node's
+    inputs, None for absent ones) evaluated on the meta device."""
     plan = resolve(op, overload)
     args, kwargs = plan.decode(op, inputs)
     meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -593,7 +599,8 @@ def declare_output_types(model: onnx.ModelProto) -> None:
 
 
 # ------------------------------------------------------------------------------------- gradients
-_gradient_arity: dict[str, tuple[int, int]] = {}
+#: key -> (inputs, outputs, output gradients) of the definition registered for it
+_gradient_arity: dict[str, tuple[int, int, tuple[str, ...]]] = {}
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
@@ -643,21 +650,29 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)
+        # An integer output (indices) has no gradient for any node to compute: an absent input.
+        grads_out = [
+            "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
+            for j, o in enumerate(node.output)
+        ]
         known = _gradient_arity.get(key)
-        if known is not None and known != (n_in, n_out):
+        if known is not None and known[:2] != (n_in, n_out):
             raise RuntimeError(
                 f"ATen op {op} appears with {known[0]} inputs and {known[1]} outputs, and with {n_in} and {n_out}; "
                 "ORT allows one gradient definition per op"
+            )
+        if known is not None and known[2] != tuple(grads_out):
+            # NOTE: the definition registered first stays for the process: one that leaves out an
+            # output's gradient (it was an integer there) would make every later float node's
+            # gradient zero, silently.
+            raise RuntimeError(
+                f"ATen op {op} has float outputs {_float_flags(known[2])} in one graph and {_float_flags(grads_out)} "
+                "in another; ORT allows one gradient definition per op (run the integer one as an ONNX op)"
             )
         if known is None:
             plan = resolve(op, overload)
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            # An integer output (indices) has no gradient for any node to compute: an absent input.
-            grads_out = [
-                "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
-                for j, o in enumerate(node.output)
-            ]
             register_gradient(
                 op,
                 overload,
@@ -666,6 +681,10 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 VJP_PREFIX + (op if n_out == plan.n_returns else f"{OUTS_MARK}{n_out}|{op}"),
                 stop,
             )
-            _gradient_arity[key] = (n_in, n_out)
+            _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
         keys.append(key)
     return keys
+
+
+def _float_flags(grads_out) -> str:
+    return "".join("1" if g else "0" for g in grads_out)

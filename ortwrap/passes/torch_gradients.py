@@ -8,16 +8,21 @@ ORT then runs the op through the ATen bridge, and its gradient is the bridge's v
 autograd of the same op (``bridge/aten.py``). An entry whose ``args`` returns None leaves the node
 to ORT. Training graphs only (an inference graph keeps ORT's kernels); the output keeps the
 replaced value's inferred type and shape.
+
+Each rewrite is checked once on PyTorch's meta device: the op must return the element types the
+graph declares for the replaced outputs (ORT reads an ATen node's result as the declared type, so
+an int64 result where the graph says int32 gives wrong numbers, not an error).
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+import torch
 
-from ..bridge.aten import ATEN_DOMAIN
+from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
 from ..registry import GRADIENTS, constant_array
-from ._build import NodeBuilder
+from ._build import NodeBuilder, constant_value
 
 _ONNX = ("", "ai.onnx")
 
@@ -31,6 +36,40 @@ def _torch_op(name: str, node: ir.Node, args: list) -> str:
     if name == "avg_pool":
         return f"avg_pool{len(args[1])}d"
     return name
+
+
+def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.Value | None]) -> None:
+    """Raise PassError if the PyTorch op returns other element types than ``node``'s outputs have.
+
+    Best effort: skipped where an input's type or rank is unknown or the op refuses the stand-in
+    sizes (2 for every symbolic dim)."""
+    inputs: list = []
+    for v in values:
+        producer = v.producer() if v is not None else None
+        if v is None:
+            inputs.append(None)
+        elif v.const_value is not None or (producer is not None and producer.op_type == "Constant"):
+            array = constant_value(v)
+            if array is None:
+                return
+            inputs.append(torch.from_numpy(array))
+        elif v.dtype is None or v.shape is None or int(v.dtype) not in TORCH_DTYPES:
+            return
+        else:
+            dims = [d if isinstance(d, int) else 2 for d in v.shape]
+            inputs.append(torch.empty(dims, dtype=TORCH_DTYPES[int(v.dtype)], device="meta"))
+    try:
+        results = meta_outputs(op, overload, inputs)
+    except Exception:
+        return
+    for out, r in zip(node.outputs, results):
+        if out.dtype is None or not isinstance(r, torch.Tensor) or int(out.dtype) not in TORCH_DTYPES:
+            continue
+        if r.dtype != TORCH_DTYPES[int(out.dtype)]:
+            raise PassError(
+                f"node {node.name!r} ({node.op_type}): {op} returns {r.dtype} where the graph has "
+                f"{TORCH_DTYPES[int(out.dtype)]}; its registry entry (ortwrap/registry.py) must keep the type"
+            )
 
 
 class TorchGradientsPass(ir.passes.InPlacePass):
@@ -48,6 +87,12 @@ class TorchGradientsPass(ir.passes.InPlacePass):
         for node in list(graph):
             entry = GRADIENTS.get(node.op_type) if node.domain in _ONNX else None
             if entry is None or self.device_type not in entry.devices:
+                continue
+            if all(o.dtype is not None and not o.dtype.is_floating_point() for o in node.outputs):
+                # Integer results (position ids from a CumSum, a ReduceProd of shape values):
+                # nothing to differentiate, and ORT's kernel keeps the type. NOTE: also what keeps
+                # register_gradients' one definition per op right: it leaves out the output
+                # gradients of the node it first sees whose outputs are integers.
                 continue
             inputs = list(node.inputs)
             b = NodeBuilder(node.name or f"{node.op_type}_{id(node):x}")
@@ -69,6 +114,7 @@ class TorchGradientsPass(ir.passes.InPlacePass):
             aten = b.node(
                 "ATen", values, domain=ATEN_DOMAIN, outputs=len(node.outputs), operator=op, overload_name=overload
             )
+            _check_output_types(node, op, overload, values)
             b.replace(graph, node, list(aten.outputs))
             self.rewritten[node.op_type] = self.rewritten.get(node.op_type, 0) + 1
         return ir.passes.PassResult(model, modified=bool(self.rewritten))
