@@ -165,10 +165,6 @@ ELEMENTWISE = {
 
 @pytest.mark.parametrize("name", cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype"}))
 def test_elementwise(name, exporter):
-    if name.endswith("_pad") and exporter == "torchscript":
-        # Passed at 321e101; after merging main the TorchScript graph's Pad output reaches the gradient
-        # build without a type (ORT: "type inference failed" on the ATen node). Under investigation.
-        pytest.xfail("TorchScript reflection/replication pad: ATen output untyped since the main merge")
     check_parity(lambda: Pre(Fn(ELEMENTWISE[name])), seq)
 
 

@@ -414,6 +414,7 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     for v in untyped:
         model.graph.value_info.remove(v)
     refined: set[tuple] = set()
+    changed = False
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
@@ -451,8 +452,11 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
                     model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
                     progress = True
         if not progress:
-            return model
-    return model
+            break
+    # NOTE: the last refinement dropped the unk__ dims ONNX had invented downstream of its Slices
+    # (for the next round to re-infer): infer them once more, or those values reach the gradient
+    # builder without a type (a Pad whose pads are computed: ORT cannot type the ATen node).
+    return onnx.shape_inference.infer_shapes(model, data_prop=True) if changed else model
 
 
 def _refine_slices(model: onnx.ModelProto, constants: dict[str, torch.Tensor]) -> bool:
