@@ -677,7 +677,23 @@ def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: l
     return x  # a view of the input is copied by the ATen bridge
 
 
+def _squeeze_ones(x, dims: list[int]):
+    """``x.squeeze(dims)`` where the export traced every ``dims`` size as 1: a size that is not 1 at
+    run time is an error (the graph after it was traced for the squeezed rank)."""
+    dims = [d % x.dim() for d in dims]
+    if x.device.type == "meta":  # type inference (symbolic dims stand in as 2): the squeezed rank
+        return x.new_empty([s for i, s in enumerate(x.shape) if i not in dims])
+    for d in dims:
+        if x.shape[d] != 1:
+            raise RuntimeError(
+                f"squeeze({d}) was exported for a size-1 dimension; this input has size {x.shape[d]} "
+                f"(shape {tuple(x.shape)}): the graph after it assumes the squeezed rank"
+            )
+    return x.squeeze(dims)
+
+
 _OPS = {
+    "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),

@@ -292,6 +292,14 @@ NORMS = {
     "group_norm_no_affine": (lambda: ConvThen(nn.GroupNorm(2, 4, affine=False)), 2),
     "group_norm_1d": (lambda: ConvThen(nn.GroupNorm(2, 4), 1), 1),
     "instance_norm_1d": (lambda: ConvThen(nn.InstanceNorm1d(4, affine=True), 1), 1),
+    "instance_norm_running_stats": (lambda: ConvThen(nn.InstanceNorm2d(4, affine=True, track_running_stats=True)), 2),
+    "instance_norm_1d_running_stats_no_affine": (
+        lambda: ConvThen(nn.InstanceNorm1d(4, track_running_stats=True, momentum=0.3), 1),
+        1,
+    ),
+    # TorchScript: squeeze(1) after a computed Pad (ortwrap_ops::squeeze_ones, export/symbolics.py).
+    "local_response_norm_1d": (lambda: ConvThen(nn.LocalResponseNorm(3), 1), 1),
+    "local_response_norm_2d": (lambda: ConvThen(nn.LocalResponseNorm(2, alpha=0.1, beta=0.6, k=1.5)), 2),
 }
 
 

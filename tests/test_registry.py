@@ -153,3 +153,17 @@ def test_rewrite_returning_another_type_is_refused(monkeypatch):
             }
             """
         )
+
+
+def test_squeeze_ones_refuses_a_size_that_is_not_one():
+    """TorchScript's squeeze(dim) of a dim ONNX lost the size of (LocalResponseNorm) runs as
+    ``ortwrap_ops::squeeze_ones``: the graph after it was traced for the squeezed rank."""
+    import torch
+
+    from ortwrap.registry import define_ops
+
+    define_ops()
+    x = torch.randn(2, 1, 3)
+    assert torch.ops.ortwrap_ops.squeeze_ones(x, [1]).shape == (2, 3)
+    with pytest.raises(RuntimeError, match=r"squeeze\(0\) was exported for a size-1 dimension"):
+        torch.ops.ortwrap_ops.squeeze_ones(x, [0])

@@ -45,6 +45,11 @@ VJP_PREFIX = "ortwrap_vjp::"
 NATIVE_PREFIX = "ortwrap_cpu::"
 #: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
 OWN_GRADIENT_OPS: set[str] = set()
+#: Arguments ops update in place although their schemas do not say so (no ``Tensor(a!)``): the
+#: running statistics of ``instance_norm`` (TorchScript exports it with running stats as an ATen
+#: node) and ``batch_norm``. Treated as written: the vjp recomputes on copies, or the statistics
+#: would move twice per step.
+_UNANNOTATED_WRITES: dict[str, set[int]] = {"aten::instance_norm": {3, 4}, "aten::batch_norm": {3, 4}}
 
 # Public entry points until install() swaps in the C one (ortwrap/_compat/torch.py).
 _from_dlpack = torch.utils.dlpack.from_dlpack
@@ -104,6 +109,7 @@ class _Plan:
         self.fn = fn
         #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
         self.written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        self.written |= _UNANNOTATED_WRITES.get(schema.name, set())
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
         self.simple = True  # every argument a plain Tensor: no decoding
