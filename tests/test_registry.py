@@ -167,3 +167,31 @@ def test_squeeze_ones_refuses_a_size_that_is_not_one():
     assert torch.ops.ortwrap_ops.squeeze_ones(x, [1]).shape == (2, 3)
     with pytest.raises(RuntimeError, match=r"squeeze\(0\) was exported for a size-1 dimension"):
         torch.ops.ortwrap_ops.squeeze_ones(x, [0])
+
+
+def test_integer_reduce_made_by_an_earlier_pass_stays_ort():
+    """BatchNormRunningStatsPass counts elements with ReduceProd(Shape(x)), values without an
+    inferred type yet: still integer, still ORT's (an ATen ``reduce`` there left every float
+    ``prod``/L1-norm gradient zero later in the process, one gradient definition per op)."""
+    import onnx_ir as ir
+    from onnx_text import parse
+
+    from ortwrap.passes.batchnorm_running_stats import BatchNormRunningStatsPass
+
+    model = ir.serde.deserialize_model(
+        onnx.shape_inference.infer_shapes(
+            parse(
+                """
+                g (float[N, 2, 4] x, float[2] s, float[2] b, float[2] m, float[2] v) => (float[N, 2, 4] y, float[2] vo) {
+                    y, mo, vn = BatchNormalization<training_mode = 1, momentum = 0.9>(x, s, b, m, v)
+                    vo = Identity(v)
+                }
+                """
+            )
+        )
+    )
+    BatchNormRunningStatsPass()(model)
+    p = TorchGradientsPass("cpu")
+    p(model)
+    assert p.rewritten == {}
+    assert any(n.op_type == "ReduceProd" for n in model.graph)

@@ -38,6 +38,32 @@ def _torch_op(name: str, node: ir.Node, args: list) -> str:
     return name
 
 
+#: Ops whose result has their first input's element type (for values the passes made, not yet inferred).
+_SAME_TYPE = frozenset(
+    ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Gather", "Slice", "Concat", "Reshape", "Unsqueeze", "Squeeze",
+     "Identity", "Transpose", "Expand", "ReduceProd", "ReduceSum", "ReduceMax", "ReduceMin", "CumSum")
+)  # fmt: skip
+
+
+def _dtype(value: ir.Value | None, depth: int = 0) -> ir.DataType | None:
+    """``value``'s element type, inferred or read off its producers (a pass's new ``Shape`` ->
+    ``ReduceProd``, such as BatchNormRunningStatsPass's element count, has none yet)."""
+    if value is None or value.dtype is not None or depth > 16:
+        return None if value is None else value.dtype
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type in ("Shape", "Size"):
+        return ir.DataType.INT64
+    if node.op_type == "Cast" and "to" in node.attributes:
+        return ir.DataType(node.attributes["to"].as_int())
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().dtype
+    if node.op_type in _SAME_TYPE and node.inputs and value is node.outputs[0]:
+        return _dtype(node.inputs[0], depth + 1)
+    return None
+
+
 def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.Value | None]) -> None:
     """Raise PassError if the PyTorch op returns other element types than ``node``'s outputs have.
 
@@ -88,7 +114,8 @@ class TorchGradientsPass(ir.passes.InPlacePass):
             entry = GRADIENTS.get(node.op_type) if node.domain in _ONNX else None
             if entry is None or self.device_type not in entry.devices:
                 continue
-            if all(o.dtype is not None and not o.dtype.is_floating_point() for o in node.outputs):
+            dtypes = [_dtype(o) for o in node.outputs]
+            if all(t is not None and not t.is_floating_point() for t in dtypes):
                 # Integer results (position ids from a CumSum, a ReduceProd of shape values):
                 # nothing to differentiate, and ORT's kernel keeps the type. NOTE: also what keeps
                 # register_gradients' one definition per op right: it leaves out the output
