@@ -311,6 +311,21 @@ def test_norm(name):
     check_parity(make, img(dims, 6))
 
 
+def test_local_response_norm_without_backward():
+    """An inference graph keeps torch's squeeze (an ``If`` under TorchScript, which ORT runs)."""
+    import parity
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    model = ConvThen(nn.LocalResponseNorm(3), dims=1).eval()
+    wrapped = ORTWrap(model, fallback=False, exporter=parity.EXPORTER)
+    for b in (2, 5):
+        x = torch.randn(b, 3, 6 + b)
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x), model(x), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("norm", ["layer_norm_no_bias", "rms_norm"])
 def test_sequence_norm(norm):
