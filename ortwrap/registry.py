@@ -779,7 +779,9 @@ def _reduce_impl(x, kind: str, dims: list[int], keepdim: bool):
 
 def _cumsum_impl(x, axis: int, exclusive: bool, reverse: bool):
     y = x.flip(axis) if reverse else x
-    y = y.cumsum(axis)
+    # NOTE: dtype=x.dtype: torch's cumsum of an integer tensor is int64, and an ATen node's output
+    # must have the type the graph declares for it (ORT reads the buffer as that type).
+    y = y.cumsum(axis, dtype=x.dtype)
     if exclusive:
         y = y - (x.flip(axis) if reverse else x)
     return y.flip(axis) if reverse else y
@@ -821,8 +823,24 @@ def _cat2(a, b, dim: int):
     return torch.cat([a, b], dim)
 
 
+def _squeeze_ones(x, dims: list[int]):
+    """``x.squeeze(dims)`` where the export traced every ``dims`` size as 1: a size that is not 1 at
+    run time is an error (the graph after it was traced for the squeezed rank)."""
+    dims = [d % x.dim() for d in dims]
+    if x.device.type == "meta":  # type inference (symbolic dims stand in as 2): the squeezed rank
+        return x.new_empty([s for i, s in enumerate(x.shape) if i not in dims])
+    for d in dims:
+        if x.shape[d] != 1:
+            raise RuntimeError(
+                f"squeeze({d}) was exported for a size-1 dimension; this input has size {x.shape[d]} "
+                f"(shape {tuple(x.shape)}): the graph after it assumes the squeezed rank"
+            )
+    return x.squeeze(dims)
+
+
 _OPS = {
     "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
+    "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),

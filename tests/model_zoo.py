@@ -419,8 +419,6 @@ def recurrent_inputs(b, g):
     return (torch.randn(seq_len(b, 6), b, 8, generator=g),), {}
 
 
-_BILSTM = "ORT 1.19.2's LSTM training kernel is forward-only for bidirectional LSTMs (issue 14, op half)"
-
 _W2V_GUARD = (
     "torch.export: data-dependent guard in Wav2Vec2ForCTC's label check (labels.max() >= vocab_size); "
     "exporter='torchscript' captures it"
@@ -428,16 +426,7 @@ _W2V_GUARD = (
 
 CASES: list[Case] = [
     Case("bert", bert, classification_inputs, hf_loss),
-    Case(
-        "roberta",
-        roberta,
-        classification_inputs,
-        hf_loss,
-        # open: the forward loss differs from eager by ~0.25% at step 0 under TorchScript (seen
-        # 2026-11-25 after the op-registry merge; RoBERTa's position ids come from a cumsum over
-        # the padding mask); dynamo matches
-        xfail={"torchscript": "loss differs from eager at step 0 under TorchScript (open)"},
-    ),
+    Case("roberta", roberta, classification_inputs, hf_loss),
     Case("distilbert", distilbert, classification_inputs, hf_loss, fast=("torchscript",)),
     Case("albert", albert, classification_inputs, hf_loss),
     Case("gpt2", gpt2, lm_inputs, hf_loss),
@@ -461,14 +450,7 @@ CASES: list[Case] = [
     Case("wav2vec2_encoder", wav2vec2_encoder, audio_encoder_inputs, None),
     Case("whisper", whisper, whisper_inputs, hf_loss),
     Case("lstm_gru", RecurrentStack, recurrent_inputs, None, fast=("torchscript", "dynamo"), atol=1e-4),
-    Case(
-        "bilstm",
-        lambda: RecurrentStack(bidirectional=True),
-        recurrent_inputs,
-        None,
-        xfail={"torchscript": _BILSTM, "dynamo": _BILSTM},
-        atol=1e-4,
-    ),
+    Case("bilstm", lambda: RecurrentStack(bidirectional=True), recurrent_inputs, None, atol=1e-4),
 ]
 
 BY_NAME = {c.name: c for c in CASES}

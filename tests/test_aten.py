@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,3 +147,29 @@ def test_exception_in_aten_op_keeps_its_type_and_wrapper_keeps_working():
     assert "square" in str(eager.value) and str(info.value) == str(eager.value)
     x = torch.randn(5, 2, 2)
     torch.testing.assert_close(w(x), m(x))
+
+
+def test_type_inference_keeps_types_ahead_of_refined_slices():
+    """Type inference through ATen nodes refines Slice outputs and drops the dims ONNX invented
+    after them for the next round; the values in between (a Pad with computed pads, TorchScript's
+    reflection padding) must still have a type when it stops (ORT cannot type an ATen node's output)."""
+    import onnx_text
+
+    from ortwrap.bridge.aten import infer_types
+
+    model = onnx_text.parse(
+        """
+        g (float[N, T, 8] x, int64[6] pads) => (float[N, T, M] y) {
+            p = Pad<mode = "reflect">(x, pads)
+            one = Constant<value = int64[1] {1}>()
+            two = Constant<value = int64[1] {2}>()
+            shape = Shape(x)
+            e = Slice(shape, two, one)
+            s = Slice(p, one, e, two)
+            y = Mul(s, s)
+        }
+        """
+    )
+    typed = {v.name: v.type.tensor_type for v in infer_types(model).graph.value_info}
+    assert typed["p"].elem_type == onnx.TensorProto.FLOAT and len(typed["p"].shape.dim) == 3
+    assert typed["s"].elem_type == onnx.TensorProto.FLOAT

@@ -165,11 +165,33 @@ ELEMENTWISE = {
 
 @pytest.mark.parametrize("name", cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype"}))
 def test_elementwise(name, exporter):
-    if name.endswith("_pad") and exporter == "torchscript":
-        # Passed at 321e101; after merging main the TorchScript graph's Pad output reaches the gradient
-        # build without a type (ORT: "type inference failed" on the ATen node). Under investigation.
-        pytest.xfail("TorchScript reflection/replication pad: ATen output untyped since the main merge")
     check_parity(lambda: Pre(Fn(ELEMENTWISE[name])), seq)
+
+
+class PaddedPositions(nn.Module):
+    """RoBERTa's position ids: a cumsum over the int32 padding mask indexes an embedding; then a
+    float cumsum of the same op (ORT keeps one gradient definition per op: the integer one, had it
+    been an ATen node, would have left out the float one's output gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8, padding_idx=1)
+        self.positions = nn.Embedding(32, 8, padding_idx=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        mask = ids.ne(1).int()
+        positions = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + 1
+        return self.head((self.tokens(ids) + self.positions(positions)).cumsum(1))
+
+
+def test_position_ids_from_integer_cumsum():
+    def inputs(b, g):
+        ids = torch.randint(2, 20, (b, 6 + b), generator=g)
+        ids[1:, -2:] = 1  # padded rows
+        return (ids,), {}
+
+    check_parity(PaddedPositions, inputs)
 
 
 class SkipUp(nn.Module):
@@ -270,6 +292,14 @@ NORMS = {
     "group_norm_no_affine": (lambda: ConvThen(nn.GroupNorm(2, 4, affine=False)), 2),
     "group_norm_1d": (lambda: ConvThen(nn.GroupNorm(2, 4), 1), 1),
     "instance_norm_1d": (lambda: ConvThen(nn.InstanceNorm1d(4, affine=True), 1), 1),
+    "instance_norm_running_stats": (lambda: ConvThen(nn.InstanceNorm2d(4, affine=True, track_running_stats=True)), 2),
+    "instance_norm_1d_running_stats_no_affine": (
+        lambda: ConvThen(nn.InstanceNorm1d(4, track_running_stats=True, momentum=0.3), 1),
+        1,
+    ),
+    # TorchScript: squeeze(1) after a computed Pad (ortwrap_ops::squeeze_ones, export/symbolics.py).
+    "local_response_norm_1d": (lambda: ConvThen(nn.LocalResponseNorm(3), 1), 1),
+    "local_response_norm_2d": (lambda: ConvThen(nn.LocalResponseNorm(2, alpha=0.1, beta=0.6, k=1.5)), 2),
 }
 
 
@@ -279,6 +309,21 @@ def test_norm(name):
     the backward."""
     make, dims = NORMS[name]
     check_parity(make, img(dims, 6))
+
+
+def test_local_response_norm_without_backward():
+    """An inference graph keeps torch's squeeze (an ``If`` under TorchScript, which ORT runs)."""
+    import parity
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    model = ConvThen(nn.LocalResponseNorm(3), dims=1).eval()
+    wrapped = ORTWrap(model, fallback=False, exporter=parity.EXPORTER)
+    for b in (2, 5):
+        x = torch.randn(b, 3, 6 + b)
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x), model(x), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -120,3 +120,78 @@ def test_pass_leaves_non_constant_axes_to_ort():
 def test_conv_transpose_only_on_cpu():
     assert GRADIENTS["ConvTranspose"].devices == ("cpu",)
     assert all(not op.startswith(NATIVE_PREFIX) for op in GRADIENTS)
+
+
+def test_integer_cumsum_stays_ort_and_float_cumsum_keeps_its_type():
+    """An integer CumSum (RoBERTa's position ids) has nothing to differentiate: ORT's kernel."""
+    _, p = _run_pass(
+        """
+        g (int32[2, 5] m, float[2, 5] x) => (int32[2, 5] c, float[2, 5] y) {
+            axis = Constant<value = int64 {1}>()
+            c = CumSum(m, axis)
+            y = CumSum<exclusive = 1, reverse = 1>(x, axis)
+        }
+        """
+    )
+    assert p.rewritten == {"CumSum": 1}
+
+
+def test_rewrite_returning_another_type_is_refused(monkeypatch):
+    """ORT reads an ATen node's result as the type the graph declares (torch's cumsum of an int32
+    tensor, int64, gave RoBERTa wrong position ids instead of an error): a registry entry whose op
+    returns another type is refused when the graph is built."""
+    from ortwrap.errors import PassError
+    from ortwrap.registry import OnnxViaTorch
+
+    entry = OnnxViaTorch("Softplus", "_cast_Double", lambda n, v, b: [v(0), False])
+    monkeypatch.setitem(GRADIENTS, "Softplus", entry)
+    with pytest.raises(PassError, match=r"_cast_Double returns torch\.float64 where the graph has torch\.float32"):
+        _run_pass(
+            """
+            g (float[2, 5] x) => (float[2, 5] y) {
+                y = Softplus(x)
+            }
+            """
+        )
+
+
+def test_squeeze_ones_refuses_a_size_that_is_not_one():
+    """TorchScript's squeeze(dim) of a dim ONNX lost the size of (LocalResponseNorm) runs as
+    ``ortwrap_ops::squeeze_ones``: the graph after it was traced for the squeezed rank."""
+    import torch
+
+    from ortwrap.registry import define_ops
+
+    define_ops()
+    x = torch.randn(2, 1, 3)
+    assert torch.ops.ortwrap_ops.squeeze_ones(x, [1]).shape == (2, 3)
+    with pytest.raises(RuntimeError, match=r"squeeze\(0\) was exported for a size-1 dimension"):
+        torch.ops.ortwrap_ops.squeeze_ones(x, [0])
+
+
+def test_integer_reduce_made_by_an_earlier_pass_stays_ort():
+    """BatchNormRunningStatsPass counts elements with ReduceProd(Shape(x)), values without an
+    inferred type yet: still integer, still ORT's (an ATen ``reduce`` there left every float
+    ``prod``/L1-norm gradient zero later in the process, one gradient definition per op)."""
+    import onnx_ir as ir
+    from onnx_text import parse
+
+    from ortwrap.passes.batchnorm_running_stats import BatchNormRunningStatsPass
+
+    model = ir.serde.deserialize_model(
+        onnx.shape_inference.infer_shapes(
+            parse(
+                """
+                g (float[N, 2, 4] x, float[2] s, float[2] b, float[2] m, float[2] v) => (float[N, 2, 4] y, float[2] vo) {
+                    y, mo, vn = BatchNormalization<training_mode = 1, momentum = 0.9>(x, s, b, m, v)
+                    vo = Identity(v)
+                }
+                """
+            )
+        )
+    )
+    BatchNormRunningStatsPass()(model)
+    p = TorchGradientsPass("cpu")
+    p(model)
+    assert p.rewritten == {}
+    assert any(n.op_type == "ReduceProd" for n in model.graph)

@@ -590,6 +590,7 @@ def dynamo_to_onnx(
     opset: int,
     decompose: bool,
     extra: ExtraTranslations | None = None,
+    decompositions: dict[Any, tuple[Callable[[Any], bool], Callable[..., Any]]] | None = None,
 ) -> tuple[Any, bool]:
     """``torch.onnx.export(program, dynamo=True, optimize=False, custom_translation_table=table)``'s
     ``ir.Model``, and whether the graph was decomposed first.
@@ -598,9 +599,18 @@ def dynamo_to_onnx(
     ``table``) has a translation for every op, that skips the exporter's ``run_decompositions``, which
     retraces the whole graph with symbolic shapes (most of the exporter's time). Ops it cannot
     translate as they are send it down the exporter's own path, which decomposes them; ops that still
-    have no translation then get ``extra``'s (ATen nodes).
+    have no translation then get ``extra``'s (ATen nodes). ``decompositions``
+    (``{op: (needs(node), decomposition)}``) run first, where a node needs one.
     """
     registry = _dynamo_registry(opset, table)
+    wanted = {
+        op: fn
+        for op, (needs, fn) in (decompositions or {}).items()
+        if any(n.op == "call_function" and n.target is op and needs(n) for n in program.graph_module.graph.nodes)
+    }
+    if wanted:
+        _views_as_reshapes(program.graph_module)
+        program = program.run_decompositions(wanted)
     if not decompose:
         try:
             program = _functionalized(program)

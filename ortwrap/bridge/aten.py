@@ -45,6 +45,11 @@ VJP_PREFIX = "ortwrap_vjp::"
 NATIVE_PREFIX = "ortwrap_cpu::"
 #: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
 OWN_GRADIENT_OPS: set[str] = set()
+#: Arguments ops update in place although their schemas do not say so (no ``Tensor(a!)``): the
+#: running statistics of ``instance_norm`` (TorchScript exports it with running stats as an ATen
+#: node) and ``batch_norm``. Treated as written: the vjp recomputes on copies, or the statistics
+#: would move twice per step.
+_UNANNOTATED_WRITES: dict[str, set[int]] = {"aten::instance_norm": {3, 4}, "aten::batch_norm": {3, 4}}
 
 # Public entry points until install() swaps in the C one (ortwrap/_compat/torch.py).
 _from_dlpack = torch.utils.dlpack.from_dlpack
@@ -104,6 +109,7 @@ class _Plan:
         self.fn = fn
         #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
         self.written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        self.written |= _UNANNOTATED_WRITES.get(schema.name, set())
         self.pos: list = []  # (decoder, has_default, default)
         self.kw: list = []  # (name, decoder)
         self.simple = True  # every argument a plain Tensor: no decoding
@@ -383,6 +389,12 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
             inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
         else:
             return None
+    return meta_outputs(op, overload, inputs)
+
+
+def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
+    """The results of ATen node ``op`` for ``inputs`` (tensors, constants encoded as the node's
+    inputs, None for absent ones) evaluated on the meta device."""
     plan = resolve(op, overload)
     args, kwargs = plan.decode(op, inputs)
     meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -408,6 +420,7 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     for v in untyped:
         model.graph.value_info.remove(v)
     refined: set[tuple] = set()
+    changed = False
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
@@ -445,8 +458,11 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
                     model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
                     progress = True
         if not progress:
-            return model
-    return model
+            break
+    # NOTE: the last refinement dropped the unk__ dims ONNX had invented downstream of its Slices
+    # (for the next round to re-infer): infer them once more, or those values reach the gradient
+    # builder without a type (a Pad whose pads are computed: ORT cannot type the ATen node).
+    return onnx.shape_inference.infer_shapes(model, data_prop=True) if changed else model
 
 
 def _refine_slices(model: onnx.ModelProto, constants: dict[str, torch.Tensor]) -> bool:
@@ -593,7 +609,8 @@ def declare_output_types(model: onnx.ModelProto) -> None:
 
 
 # ------------------------------------------------------------------------------------- gradients
-_gradient_arity: dict[str, tuple[int, int]] = {}
+#: key -> (inputs, outputs, output gradients) of the definition registered for it
+_gradient_arity: dict[str, tuple[int, int, tuple[str, ...]]] = {}
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
@@ -643,21 +660,29 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)
+        # An integer output (indices) has no gradient for any node to compute: an absent input.
+        grads_out = [
+            "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
+            for j, o in enumerate(node.output)
+        ]
         known = _gradient_arity.get(key)
-        if known is not None and known != (n_in, n_out):
+        if known is not None and known[:2] != (n_in, n_out):
             raise RuntimeError(
                 f"ATen op {op} appears with {known[0]} inputs and {known[1]} outputs, and with {n_in} and {n_out}; "
                 "ORT allows one gradient definition per op"
+            )
+        if known is not None and known[2] != tuple(grads_out):
+            # NOTE: the definition registered first stays for the process: one that leaves out an
+            # output's gradient (it was an integer there) would make every later float node's
+            # gradient zero, silently.
+            raise RuntimeError(
+                f"ATen op {op} has float outputs {_float_flags(known[2])} in one graph and {_float_flags(grads_out)} "
+                "in another; ORT allows one gradient definition per op (run the integer one as an ONNX op)"
             )
         if known is None:
             plan = resolve(op, overload)
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            # An integer output (indices) has no gradient for any node to compute: an absent input.
-            grads_out = [
-                "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
-                for j, o in enumerate(node.output)
-            ]
             register_gradient(
                 op,
                 overload,
@@ -666,6 +691,10 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 VJP_PREFIX + (op if n_out == plan.n_returns else f"{OUTS_MARK}{n_out}|{op}"),
                 stop,
             )
-            _gradient_arity[key] = (n_in, n_out)
+            _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
         keys.append(key)
     return keys
+
+
+def _float_flags(grads_out) -> str:
+    return "".join("1" if g else "0" for g in grads_out)

@@ -41,7 +41,7 @@ from ..errors import ExportError
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .model import ExportedModel
-from .translations import training_translations
+from .translations import training_decompositions, training_translations
 
 _log = logging.getLogger("ortwrap")
 
@@ -247,6 +247,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
                 table={**training_translations(), **bridge.translation_table()},
                 opset=capture.opset,
                 decompose=False,
+                decompositions=training_decompositions(),
                 extra=lambda prog, is_registered, allow_missing: fallback_translations(
                     prog, is_registered, aten_ops=capture.aten_ops, scope=bridge, allow_missing=allow_missing
                 ),

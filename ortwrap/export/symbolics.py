@@ -24,6 +24,9 @@ prim::PythonOp                 autograd.Function calls become PythonOps (``bridg
 ``Options.aten_ops``           each listed op becomes an ATen node (``bridge/aten.py``).
 softmax, log_softmax           with ``dtype=``, torch's symbolic casts the result; ortwrap casts
                                the input first, as eager does.
+squeeze (training graphs)      of a dim whose size ONNX lost (``LocalResponseNorm``'s, after a
+                               computed ``Pad``): torch writes an ``If``; ortwrap an ATen node
+                               ``ortwrap_ops::squeeze_ones`` where the traced call squeezed.
 ``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal: torch's ONNX form is
                                wrong or untrainable; ATen nodes (PyTorch's kernel and autograd).
 =============================  =================================================================
@@ -256,6 +259,33 @@ def _softmax_in(default: Callable) -> Callable:
     return symbolic
 
 
+def _squeeze(default: Callable) -> Callable:
+    """``squeeze(dim)`` of a dim whose size ONNX shape inference lost (a computed ``Pad`` before it:
+    ``F.local_response_norm``): torch's symbolic writes an ``If`` (squeeze when the size is 1), which
+    ORT cannot differentiate. Where the traced call did squeeze, ``ortwrap_ops::squeeze_ones`` runs
+    torch's squeeze as an ATen node instead (an error if the size is not 1 at run time: the graph
+    after it was traced for the squeezed rank); a dim the traced call kept is torch's ``If`` (refused
+    by ``RefuseControlFlowPass``, naming the fix). Training graphs only."""
+
+    def symbolic(g, self, dim=None):
+        if dim is None or compat.ts_is_none(dim):
+            return default(g, self, dim)
+        d = compat.ts_constant(dim, "i")
+        sizes, out_rank = compat.ts_sizes(self), compat.ts_rank(g.original_node.output())
+        if not isinstance(d, int) or sizes is None or out_rank != len(sizes) - 1:
+            return default(g, self, dim)
+        d %= len(sizes)
+        if sizes[d] is not None:
+            return default(g, self, dim)
+        dims = g.op("Constant", value_t=torch.tensor([d], dtype=torch.int64))
+        out = g.aten_op("ortwrap_ops::squeeze_ones", self, dims, overload_name="", outputs=1)
+        t = g.original_node.output().type()
+        out.setType(t.with_sizes([sizes[i] for i in range(len(sizes)) if i != d]))
+        return out
+
+    return symbolic
+
+
 def _multinomial(default: Callable) -> Callable:
     """``multinomial`` of 1-D probabilities: torch's symbolic writes ONNX Multinomial, which takes
     2-D input only. The probabilities get a batch of one, the samples lose it."""
@@ -289,8 +319,11 @@ def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[list[str]]:
-    """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons."""
+def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward: bool = True) -> Iterator[list[str]]:
+    """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons.
+
+    ``with_backward``: the graph will be differentiated (an inference graph keeps torch's ``If``
+    for ``squeeze``, which ORT runs)."""
     from ..bridge.symbolic import pythonop_symbolic
     from .grouped_mm import grouped_mm_symbolic
 
@@ -305,6 +338,9 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = ()) -> Iterator[li
     default_multinomial = compat.ts_symbolic("aten::multinomial", opset)
     if default_multinomial is not None:
         symbolics["aten::multinomial"] = _multinomial(default_multinomial)
+    default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
+    if default_squeeze is not None and with_backward:
+        symbolics["aten::squeeze"] = _squeeze(default_squeeze)
     for name in ("aten::softmax", "aten::log_softmax"):
         default = compat.ts_symbolic(name, opset)
         if default is not None:

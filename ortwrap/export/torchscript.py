@@ -108,7 +108,7 @@ def capture_torchscript(
             no_ambient_autocast(),
             _buffers_as_inputs(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
-            ortwrap_symbolics(opset, aten_ops) as symbolic_reasons,
+            ortwrap_symbolics(opset, aten_ops, with_backward) as symbolic_reasons,
             collective_stubs(),
             warnings.catch_warnings(),
         ):

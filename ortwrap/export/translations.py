@@ -41,6 +41,13 @@ promotion)                                              a float64 scalar loses i
                                                         fails. ortwrap passes a constant scale of 1
                                                         (and bias of 0).
 ======================================================  ===========================================
+
+One op is decomposed before translation instead (:func:`training_decompositions`):
+``aten.instance_norm`` in training mode with running statistics (``InstanceNorm(track_running_stats=True)``)
+updates them in place although its schema does not say so, so ``torch.export`` keeps no buffer
+mutation for them, and torchlib's ``InstanceNormalization`` drops them. ortwrap's decomposition
+writes eager's update (the batch mean of the per-instance means and unbiased variances) and
+normalizes in elementwise ops.
 """
 
 from __future__ import annotations
@@ -308,6 +315,40 @@ def _softmax_in(onnx_op: str):
         return getattr(op, onnx_op)(self, axis=dim)
 
     return translate
+
+
+def _instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
+    """``aten.instance_norm`` as eager computes it, running-statistics update included."""
+    dims = list(range(2, input.dim()))
+    if running_mean is not None and running_var is not None and use_input_stats:
+        with torch.no_grad():
+            x = input.detach()
+            running_mean.copy_(running_mean * (1 - momentum) + x.mean(dims).mean(0) * momentum)
+            running_var.copy_(running_var * (1 - momentum) + x.var(dims, correction=1).mean(0) * momentum)
+    if use_input_stats or running_mean is None or running_var is None:
+        mean = input.mean(dims, keepdim=True)
+        var = input.var(dims, correction=0, keepdim=True)
+    else:  # eval with running statistics
+        shape = [1, -1] + [1] * len(dims)
+        mean, var = running_mean.reshape(shape), running_var.reshape(shape)
+    out = (input - mean) * torch.rsqrt(var + eps)
+    shape = [1, -1] + [1] * len(dims)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out
+
+
+def _instance_norm_updates_stats(node) -> bool:
+    args = list(node.args) + [None] * 9
+    return args[3] is not None and args[4] is not None and args[5] is True
+
+
+def training_decompositions() -> dict:
+    """``{op: (needs(node), decomposition)}``: ops the dynamo path decomposes before translating,
+    where ``needs`` says a node of the captured graph needs it (the module docstring)."""
+    return {torch.ops.aten.instance_norm.default: (_instance_norm_updates_stats, _instance_norm)}
 
 
 def training_translations() -> dict:

@@ -13,6 +13,7 @@ from ..errors import PassError
 from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
+from .bidirectional_rnn import BidirectionalRNNPass
 from .control_flow import RefuseControlFlowPass
 from .double_precision import DoublePrecisionOnCPUPass
 from .einsum import EinsumToMatMulPass
@@ -84,6 +85,7 @@ def default_passes(
             EinsumToMatMulPass(),
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
+            BidirectionalRNNPass(),
             # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
             TorchGradientsPass(device_type),
             WhereBroadcastPass(),

@@ -8,16 +8,21 @@ ORT then runs the op through the ATen bridge, and its gradient is the bridge's v
 autograd of the same op (``bridge/aten.py``). An entry whose ``args`` returns None leaves the node
 to ORT. Training graphs only (an inference graph keeps ORT's kernels); the output keeps the
 replaced value's inferred type and shape.
+
+Each rewrite is checked once on PyTorch's meta device: the op must return the element types the
+graph declares for the replaced outputs (ORT reads an ATen node's result as the declared type, so
+an int64 result where the graph says int32 gives wrong numbers, not an error).
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
+import torch
 
-from ..bridge.aten import ATEN_DOMAIN
+from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
 from ..registry import GRADIENTS, OnnxViaTorch, constant_array
-from ._build import NodeBuilder
+from ._build import NodeBuilder, constant_value
 
 _ONNX = ("", "ai.onnx")
 
@@ -35,6 +40,66 @@ def _torch_op(name: str, node: ir.Node, args: list) -> str:
     if name == "max_pool":
         return f"max_pool{len(args[1])}d"
     return name
+
+
+#: Ops whose result has their first input's element type (for values the passes made, not yet inferred).
+_SAME_TYPE = frozenset(
+    ("Add", "Sub", "Mul", "Div", "Neg", "Abs", "Gather", "Slice", "Concat", "Reshape", "Unsqueeze", "Squeeze",
+     "Identity", "Transpose", "Expand", "ReduceProd", "ReduceSum", "ReduceMax", "ReduceMin", "CumSum")
+)  # fmt: skip
+
+
+def _dtype(value: ir.Value | None, depth: int = 0) -> ir.DataType | None:
+    """``value``'s element type, inferred or read off its producers (a pass's new ``Shape`` ->
+    ``ReduceProd``, such as BatchNormRunningStatsPass's element count, has none yet)."""
+    if value is None or value.dtype is not None or depth > 16:
+        return None if value is None else value.dtype
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type in ("Shape", "Size"):
+        return ir.DataType.INT64
+    if node.op_type == "Cast" and "to" in node.attributes:
+        return ir.DataType(node.attributes["to"].as_int())
+    if node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().dtype
+    if node.op_type in _SAME_TYPE and node.inputs and value is node.outputs[0]:
+        return _dtype(node.inputs[0], depth + 1)
+    return None
+
+
+def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.Value | None]) -> None:
+    """Raise PassError if the PyTorch op returns other element types than ``node``'s outputs have.
+
+    Best effort: skipped where an input's type or rank is unknown or the op refuses the stand-in
+    sizes (2 for every symbolic dim)."""
+    inputs: list = []
+    for v in values:
+        producer = v.producer() if v is not None else None
+        if v is None:
+            inputs.append(None)
+        elif v.const_value is not None or (producer is not None and producer.op_type == "Constant"):
+            array = constant_value(v)
+            if array is None:
+                return
+            inputs.append(torch.from_numpy(array))
+        elif v.dtype is None or v.shape is None or int(v.dtype) not in TORCH_DTYPES:
+            return
+        else:
+            dims = [d if isinstance(d, int) else 2 for d in v.shape]
+            inputs.append(torch.empty(dims, dtype=TORCH_DTYPES[int(v.dtype)], device="meta"))
+    try:
+        results = meta_outputs(op, overload, inputs)
+    except Exception:
+        return
+    for out, r in zip(node.outputs, results):
+        if out.dtype is None or not isinstance(r, torch.Tensor) or int(out.dtype) not in TORCH_DTYPES:
+            continue
+        if r.dtype != TORCH_DTYPES[int(out.dtype)]:
+            raise PassError(
+                f"node {node.name!r} ({node.op_type}): {op} returns {r.dtype} where the graph has "
+                f"{TORCH_DTYPES[int(out.dtype)]}; its registry entry (ortwrap/registry.py) must keep the type"
+            )
 
 
 def replace_with_torch(graph: ir.Graph, node: ir.Node, entry: OnnxViaTorch) -> ir.Node | None:
@@ -62,6 +127,7 @@ def replace_with_torch(graph: ir.Graph, node: ir.Node, entry: OnnxViaTorch) -> i
     # op and overload per process, which reads the inputs by position.
     op, _, overload = _torch_op(entry.torch_op, node, args).partition(".")
     aten = b.node("ATen", values, domain=ATEN_DOMAIN, outputs=len(node.outputs), operator=op, overload_name=overload)
+    _check_output_types(node, op, overload, values)
     b.replace(graph, node, list(aten.outputs))
     return aten
 
@@ -81,6 +147,13 @@ class TorchGradientsPass(ir.passes.InPlacePass):
         for node in list(graph):
             entry = GRADIENTS.get(node.op_type) if node.domain in _ONNX else None
             if entry is None or self.device_type not in entry.devices:
+                continue
+            dtypes = [_dtype(o) for o in node.outputs]
+            if all(t is not None and not t.is_floating_point() for t in dtypes):
+                # Integer results (position ids from a CumSum, a ReduceProd of shape values):
+                # nothing to differentiate, and ORT's kernel keeps the type. NOTE: also what keeps
+                # register_gradients' one definition per op right: it leaves out the output
+                # gradients of the node it first sees whose outputs are integers.
                 continue
             if replace_with_torch(graph, node, entry) is not None:
                 self.rewritten[node.op_type] = self.rewritten.get(node.op_type, 0) + 1
