@@ -47,8 +47,10 @@ import numpy as np
 
 __all__ = [
     "ATEN_OPS",
+    "DTYPE_ARGUMENT_OPS",
     "GRADIENTS",
     "KERNELS",
+    "TORCH_OP_GRADIENTS",
     "AtenViaTorch",
     "Kernel",
     "KernelGradient",
@@ -675,7 +677,71 @@ def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: l
     return x  # a view of the input is copied by the ATen bridge
 
 
+def _linear(x, w, b, dtype):
+    """``F.linear`` computed in ``dtype`` (bf16 GEMM), the result rounded to it and returned in x's dtype."""
+    import torch.nn.functional as F
+
+    return F.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)).to(x.dtype)
+
+
+def _matmul(a, b, dtype):
+    """``torch.matmul`` computed in ``dtype``, the result rounded to it and returned in a's dtype."""
+    import torch
+
+    return torch.matmul(a.to(dtype), b.to(dtype)).to(a.dtype)
+
+
+def _sum_to(t, shape):
+    """``t`` summed over the dims it was broadcast along to reach its shape from ``shape``."""
+    lead = t.dim() - len(shape)
+    if lead:
+        t = t.sum(list(range(lead)))
+    dims = [i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1]
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+def _linear_backward(grad, x, w, dtype, output_mask: list[bool]):
+    """dx = dy W, dW = dy^T x, db = sum(dy), as eager autocast computes them: GEMMs in ``dtype``
+    (the output gradient rounded to it first), results in the inputs' dtypes; nothing recomputed."""
+    import torch
+
+    empty = torch.empty(0, dtype=x.dtype)
+    g = grad.to(dtype)
+    g2 = g.reshape(-1, g.shape[-1])
+    dx = torch.matmul(g, w.to(dtype)).to(x.dtype) if output_mask[0] else empty
+    dw = g2.t().mm(x.to(dtype).reshape(-1, x.shape[-1])).to(w.dtype) if output_mask[1] else empty
+    db = g2.sum(0).to(w.dtype) if output_mask[2] else empty
+    return dx, dw, db
+
+
+def _matmul_backward(grad, a, b, dtype, output_mask: list[bool]):
+    """da = dy b^T, db = a^T dy in ``dtype``, summed over broadcast dims (inputs of rank >= 2)."""
+    import torch
+
+    empty = torch.empty(0, dtype=a.dtype)
+    g = grad.to(dtype)
+    da = _sum_to(torch.matmul(g, b.to(dtype).transpose(-1, -2)), a.shape).to(a.dtype) if output_mask[0] else empty
+    if not output_mask[1]:
+        db = empty
+    elif b.dim() == 2:  # a weight: one GEMM over all rows
+        db = a.to(dtype).reshape(-1, a.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])).to(b.dtype)
+    else:
+        db = _sum_to(torch.matmul(a.to(dtype).transpose(-1, -2), g), b.shape).to(b.dtype)
+    return da, db
+
+
 _OPS = {
+    "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> Tensor", _linear),
+    "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> Tensor", _matmul),
+    "linear_backward": (
+        "linear_backward(Tensor grad, Tensor x, Tensor w, ScalarType dtype, bool[3] output_mask) "
+        "-> (Tensor, Tensor, Tensor)",
+        _linear_backward,
+    ),
+    "matmul_backward": (
+        "matmul_backward(Tensor grad, Tensor a, Tensor b, ScalarType dtype, bool[2] output_mask) -> (Tensor, Tensor)",
+        _matmul_backward,
+    ),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
@@ -686,6 +752,23 @@ _OPS = {
 }
 OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
+
+#: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
+#: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
+#: last argument, ``output_mask``, is filled from the gradients the graph uses
+#: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops: GEMMs computed
+#: in the dtype their last input names, on inputs and outputs of any float dtype, so
+#: ``HalfPrecisionOnCPUPass`` makes their inputs and outputs float32 like those of standard ops.
+#: ortwrap ops that compute in the dtype their last argument names, on inputs of any float dtype.
+DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear", f"{OPS_NAMESPACE}::matmul"})
+TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
+    f"{OPS_NAMESPACE}::linear": _grad(
+        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "I(0)", "I(1)", "I(3)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
+    ),
+    f"{OPS_NAMESPACE}::matmul": _grad(
+        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)", "GI(1)"], stop=[2]
+    ),
+}
 
 
 def define_ops() -> None:

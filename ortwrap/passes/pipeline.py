@@ -20,6 +20,7 @@ from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .grouped_conv import GroupedConvGradPass
+from .half_matmul import HalfMatMulOnCPUPass
 from .half_precision import HalfPrecisionOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
@@ -46,7 +47,12 @@ class PassRecord:
 
 
 def default_passes(
-    *, with_backward: bool, device_type: str = "cpu", native_kernels: bool = False, fusions: bool = True
+    *,
+    with_backward: bool,
+    device_type: str = "cpu",
+    native_kernels: bool = False,
+    fusions: bool = True,
+    native_bf16: bool = False,
 ) -> list[ir.passes.PassBase]:
     """The passes every export goes through, in order.
 
@@ -56,6 +62,8 @@ def default_passes(
         native_kernels: use ortwrap's CPU kernels (``ortwrap.kernels``, loaded by the caller) for the
             ops they cover; CPU training graphs only.
         fusions: fuse GELU / LayerNorm / RMSNorm into single ops (``passes.fusions``).
+        native_bf16: on CPU, run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (``passes.half_matmul``;
+            ``Options.half_compute``).
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
@@ -66,6 +74,9 @@ def default_passes(
         RestoreOptionalOutputsPass(),
     ]
     if device_type == "cpu":
+        if native_bf16:
+            # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
+            passes.append(HalfMatMulOnCPUPass())
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())
@@ -73,9 +84,7 @@ def default_passes(
     # partitions the graph. Not GELU in CPU training graphs: ortwrap's own GELU kernels (and, without
     # them, the unfused form ORT differentiates faster) beat ORT's fused Gelu there.
     if fusions:
-        passes.append(
-            StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu"))
-        )
+        passes.append(StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu")))
     if with_backward:
         # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
         passes += [

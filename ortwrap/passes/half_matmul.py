@@ -1,0 +1,186 @@
+"""bfloat16 GEMMs on CPUs with native bfloat16: MatMul/Gemm become PyTorch's bf16 GEMMs (ATen nodes).
+
+ONNX Runtime 1.19.2's CPU provider has no bfloat16 MatMul or Gemm, so ``HalfPrecisionOnCPUPass``
+computes a bf16 graph in float32. Where the CPU has bf16 instructions (AVX512-BF16, AMX), PyTorch's
+oneDNN bf16 GEMMs run several times faster than float32 ones. This pass, which runs just before
+``HalfPrecisionOnCPUPass``, rewrites every MatMul and Gemm whose inputs and output are bfloat16
+into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
+
+- ``MatMul(a, Transpose(W, perm=[1, 0]))`` (a ``Linear``; also through a ``Cast`` to bf16 of the
+  Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
+  ``Gemm(A, B, C, transB=1)``: ``ortwrap_ops::linear(a, W, bias)``, no transposed copy of W;
+- any other MatMul of two bf16 tensors of rank >= 2 (attention's ``q k^T`` and ``p v``), and
+  ``Gemm(transB=0)`` without a bias: ``ortwrap_ops::matmul(a, b)``.
+
+Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
+``HalfPrecisionOnCPUPass`` then makes its inputs and output float32 like everything else's. The op
+casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the bf16 GEMM
+and returns the result rounded to bf16, as eager autocast's is, widened to float32 for the
+elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32).
+
+Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``: ``dX = dY W`` and
+``dW = dY^T X`` as bf16 GEMMs, the output gradient rounded to bf16 first, as eager's is), not the
+ATen bridge's vjp, which would recompute the forward GEMM. What ONNX Runtime keeps for it are the
+float32 inputs: the parameter itself for a weight (eager autocast keeps a bf16 copy of every weight
+until the backward), a float32 activation where eager keeps a bf16 one; the backward casts them
+again.
+
+Why not bf16 values in the graph, with ``Cast`` nodes around the GEMM: a bf16 value read by two
+nodes (q, k and v projections of one input; ORT's common-subexpression elimination merges the
+Casts) gets its gradients summed in bf16, and ORT 1.19.2's CPU ``Sum`` has no bf16 kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ..bridge.aten import ATEN_DOMAIN
+from ..registry import OPS_NAMESPACE
+
+_ONNX = ("", "ai.onnx")
+_BF16 = ir.DataType.BFLOAT16
+#: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
+_TORCH_BFLOAT16 = 15
+LINEAR = f"{OPS_NAMESPACE}::linear"
+MATMUL = f"{OPS_NAMESPACE}::matmul"
+
+
+def _bf16(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype == _BF16
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _producer(value: ir.Value, op_type: str) -> ir.Node | None:
+    node = value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain in _ONNX else None
+
+
+def _int_attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_int()
+
+
+def _float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_float()
+
+
+class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
+    """Run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (see the module docstring).
+
+    ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten: dict[str, int] = {}
+        self._dropped: list[ir.Node] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.rewritten = {"linear": 0, "matmul": 0}
+        graph = model.graph
+        for node in list(graph):
+            if node.domain not in _ONNX or node.op_type not in ("MatMul", "Gemm"):
+                continue
+            if not (_bf16(node.outputs[0]) and all(_bf16(v) for v in node.inputs[:2])):
+                continue
+            if node.op_type == "MatMul":
+                self._matmul(graph, node)
+            else:
+                self._gemm(graph, node)
+        for node in reversed(
+            list(dict.fromkeys(self._dropped))
+        ):  # the Transposes (and Casts) of W the linears read directly
+            if not node.outputs[0].uses() and not node.outputs[0].is_graph_output():
+                graph.remove(node, safe=True)
+        self._dropped = []
+        return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
+
+    def _matmul(self, graph: ir.Graph, node: ir.Node) -> None:
+        a, b = node.inputs[0], node.inputs[1]
+        if _rank(a) is None or _rank(b) is None or _rank(a) < 2 or _rank(b) < 2:
+            return  # 1-D operands: left to float32
+        weight = self._transposed_weight(graph, node, b)
+        if weight is None:
+            self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
+            return
+        out, bias, add = node.outputs[0], None, None
+        users = list(out.uses())
+        if len(users) == 1 and not out.is_graph_output():
+            user = users[0][0]
+            if user.op_type == "Add" and user.domain in _ONNX and _bf16(user.outputs[0]):
+                other = user.inputs[1] if user.inputs[0] is out else user.inputs[0]
+                n = b.shape[-1] if b.shape is not None else None
+                if _bf16(other) and other.shape is not None and len(other.shape) == 1 and other.shape[0] == n:
+                    bias, add = other, user
+        self._replace(graph, node, LINEAR, [a, weight, bias], out if add is None else add.outputs[0], add)
+
+    def _gemm(self, graph: ir.Graph, node: ir.Node) -> None:
+        if _int_attr(node, "transA", 0) or _float_attr(node, "alpha", 1.0) != 1.0:
+            return
+        a, b = node.inputs[0], node.inputs[1]
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if c is not None and (_float_attr(node, "beta", 1.0) != 1.0 or not _bf16(c) or _rank(c) != 1):
+            return
+        if _int_attr(node, "transB", 0):
+            self._replace(graph, node, LINEAR, [a, b, c], node.outputs[0])
+        elif c is None:
+            self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
+
+    def _transposed_weight(self, graph: ir.Graph, node: ir.Node, b: ir.Value) -> ir.Value | None:
+        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to bf16), else None."""
+        cast = _producer(b, "Cast")
+        transpose = _producer(cast.inputs[0] if cast is not None else b, "Transpose")
+        if transpose is None or _rank(b) != 2:
+            return None
+        perm = transpose.attributes.get("perm")
+        if perm is None or list(perm.as_ints()) != [1, 0]:
+            return None
+        self._dropped.append(transpose)
+        weight = transpose.inputs[0]
+        if cast is None:
+            return weight
+        self._dropped.append(cast)
+        to_bf16 = ir.node("Cast", [weight], {"to": int(_BF16)}, name=f"{node.name}/ortwrap_weight_to_bf16")
+        to_bf16.outputs[0].dtype = _BF16
+        to_bf16.outputs[0].shape = weight.shape
+        graph.insert_before(node, to_bf16)
+        return to_bf16.outputs[0]
+
+    def _replace(
+        self,
+        graph: ir.Graph,
+        node: ir.Node,
+        op: str,
+        inputs: list[ir.Value | None],
+        out: ir.Value,
+        add: ir.Node | None = None,
+    ) -> None:
+        # The compute dtype, as the ATen bridge encodes a ScalarType (torch's code of bfloat16).
+        # (A linear without bias keeps an empty third input: the dtype is its fourth.)
+        dtype = ir.node(
+            "Constant", [], {"value": ir.tensor(np.array(_TORCH_BFLOAT16, dtype=np.int64))}, name=f"{node.name}/dtype"
+        )
+        aten = ir.node(
+            "ATen",
+            [*inputs, dtype.outputs[0]],
+            attributes={"operator": op, "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            name=f"{node.name}/ortwrap_bf16",
+        )
+        graph.insert_before(node, dtype)
+        result = aten.outputs[0]
+        result.dtype, result.shape = out.dtype, out.shape
+        graph.insert_before(node, aten)
+        name = out.name
+        out.replace_all_uses_with(result, replace_graph_outputs=True)
+        out.name = None
+        result.name = name
+        if add is not None:
+            graph.remove(add, safe=True)
+        graph.remove(node, safe=True)
+        self.rewritten["linear" if op == LINEAR else "matmul"] += 1
