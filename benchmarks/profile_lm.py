@@ -124,5 +124,8 @@ if __name__ == "__main__":
     )
     parser.add_argument("--bf16", action="store_true", help="both under torch.autocast(cpu, bfloat16)")
     parser.add_argument("--half-compute", default="auto", help="ortwrap's half_compute option (with --bf16)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (and ORT's); 0: torch's default")
     a = parser.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     main(a.steps, a.rows, a.size, a.bf16, a.half_compute)

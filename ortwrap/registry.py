@@ -678,17 +678,20 @@ def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: l
 
 
 def _linear(x, w, b, dtype):
-    """``F.linear`` computed in ``dtype`` (bf16 GEMM), the result rounded to it and returned in x's dtype."""
+    """``F.linear`` computed in ``dtype`` (a bf16 GEMM): the result, rounded to ``dtype`` and returned
+    in x's dtype, then the copies of x and w in ``dtype`` (what the backward reads)."""
     import torch.nn.functional as F
 
-    return F.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)).to(x.dtype)
+    xc, wc = x.to(dtype), w.to(dtype)
+    return F.linear(xc, wc, None if b is None else b.to(dtype)).to(x.dtype), xc, wc
 
 
 def _matmul(a, b, dtype):
-    """``torch.matmul`` computed in ``dtype``, the result rounded to it and returned in a's dtype."""
+    """``torch.matmul`` computed in ``dtype``: the result in a's dtype, then the copies of a and b."""
     import torch
 
-    return torch.matmul(a.to(dtype), b.to(dtype)).to(a.dtype)
+    ac, bc = a.to(dtype), b.to(dtype)
+    return torch.matmul(ac, bc).to(a.dtype), ac, bc
 
 
 def _sum_to(t, shape):
@@ -700,46 +703,46 @@ def _sum_to(t, shape):
     return t.sum(dims, keepdim=True) if dims else t
 
 
-def _linear_backward(grad, x, w, dtype, output_mask: list[bool]):
-    """dx = dy W, dW = dy^T x, db = sum(dy), as eager autocast computes them: GEMMs in ``dtype``
-    (the output gradient rounded to it first), results in the inputs' dtypes; nothing recomputed."""
+def _linear_backward(grad, xc, wc, output_mask: list[bool]):
+    """dx = dy W, dW = dy^T x, db = sum(dy) from the forward's copies ``xc``, ``wc`` (in the
+    compute dtype), as eager autocast computes them: GEMMs in that dtype (the output gradient
+    rounded to it first), results in the output gradient's dtype; nothing recomputed."""
     import torch
 
-    empty = torch.empty(0, dtype=x.dtype)
-    g = grad.to(dtype)
+    empty = torch.empty(0, dtype=grad.dtype)
+    g = grad.to(wc.dtype)
     g2 = g.reshape(-1, g.shape[-1])
-    dx = torch.matmul(g, w.to(dtype)).to(x.dtype) if output_mask[0] else empty
-    dw = g2.t().mm(x.to(dtype).reshape(-1, x.shape[-1])).to(w.dtype) if output_mask[1] else empty
-    db = g2.sum(0).to(w.dtype) if output_mask[2] else empty
+    dx = torch.matmul(g, wc).to(grad.dtype) if output_mask[0] else empty
+    dw = g2.t().mm(xc.reshape(-1, xc.shape[-1])).to(grad.dtype) if output_mask[1] else empty
+    db = g2.sum(0).to(grad.dtype) if output_mask[2] else empty
     return dx, dw, db
 
 
-def _matmul_backward(grad, a, b, dtype, output_mask: list[bool]):
-    """da = dy b^T, db = a^T dy in ``dtype``, summed over broadcast dims (inputs of rank >= 2)."""
+def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
+    """da = dy b^T, db = a^T dy from the forward's copies (rank >= 2), summed over broadcast dims."""
     import torch
 
-    empty = torch.empty(0, dtype=a.dtype)
-    g = grad.to(dtype)
-    da = _sum_to(torch.matmul(g, b.to(dtype).transpose(-1, -2)), a.shape).to(a.dtype) if output_mask[0] else empty
+    empty = torch.empty(0, dtype=grad.dtype)
+    g = grad.to(ac.dtype)
+    da = _sum_to(torch.matmul(g, bc.transpose(-1, -2)), ac.shape).to(grad.dtype) if output_mask[0] else empty
     if not output_mask[1]:
         db = empty
-    elif b.dim() == 2:  # a weight: one GEMM over all rows
-        db = a.to(dtype).reshape(-1, a.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])).to(b.dtype)
+    elif bc.dim() == 2:  # a weight: one GEMM over all rows
+        db = ac.reshape(-1, ac.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])).to(grad.dtype)
     else:
-        db = _sum_to(torch.matmul(a.to(dtype).transpose(-1, -2), g), b.shape).to(b.dtype)
+        db = _sum_to(torch.matmul(ac.transpose(-1, -2), g), bc.shape).to(grad.dtype)
     return da, db
 
 
 _OPS = {
-    "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> Tensor", _linear),
-    "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> Tensor", _matmul),
+    "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _linear),
+    "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _matmul),
     "linear_backward": (
-        "linear_backward(Tensor grad, Tensor x, Tensor w, ScalarType dtype, bool[3] output_mask) "
-        "-> (Tensor, Tensor, Tensor)",
+        "linear_backward(Tensor grad, Tensor xc, Tensor wc, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _linear_backward,
     ),
     "matmul_backward": (
-        "matmul_backward(Tensor grad, Tensor a, Tensor b, ScalarType dtype, bool[2] output_mask) -> (Tensor, Tensor)",
+        "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
         _matmul_backward,
     ),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
@@ -753,20 +756,20 @@ _OPS = {
 OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
 
+#: ortwrap ops that compute in the dtype their last argument names, on inputs of one float dtype
+#: (their first output has it too; the others are the inputs' copies in the compute dtype).
+DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear", f"{OPS_NAMESPACE}::matmul"})
 #: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
 #: last argument, ``output_mask``, is filled from the gradients the graph uses
-#: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops: GEMMs computed
-#: in the dtype their last input names, on inputs and outputs of any float dtype, so
-#: ``HalfPrecisionOnCPUPass`` makes their inputs and outputs float32 like those of standard ops.
-#: ortwrap ops that compute in the dtype their last argument names, on inputs of any float dtype.
-DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear", f"{OPS_NAMESPACE}::matmul"})
+#: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops; their backward
+#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``).
 TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
     f"{OPS_NAMESPACE}::linear": _grad(
-        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "I(0)", "I(1)", "I(3)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
+        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
     ),
     f"{OPS_NAMESPACE}::matmul": _grad(
-        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)", "GI(1)"], stop=[2]
+        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)"], stop=[2]
     ),
 }
 

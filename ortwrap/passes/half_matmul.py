@@ -13,17 +13,16 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
   ``Gemm(transB=0)`` without a bias: ``ortwrap_ops::matmul(a, b)``.
 
 Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
-``HalfPrecisionOnCPUPass`` then makes its inputs and output float32 like everything else's. The op
-casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the bf16 GEMM
-and returns the result rounded to bf16, as eager autocast's is, widened to float32 for the
-elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32).
+``HalfPrecisionOnCPUPass`` then makes its inputs and first output float32 like everything else's.
+The op casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the
+bf16 GEMM and returns the result rounded to bf16, as eager autocast's is, widened to float32 for
+the elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32). In a training graph
+it also returns its bf16 copies of both operands, which only the backward op reads: ORT keeps those
+for the backward, as eager autocast keeps its bf16 operands, and can free the float32 ones.
 
 Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``: ``dX = dY W`` and
-``dW = dY^T X`` as bf16 GEMMs, the output gradient rounded to bf16 first, as eager's is), not the
-ATen bridge's vjp, which would recompute the forward GEMM. What ONNX Runtime keeps for it are the
-float32 inputs: the parameter itself for a weight (eager autocast keeps a bf16 copy of every weight
-until the backward), a float32 activation where eager keeps a bf16 one; the backward casts them
-again.
+``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as
+eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
 
 Why not bf16 values in the graph, with ``Cast`` nodes around the GEMM: a bf16 value read by two
 nodes (q, k and v projections of one input; ORT's common-subexpression elimination merges the
@@ -75,8 +74,9 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
     ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, with_backward: bool = True) -> None:
         super().__init__()
+        self.with_backward = with_backward
         self.rewritten: dict[str, int] = {}
         self._dropped: list[ir.Node] = []
 
@@ -160,23 +160,29 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         out: ir.Value,
         add: ir.Node | None = None,
     ) -> None:
+        name = out.name
         # The compute dtype, as the ATen bridge encodes a ScalarType (torch's code of bfloat16).
         # (A linear without bias keeps an empty third input: the dtype is its fourth.)
         dtype = ir.node(
             "Constant", [], {"value": ir.tensor(np.array(_TORCH_BFLOAT16, dtype=np.int64))}, name=f"{node.name}/dtype"
         )
+        # In a training graph the node also returns its bf16 copies of the two operands: what ORT
+        # keeps for the backward op, which reads them instead of casting again.
         aten = ir.node(
             "ATen",
             [*inputs, dtype.outputs[0]],
             attributes={"operator": op, "overload_name": ""},
             domain=ATEN_DOMAIN,
+            num_outputs=3 if self.with_backward else 1,
             name=f"{node.name}/ortwrap_bf16",
         )
         graph.insert_before(node, dtype)
         result = aten.outputs[0]
         result.dtype, result.shape = out.dtype, out.shape
+        for copy, operand in zip(aten.outputs[1:], inputs):
+            copy.dtype, copy.shape = _BF16, operand.shape
+            copy.name = f"{name}/ortwrap_{operand.name}_bf16"
         graph.insert_before(node, aten)
-        name = out.name
         out.replace_all_uses_with(result, replace_graph_outputs=True)
         out.name = None
         result.name = name

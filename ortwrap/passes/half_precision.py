@@ -100,9 +100,8 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
                 self._keep_dtypes(graph, node, original)
                 continue
             if node.domain == ATEN_DOMAIN:  # one of ortwrap's GEMMs: float32 in and out
-                for out in node.outputs:
-                    if _is_half(out):
-                        out.dtype = ir.DataType.FLOAT
+                if _is_half(node.outputs[0]):  # (its other outputs are its bf16 operands)
+                    node.outputs[0].dtype = ir.DataType.FLOAT
                 continue
             if node.domain not in _ONNX:
                 continue

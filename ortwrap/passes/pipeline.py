@@ -76,7 +76,7 @@ def default_passes(
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
-            passes.append(HalfMatMulOnCPUPass())
+            passes.append(HalfMatMulOnCPUPass(with_backward=with_backward))
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())
