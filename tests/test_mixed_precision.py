@@ -50,7 +50,7 @@ def bf16_gemms(w: ORTWrap) -> dict[str, int]:
     return counts
 
 
-def assert_route(w: ORTWrap, route: str, *, linears: bool = True) -> None:
+def assert_route(w: ORTWrap, route: str, *, linears: bool = True, backward: bool = True) -> None:
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
     recompute); the float32 route has none."""
     counts = bf16_gemms(w)
@@ -60,6 +60,7 @@ def assert_route(w: ORTWrap, route: str, *, linears: bool = True) -> None:
         return
     assert "HalfMatMulOnCPUPass" in modified
     ops = ("linear", "linear_backward") if linears else ("matmul", "matmul_backward")
+    ops = ops if backward else ops[:1]
     for op in ops:
         assert counts.get(f"ortwrap_ops::{op}", 0) > 0, counts
     assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
@@ -141,6 +142,21 @@ def test_native_route_computes_as_eager_autocast(route):
     assert same == ([True] * 3 if route == "native" else [False] * 3), same
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **BF16)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_inference_under_autocast(route):
+    """Under no_grad (an inference graph: the GEMM ops return no operand copies) and in eval mode
+    outputs match eager autocast."""
+    torch.manual_seed(0)
+    eager = GPTBlockWithFunction().eval()
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route)
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = ours(x), eager(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **BF16)
+    assert_route(ours, route, backward=False)
 
 
 @pytest.mark.parametrize("route", ROUTES)
