@@ -175,10 +175,15 @@ def test_gpt_block_with_a_function_under_autocast(route):
     assert_route(w, route)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_tiny_gpt_under_autocast(route):
+@pytest.mark.parametrize(
+    "route,recompute",
+    [("float32", "none"), ("native", "none"), ("native", "layers")],
+    ids=["float32", "native", "native-recompute"],
+)
+def test_tiny_gpt_under_autocast(route, recompute):
     """The benchmark's LM (tied head, attention matmuls, loss inside): every linear and the
-    attention's matmuls run as bf16 GEMMs on the native route."""
+    attention's matmuls run as bf16 GEMMs on the native route (also with activation recompute,
+    which copies them into the backward)."""
     sys.path.insert(0, "examples")
     from tiny_gpt import GPTConfig, TinyGPT
 
@@ -190,7 +195,7 @@ def test_tiny_gpt_under_autocast(route):
 
     w = check_parity(
         lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out[0], autocast=autocast(torch.bfloat16), lr=0.01,
-        wrap_options={"half_compute": route}, **BF16,
+        wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
     if route == "native":
