@@ -694,6 +694,34 @@ def _matmul(a, b, dtype):
     return torch.matmul(ac, bc).to(a.dtype), ac, bc
 
 
+def _attention(q, kt, v, mask, scale: float, dtype):
+    """Softmax attention (PyTorch's CPU flash attention) computed in ``dtype`` from q, k^T and v:
+    the output in q's dtype, then what the backward reads: the operands in ``dtype`` (k, not k^T),
+    the output in ``dtype`` and the log-sum-exp."""
+    import torch
+
+    qc, kc, vc = q.to(dtype), kt.to(dtype).transpose(-1, -2).contiguous(), v.to(dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return out.to(q.dtype), qc, kc, vc, out, lse
+
+
+def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool]):
+    """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
+    import torch
+
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, False, attn_mask=mask, scale=scale
+    )
+    empty = torch.empty(0, dtype=grad.dtype)
+    return (
+        dq.to(grad.dtype) if output_mask[0] else empty,
+        dk.transpose(-1, -2).to(grad.dtype).contiguous() if output_mask[1] else empty,
+        dv.to(grad.dtype) if output_mask[2] else empty,
+    )
+
+
 def _sum_to(t, shape):
     """``t`` summed over the dims it was broadcast along to reach its shape from ``shape``."""
     lead = t.dim() - len(shape)
@@ -737,6 +765,16 @@ def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
 _OPS = {
     "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _linear),
     "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _matmul),
+    "attention": (
+        "attention(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, ScalarType dtype) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _attention,
+    ),
+    "attention_backward": (
+        "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
+        "float scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_backward,
+    ),
     "linear_backward": (
         "linear_backward(Tensor grad, Tensor xc, Tensor wc, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _linear_backward,
@@ -758,7 +796,7 @@ _library: list = []
 
 #: ortwrap ops that compute in the dtype their last argument names, on inputs of one float dtype
 #: (their first output has it too; the others are the inputs' copies in the compute dtype).
-DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear", f"{OPS_NAMESPACE}::matmul"})
+DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention")})
 #: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
 #: last argument, ``output_mask``, is filled from the gradients the graph uses
@@ -770,6 +808,12 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
     ),
     f"{OPS_NAMESPACE}::matmul": _grad(
         f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)"], stop=[2]
+    ),
+    f"{OPS_NAMESPACE}::attention": _grad(
+        f"{OPS_NAMESPACE}::attention_backward",
+        ["GO(0)", "O(1)", "O(2)", "O(3)", "O(4)", "O(5)", "I(3)", "I(4)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4, 5],
     ),
 }
 

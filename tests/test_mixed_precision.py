@@ -44,13 +44,13 @@ def bf16_gemms(w: ORTWrap) -> dict[str, int]:
     for program in w.programs():
         for node in program.graph.model().graph.node:
             op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
-            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_vjp::")):
+            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
                 key = op.rsplit("|", 1)[-1]
                 counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-def assert_route(w: ORTWrap, route: str, *, linears: bool = True, backward: bool = True) -> None:
+def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool = True) -> None:
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
     recompute); the float32 route has none."""
     counts = bf16_gemms(w)
@@ -59,10 +59,8 @@ def assert_route(w: ORTWrap, route: str, *, linears: bool = True, backward: bool
         assert not counts and "HalfMatMulOnCPUPass" not in modified, counts
         return
     assert "HalfMatMulOnCPUPass" in modified
-    ops = ("linear", "linear_backward") if linears else ("matmul", "matmul_backward")
-    ops = ops if backward else ops[:1]
-    for op in ops:
-        assert counts.get(f"ortwrap_ops::{op}", 0) > 0, counts
+    for name in (op, f"{op}_backward") if backward else (op,):
+        assert counts.get(f"ortwrap_ops::{name}", 0) > 0, counts
     assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
 
 
@@ -202,7 +200,37 @@ def test_tiny_gpt_under_autocast(route, recompute):
         from parity import EXPORTER
 
         if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
-            assert_route(w, route, linears=False)
+            assert_route(w, route, op="attention")
+
+
+class BatchedMatMuls(nn.Module):
+    """Batched matmuls with broadcasting (no softmax between): the generic bf16 matmul op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 6) / 3)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)  # (b, t, t)
+        return (s.tanh() @ x) @ self.w  # (b, t, 8) @ (8, 6): a weight read without a transpose
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_batched_matmuls_under_autocast(route):
+    def inputs(b, g):
+        return (torch.randn(b, seq_len(b, 5), 8, generator=g) / 2,), {}
+
+    w = check_parity(
+        BatchedMatMuls,
+        inputs,
+        autocast=autocast(torch.bfloat16),
+        lr=0.005,
+        wrap_options={"half_compute": route},
+        **BF16,
+    )
+    assert_route(w, route, op="matmul")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -397,7 +425,7 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
     """
     p = HalfMatMulOnCPUPass()
     result, after = onnx_text.run_pass(p, body)
-    assert result.modified and p.rewritten == {"linear": 1, "matmul": 1}
+    assert result.modified and p.rewritten == {"linear": 1, "matmul": 1, "attention": 0}
     bf16 = 15  # torch's ScalarType code
     assert _aten_ops(after) == [
         ("ortwrap_ops::linear", ["x", "w", "b"], bf16),
@@ -405,6 +433,38 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
     ]
     ops = sorted(n.op_type for n in after.graph.node if n.op_type != "Constant")
     assert ops == ["ATen", "ATen", "MatMul", "MatMul"]  # no Transpose, no Add
+
+
+def test_half_matmul_pass_writes_attention():
+    """The dynamo exporter's SDPA (q and k^T each scaled by sqrt(scale) rounded to bf16, a mask
+    added, softmax, times v) becomes one attention node at SDPA's own scale, 1/sqrt(head dim)."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+
+    body = """
+    agraph (bfloat16[2, 3, 5, 64] q, bfloat16[2, 3, 64, 5] kt, bfloat16[2, 3, 5, 64] v, bfloat16[5, 5] mask)
+            => (bfloat16[2, 3, 5, 64] y) {
+        c32 = Constant <value = float {0.353515625}> ()
+        c = Cast <to = 16> (c32)
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+    """
+    p = HalfMatMulOnCPUPass()
+    result, after = onnx_text.run_pass(p, body)
+    assert result.modified and p.rewritten == {"linear": 0, "matmul": 0, "attention": 1}
+    assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast")] == ["ATen"]
+    node = next(n for n in after.graph.node if n.op_type == "ATen")
+    assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 6
+    constants = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
+    }
+    assert float(constants[node.input[4]]) == 0.125  # 1/sqrt(64), not 0.353515625**2
 
 
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():

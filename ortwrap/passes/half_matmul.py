@@ -31,17 +31,21 @@ Casts) gets its gradients summed in bf16, and ORT 1.19.2's CPU ``Sum`` has no bf
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
 from ..registry import OPS_NAMESPACE
+from ._build import constant_value
 
 _ONNX = ("", "ai.onnx")
 _BF16 = ir.DataType.BFLOAT16
 #: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
 _TORCH_BFLOAT16 = 15
 LINEAR = f"{OPS_NAMESPACE}::linear"
+ATTENTION = f"{OPS_NAMESPACE}::attention"
 MATMUL = f"{OPS_NAMESPACE}::matmul"
 
 
@@ -81,9 +85,14 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         self._dropped: list[ir.Node] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.rewritten = {"linear": 0, "matmul": 0}
+        self.rewritten = {"linear": 0, "matmul": 0, "attention": 0}
         graph = model.graph
         for node in list(graph):
+            if node.op_type == "Softmax" and node.domain in _ONNX and node.graph is graph:
+                self._attention(graph, node)
+        for node in list(graph):
+            if node.graph is not graph:  # removed by the attention rewrite
+                continue
             if node.domain not in _ONNX or node.op_type not in ("MatMul", "Gemm"):
                 continue
             if not (_bf16(node.outputs[0]) and all(_bf16(v) for v in node.inputs[:2])):
@@ -92,9 +101,8 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
                 self._matmul(graph, node)
             else:
                 self._gemm(graph, node)
-        for node in reversed(
-            list(dict.fromkeys(self._dropped))
-        ):  # the Transposes (and Casts) of W the linears read directly
+        # the Transposes (and Casts) of W that the linears read directly
+        for node in reversed(list(dict.fromkeys(self._dropped))):
             if not node.outputs[0].uses() and not node.outputs[0].is_graph_output():
                 graph.remove(node, safe=True)
         self._dropped = []
@@ -118,6 +126,51 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
                 if _bf16(other) and other.shape is not None and len(other.shape) == 1 and other.shape[0] == n:
                     bias, add = other, user
         self._replace(graph, node, LINEAR, [a, weight, bias], out if add is None else add.outputs[0], add)
+
+    def _attention(self, graph: ir.Graph, softmax: ir.Node) -> None:
+        """``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)`` (the dynamo exporter's SDPA), all
+        bf16 and of rank 4 -> ``ortwrap_ops::attention(q, k^T, v, mask, scale)``."""
+        p = softmax.outputs[0]
+        if not _bf16(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
+            return
+        pv = _single_user(p)
+        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not p:
+            return
+        v, scores, mask, add = pv.inputs[1], softmax.inputs[0], None, None
+        producer = scores.producer()
+        if producer is not None and producer.op_type == "Add" and _single_user(scores) is softmax:
+            add = producer
+            for i in (0, 1):
+                mm = add.inputs[i].producer()
+                if mm is not None and mm.op_type == "MatMul" and mm.domain in _ONNX:
+                    scores, mask = add.inputs[i], add.inputs[1 - i]
+                    break
+            else:
+                return
+        qk = scores.producer()
+        if qk is None or qk.op_type != "MatMul" or qk.domain not in _ONNX:
+            return
+        if _single_user(scores) not in (softmax, add) or (mask is not None and _rank(mask) not in (2, 3, 4)):
+            return
+        (q, c1, mul_q), (kt, c2, mul_k) = _scaled(qk.inputs[0]), _scaled(qk.inputs[1])
+        operands = (q, kt, v, pv.outputs[0])
+        if not all(_bf16(x) and _rank(x) == 4 for x in operands):
+            return
+        scale = c1 * c2
+        head = q.shape[-1]
+        if isinstance(head, int) and abs(scale * math.sqrt(head) - 1) < 1e-2:
+            scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
+        b = _Builder(graph, pv, self.with_backward)
+        scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
+        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6)
+        if self.with_backward:
+            node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
+            node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
+            node.outputs[2].shape = None  # k, not k^T
+        for dead in (pv, softmax, add, qk, mul_q, mul_k):
+            if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
+                graph.remove(dead, safe=True)
+        self.rewritten["attention"] += 1
 
     def _gemm(self, graph: ir.Graph, node: ir.Node) -> None:
         if _int_attr(node, "transA", 0) or _float_attr(node, "alpha", 1.0) != 1.0:
@@ -160,33 +213,65 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         out: ir.Value,
         add: ir.Node | None = None,
     ) -> None:
-        name = out.name
-        # The compute dtype, as the ATen bridge encodes a ScalarType (torch's code of bfloat16).
         # (A linear without bias keeps an empty third input: the dtype is its fourth.)
-        dtype = ir.node(
-            "Constant", [], {"value": ir.tensor(np.array(_TORCH_BFLOAT16, dtype=np.int64))}, name=f"{node.name}/dtype"
-        )
-        # In a training graph the node also returns its bf16 copies of the two operands: what ORT
-        # keeps for the backward op, which reads them instead of casting again.
-        aten = ir.node(
-            "ATen",
-            [*inputs, dtype.outputs[0]],
-            attributes={"operator": op, "overload_name": ""},
-            domain=ATEN_DOMAIN,
-            num_outputs=3 if self.with_backward else 1,
-            name=f"{node.name}/ortwrap_bf16",
-        )
-        graph.insert_before(node, dtype)
-        result = aten.outputs[0]
-        result.dtype, result.shape = out.dtype, out.shape
-        for copy, operand in zip(aten.outputs[1:], inputs):
-            copy.dtype, copy.shape = _BF16, operand.shape
-            copy.name = f"{name}/ortwrap_{operand.name}_bf16"
-        graph.insert_before(node, aten)
-        out.replace_all_uses_with(result, replace_graph_outputs=True)
-        out.name = None
-        result.name = name
+        _Builder(graph, node, self.with_backward).aten(op, inputs, out, 3)
         if add is not None:
             graph.remove(add, safe=True)
         graph.remove(node, safe=True)
         self.rewritten["linear" if op == LINEAR else "matmul"] += 1
+
+
+def _single_user(value: ir.Value) -> ir.Node | None:
+    users = list(value.uses())
+    return users[0][0] if len(users) == 1 and not value.is_graph_output() else None
+
+
+def _scaled(value: ir.Value) -> tuple[ir.Value, float, ir.Node | None]:
+    """``(x, c, Mul)`` where ``value`` is ``Mul(x, c)`` (read only there) of a scalar constant c,
+    else ``(value, 1.0, None)``."""
+    mul = value.producer()
+    if mul is not None and mul.op_type == "Mul" and mul.domain in _ONNX and _single_user(value) is not None:
+        for i in (0, 1):
+            c = constant_value(mul.inputs[1 - i])
+            if c is not None and c.size == 1:
+                return mul.inputs[i], float(c.reshape(())), mul
+    return value, 1.0, None
+
+
+class _Builder:
+    """Writes one of ortwrap's ATen GEMM nodes in place of ``node`` (inserted before it)."""
+
+    def __init__(self, graph: ir.Graph, node: ir.Node, with_backward: bool) -> None:
+        self.graph, self.node, self.with_backward = graph, node, with_backward
+
+    def constant(self, value: np.ndarray, what: str) -> ir.Value:
+        const = ir.node("Constant", [], {"value": ir.tensor(value)}, name=f"{self.node.name}/{what}")
+        self.graph.insert_before(self.node, const)
+        return const.outputs[0]
+
+    def aten(self, op: str, inputs: list[ir.Value | None], out: ir.Value, n_outputs: int) -> ir.Node:
+        """The node computing ``op`` on ``inputs`` in bf16 (the dtype is its last input, as the
+        ATen bridge encodes a ScalarType: torch's code); its first output replaces ``out``. In a
+        training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
+        operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
+        name = out.name
+        dtype = self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")
+        aten = ir.node(
+            "ATen",
+            [*inputs, dtype],
+            attributes={"operator": op, "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=n_outputs if self.with_backward else 1,
+            name=f"{self.node.name}/ortwrap_bf16",
+        )
+        self.graph.insert_before(self.node, aten)
+        result = aten.outputs[0]
+        result.dtype, result.shape = out.dtype, out.shape
+        for i, copy in enumerate(aten.outputs[1:]):
+            operand = inputs[i] if i < len(inputs) and inputs[i] is not None else None
+            copy.dtype, copy.shape = _BF16, operand.shape if operand is not None else None
+            copy.name = f"{name}/ortwrap_saved_{i}"
+        out.replace_all_uses_with(result, replace_graph_outputs=True)
+        out.name = None
+        result.name = name
+        return aten
