@@ -437,14 +437,19 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
 
 def test_half_matmul_pass_writes_attention():
     """The dynamo exporter's SDPA (q and k^T each scaled by sqrt(scale) rounded to bf16, a mask
-    added, softmax, times v) becomes one attention node at SDPA's own scale, 1/sqrt(head dim)."""
+    computed from no float input added, softmax, times v) becomes one attention node at SDPA's own
+    scale, 1/sqrt(head dim)."""
     import onnx_text
 
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
 
     body = """
-    agraph (bfloat16[2, 3, 5, 64] q, bfloat16[2, 3, 64, 5] kt, bfloat16[2, 3, 5, 64] v, bfloat16[5, 5] mask)
+    agraph (bfloat16[2, 3, 5, 64] q, bfloat16[2, 3, 64, 5] kt, bfloat16[2, 3, 5, 64] v, bool[5, 5] keep)
             => (bfloat16[2, 3, 5, 64] y) {
+        zero = Constant <value = float {0.0}> ()
+        minus = Constant <value = float {-10000.0}> ()
+        additive = Where (keep, zero, minus)
+        mask = Cast <to = 16> (additive)
         c32 = Constant <value = float {0.353515625}> ()
         c = Cast <to = 16> (c32)
         qs = Mul (q, c)
@@ -458,13 +463,35 @@ def test_half_matmul_pass_writes_attention():
     p = HalfMatMulOnCPUPass()
     result, after = onnx_text.run_pass(p, body)
     assert result.modified and p.rewritten == {"linear": 0, "matmul": 0, "attention": 1}
-    assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast")] == ["ATen"]
+    assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast", "Where")] == ["ATen"]
     node = next(n for n in after.graph.node if n.op_type == "ATen")
     assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 6
     constants = {
         n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
     }
     assert float(constants[node.input[4]]) == 0.125  # 1/sqrt(64), not 0.353515625**2
+
+
+def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
+    """Scores plus a bias computed from a parameter (T5's relative positions) keep their
+    decomposed form: the bias's gradient flows through the scores."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+
+    body = """
+    agraph (bfloat16[2, 3, 5, 8] q, bfloat16[2, 3, 8, 5] kt, bfloat16[2, 3, 5, 8] v, float[5, 5] bias)
+            => (bfloat16[2, 3, 5, 8] y) {
+        b = Cast <to = 16> (bias)
+        s = MatMul (q, kt)
+        m = Add (s, b)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+    """
+    p = HalfMatMulOnCPUPass()
+    onnx_text.run_pass(p, body)
+    assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
 
 
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():

@@ -9,8 +9,13 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
 - ``MatMul(a, Transpose(W, perm=[1, 0]))`` (a ``Linear``; also through a ``Cast`` to bf16 of the
   Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
   ``Gemm(A, B, C, transB=1)``: ``ortwrap_ops::linear(a, W, bias)``, no transposed copy of W;
-- any other MatMul of two bf16 tensors of rank >= 2 (attention's ``q k^T`` and ``p v``), and
-  ``Gemm(transB=0)`` without a bias: ``ortwrap_ops::matmul(a, b)``.
+- ``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)``, the dynamo exporter's decomposed
+  ``scaled_dot_product_attention``, all bf16 of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask,
+  scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
+  T x T tensor for the backward (its scale is SDPA's own ``1/sqrt(head dim)`` when ``c1 * c2`` is
+  that up to bf16 rounding);
+- any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
+  ``ortwrap_ops::matmul(a, b)``.
 
 Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
 ``HalfPrecisionOnCPUPass`` then makes its inputs and first output float32 like everything else's.
@@ -75,7 +80,7 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
 class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
     """Run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (see the module docstring).
 
-    ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``).
+    ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``, ``attention``).
     """
 
     def __init__(self, with_backward: bool = True) -> None:
@@ -150,8 +155,10 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         qk = scores.producer()
         if qk is None or qk.op_type != "MatMul" or qk.domain not in _ONNX:
             return
-        if _single_user(scores) not in (softmax, add) or (mask is not None and _rank(mask) not in (2, 3, 4)):
+        if _single_user(scores) not in (softmax, add):
             return
+        if mask is not None and (_rank(mask) not in (2, 3, 4) or not _without_gradient(graph, mask)):
+            return  # (a learned bias, T5's relative positions: its gradient goes through the scores)
         (q, c1, mul_q), (kt, c2, mul_k) = _scaled(qk.inputs[0]), _scaled(qk.inputs[1])
         operands = (q, kt, v, pv.outputs[0])
         if not all(_bf16(x) and _rank(x) == 4 for x in operands):
@@ -224,6 +231,32 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
 def _single_user(value: ir.Value) -> ir.Node | None:
     users = list(value.uses())
     return users[0][0] if len(users) == 1 and not value.is_graph_output() else None
+
+
+def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
+    """Whether ``value`` is computed from constants and non-float graph inputs only (a causal or
+    padding mask), so nothing takes a gradient through it; False past ``limit`` nodes."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if len(seen) > limit:
+            return False
+        node = v.producer()
+        if node is None:
+            if v in graph.inputs and v.dtype in (
+                ir.DataType.FLOAT,
+                ir.DataType.BFLOAT16,
+                ir.DataType.FLOAT16,
+                ir.DataType.DOUBLE,
+            ):
+                return False
+            continue
+        stack.extend(i for i in node.inputs if i is not None)
+    return True
 
 
 def _scaled(value: ir.Value) -> tuple[ir.Value, float, ir.Node | None]:
