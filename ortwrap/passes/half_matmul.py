@@ -47,6 +47,7 @@ from ._build import constant_value
 
 _ONNX = ("", "ai.onnx")
 _BF16 = ir.DataType.BFLOAT16
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 #: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
 _TORCH_BFLOAT16 = 15
 LINEAR = f"{OPS_NAMESPACE}::linear"
@@ -234,25 +235,21 @@ def _single_user(value: ir.Value) -> ir.Node | None:
 
 
 def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
-    """Whether ``value`` is computed from constants and non-float graph inputs only (a causal or
-    padding mask), so nothing takes a gradient through it; False past ``limit`` nodes."""
+    """Whether no float graph input reaches ``value`` through float values (a causal or padding
+    mask: constants, shapes, integer inputs), so nothing takes a gradient through it; False past
+    ``limit`` values."""
     seen: set[int] = set()
     stack = [value]
     while stack:
         v = stack.pop()
-        if id(v) in seen:
+        if id(v) in seen or (v.dtype is not None and v.dtype not in _FLOATS):  # (no gradient through ints)
             continue
         seen.add(id(v))
         if len(seen) > limit:
             return False
         node = v.producer()
         if node is None:
-            if v in graph.inputs and v.dtype in (
-                ir.DataType.FLOAT,
-                ir.DataType.BFLOAT16,
-                ir.DataType.FLOAT16,
-                ir.DataType.DOUBLE,
-            ):
+            if v in graph.inputs:
                 return False
             continue
         stack.extend(i for i in node.inputs if i is not None)
