@@ -196,6 +196,10 @@ def test_tiny_gpt_under_autocast(route, recompute):
         wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
+    # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants)
+    graph = next(iter(w.programs())).graph.model().graph
+    operators = {a.s.decode() for n in graph.node for a in n.attribute if a.name == "operator"}
+    assert "ortwrap_cpu::gelu" in operators, sorted(operators)
     if route == "native":
         from parity import EXPORTER
 
