@@ -698,12 +698,10 @@ def _attention(q, kt, v, mask, scale: float, dtype):
     """Softmax attention (PyTorch's CPU flash attention) computed in ``dtype`` from q, k^T and v:
     the output in q's dtype, then what the backward reads: the operands in ``dtype`` (k, not k^T),
     the output in ``dtype`` and the log-sum-exp."""
-    import torch
+    from ._compat.torch import flash_attention_cpu
 
     qc, kc, vc = q.to(dtype), kt.to(dtype).transpose(-1, -2).contiguous(), v.to(dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale
-    )
+    out, lse = flash_attention_cpu()[0](qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale)
     return out.to(q.dtype), qc, kc, vc, out, lse
 
 
@@ -711,7 +709,9 @@ def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_m
     """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
     import torch
 
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    from ._compat.torch import flash_attention_cpu
+
+    dq, dk, dv = flash_attention_cpu()[1](
         grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, False, attn_mask=mask, scale=scale
     )
     empty = torch.empty(0, dtype=grad.dtype)
