@@ -7,8 +7,10 @@
 Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad):
 
 - the CPU and its bfloat16 capability (avx512_bf16 / amx_bf16 flags: native, else emulated);
-- the median step of eager fp32, eager bf16 autocast, ortwrap fp32 and ortwrap bf16 autocast, and
-  the ratio of ortwrap bf16 to eager bf16 (the goal: <= 0.8);
+- the median step of eager fp32, eager bf16 autocast, ortwrap fp32, ortwrap bf16 autocast (the
+  route ``half_compute="auto"`` picks: bf16 GEMMs in torch where bf16 is native) and ortwrap bf16
+  on the float32 route (``half_compute="float32"``), and the ratio of ortwrap bf16 to eager bf16
+  (the goal: <= 0.8);
 - the float32 and bfloat16 GEMM rates torch reaches on the model's own matmul shapes in the same
   run, and each variant's fraction of the float32 GEMM limit (6 * N * tokens FLOPs at that rate);
 - peak RSS of each variant in its own fresh process (``--no-rss`` skips).
@@ -90,7 +92,8 @@ VARIANTS = {
     "eager fp32": (None, False),
     "eager bf16": (None, True),
     "ortwrap fp32": ({}, False),
-    "ortwrap bf16": ({}, True),
+    "ortwrap bf16": ({}, True),  # half_compute="auto": the native route where bf16 is native
+    "ortwrap bf16 f32": ({"half_compute": "float32"}, True),  # the emulated route, forced
 }
 ADAPTER_VARIANTS = {
     "eager": (None, False),
@@ -108,7 +111,7 @@ def build(size: str, adapters: bool, options: dict | None):
     return model, ids, tgt
 
 
-def gemm_rates(shapes, reps: int = 2) -> dict[str, float]:
+def gemm_rates(shapes, reps: int = 2, clock=time.perf_counter) -> dict[str, float]:
     """FLOP/s torch reaches over the list of GEMMs in float32 and in bfloat16 (best of ``reps``)."""
     flops = sum(2 * m * k * n for m, k, n in shapes)
     rates = {}
@@ -116,10 +119,10 @@ def gemm_rates(shapes, reps: int = 2) -> dict[str, float]:
         mats = {s: (torch.randn(s[0], s[1]).to(dtype), torch.randn(s[1], s[2]).to(dtype)) for s in set(shapes)}
         best = float("inf")
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             for s in shapes:
                 torch.mm(*mats[s])
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
         rates[str(dtype).removeprefix("torch.")] = flops / best
     return rates
 
@@ -141,9 +144,19 @@ for _ in range({steps}):
     return peak_rss_child(code, timeout=3600)
 
 
-def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) -> None:
+def main(
+    size: str,
+    iters: int,
+    adapters: bool,
+    rss: bool,
+    timing: bool = True,
+    cpu_time: bool = False,
+    only: list[str] | None = None,
+) -> None:
     s = SIZES[size]
     variants = ADAPTER_VARIANTS if adapters else VARIANTS
+    if only:
+        variants = {k: v for k, v in variants.items() if k in only}
     if not timing:
         print(f"\n== mixed precision: {size} {s}{' + LoRA' if adapters else ''}; CPU: {cpu_name()}")
         return _print_rss(size, adapters, variants)
@@ -151,6 +164,11 @@ def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) 
     print(
         f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    if not adapters:
+        from ortwrap import Options
+
+        route = "native (bf16 GEMMs in torch)" if Options.resolve().native_bf16 else "float32"
+        print(f"   ortwrap bf16 route (half_compute=auto): {route}; 'ortwrap bf16 f32' forces the float32 route")
     steps, n_params, tokens = {}, 0, s["batch"] * s["seq"]
     for name, (options, amp) in variants.items():
         model, ids, tgt = build(size, adapters, options)
@@ -159,12 +177,14 @@ def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) 
         t0 = time.perf_counter()
         steps[name]()
         print(f"   {name}: first step {time.perf_counter() - t0:.2f} s")
-    times = interleaved(steps, warmup=1, iters=iters)
+    clock = time.process_time if cpu_time else time.perf_counter
+    times = interleaved(steps, warmup=1, iters=iters, clock=clock)
+    print(f"   ({'CPU seconds of this process' if cpu_time else 'wall time'}; load before timing: {_load()})")
     report(f"{size}: {n_params / 1e6:.1f}M parameters, {tokens} tokens/step", times, baseline=next(iter(steps)))
-    if not adapters:
+    if not adapters and {"ortwrap bf16", "eager bf16"} <= set(times):
         ratio = median_ms(times["ortwrap bf16"]) / median_ms(times["eager bf16"])
         print(f"  ortwrap bf16 / eager bf16 autocast = {ratio:.2f}x (goal <= 0.8x)")
-        rates = gemm_rates(matmul_shapes(size))
+        rates = gemm_rates(matmul_shapes(size), clock=clock)
         limit = 6 * n_params * tokens / rates["float32"]
         print(
             f"  torch GEMM rate on the model's shapes: float32 {rates['float32'] / 1e9:.1f} GFLOP/s, "
@@ -174,6 +194,13 @@ def main(size: str, iters: int, adapters: bool, rss: bool, timing: bool = True) 
             print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the fp32 limit")
     if rss:
         _print_rss(size, adapters, variants)
+
+
+def _load() -> str:
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def _print_rss(size: str, adapters: bool, variants: dict) -> None:
@@ -195,5 +222,13 @@ if __name__ == "__main__":
     parser.add_argument("--adapters", action="store_true")
     parser.add_argument("--no-rss", action="store_true")
     parser.add_argument("--rss-only", action="store_true", help="only the peak RSS of each variant")
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time CPU seconds, not wall time (steadier on a shared machine)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (and ORT's); 0: torch's default")
+    parser.add_argument("--only", help="comma-separated variants to run (e.g. 'eager bf16,ortwrap bf16')")
     a = parser.parse_args()
-    main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    only = [v.strip() for v in a.only.split(",")] if a.only else None
+    main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only, cpu_time=a.cpu_time, only=only)

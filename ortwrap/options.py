@@ -18,6 +18,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
 _ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "layers")  # grad.recompute.RECOMPUTE_MODES
+_HALF_COMPUTE = ("auto", "float32", "native")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -105,6 +106,16 @@ class Options:
         "(ORT PR 24175's idea). Saves the per-step casts of e.g. a bf16 base model with fp32 adapters; costs the "
         "float32 copies' memory between steps (docs/performance.md).",
     )
+    half_compute: str = _opt(
+        "auto",
+        "ORTWRAP_HALF_COMPUTE",
+        f"On CPU, how the bfloat16 parts of a graph (torch.autocast, a model.to(torch.bfloat16)) compute, one of "
+        f"{', '.join(_HALF_COMPUTE)}. 'float32': everything between eager's bf16 boundaries in float32 (ONNX "
+        "Runtime has no bf16 CPU kernels). 'native': the bf16 MatMul/Gemm (Linear layers, attention matmuls) run "
+        "as PyTorch's bf16 GEMMs inside the graph, saving bf16 copies for the backward as eager autocast does; the "
+        "rest in float32. 'auto': 'native' where the CPU has bf16 instructions (AVX512-BF16 or AMX), else "
+        "'float32' (docs/performance.md). float16 always computes in float32.",
+    )
     build_cache: bool = _opt(
         True,
         "ORTWRAP_BUILD_CACHE",
@@ -150,6 +161,10 @@ class Options:
                 f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
             )
 
+        if self.half_compute not in _HALF_COMPUTE:
+            raise ValueError(
+                f"ORTWrap option half_compute={self.half_compute!r} is invalid; allowed: {', '.join(_HALF_COMPUTE)}"
+            )
         if self.recompute not in _RECOMPUTE:
             raise ValueError(
                 f"ORTWrap option recompute={self.recompute!r} is invalid; allowed: {', '.join(_RECOMPUTE)}"
@@ -202,6 +217,15 @@ class Options:
 
         first = default_exporter()
         return (first, "torchscript") if first != "torchscript" else (first,)
+
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bfloat16 GEMMs run in bfloat16 on CPU (``half_compute``, ``"auto"`` resolved)."""
+        if self.half_compute != "auto":
+            return self.half_compute == "native"
+        from ._compat.torch import cpu_has_native_bf16
+
+        return cpu_has_native_bf16()
 
     @property
     def logging_level(self) -> int:

@@ -545,7 +545,11 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         return {"program": prog}
 
     passes = default_passes(
-        with_backward=with_backward, device_type=device.type, native_kernels=True, fusions=o.fusions
+        with_backward=with_backward,
+        device_type=device.type,
+        native_kernels=True,
+        fusions=o.fusions,
+        native_bf16=o.native_bf16,
     )
     return [
         native_kernels,
@@ -616,6 +620,7 @@ def _schema(request: BuildRequest) -> tuple:
         request.with_backward,
         str(request.device),
         repr(request.autocast),
+        request.options.native_bf16,  # half_compute="auto" resolved on this machine
     )
 
 

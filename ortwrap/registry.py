@@ -48,8 +48,10 @@ import numpy as np
 __all__ = [
     "ATEN_OPS",
     "DOUBLE_PRECISION",
+    "DTYPE_ARGUMENT_OPS",
     "GRADIENTS",
     "KERNELS",
+    "TORCH_OP_GRADIENTS",
     "AtenViaTorch",
     "Kernel",
     "KernelGradient",
@@ -838,9 +840,114 @@ def _squeeze_ones(x, dims: list[int]):
     return x.squeeze(dims)
 
 
+def _linear(x, w, b, dtype):
+    """``F.linear`` computed in ``dtype`` (a bf16 GEMM): the result, rounded to ``dtype`` and returned
+    in x's dtype, then the copies of x and w in ``dtype`` (what the backward reads)."""
+    import torch.nn.functional as F
+
+    xc, wc = x.to(dtype), w.to(dtype)
+    return F.linear(xc, wc, None if b is None else b.to(dtype)).to(x.dtype), xc, wc
+
+
+def _matmul(a, b, dtype):
+    """``torch.matmul`` computed in ``dtype``: the result in a's dtype, then the copies of a and b."""
+    import torch
+
+    ac, bc = a.to(dtype), b.to(dtype)
+    return torch.matmul(ac, bc).to(a.dtype), ac, bc
+
+
+def _attention(q, kt, v, mask, scale: float, dtype):
+    """Softmax attention (PyTorch's CPU flash attention) computed in ``dtype`` from q, k^T and v:
+    the output in q's dtype, then what the backward reads: the operands in ``dtype`` (k, not k^T),
+    the output in ``dtype`` and the log-sum-exp."""
+    from ._compat.torch import flash_attention_cpu
+
+    qc, kc, vc = q.to(dtype), kt.to(dtype).transpose(-1, -2).contiguous(), v.to(dtype)
+    out, lse = flash_attention_cpu()[0](qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale)
+    return out.to(q.dtype), qc, kc, vc, out, lse
+
+
+def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool]):
+    """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
+    import torch
+
+    from ._compat.torch import flash_attention_cpu
+
+    dq, dk, dv = flash_attention_cpu()[1](
+        grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, False, attn_mask=mask, scale=scale
+    )
+    empty = torch.empty(0, dtype=grad.dtype)
+    return (
+        dq.to(grad.dtype) if output_mask[0] else empty,
+        dk.transpose(-1, -2).to(grad.dtype).contiguous() if output_mask[1] else empty,
+        dv.to(grad.dtype) if output_mask[2] else empty,
+    )
+
+
+def _sum_to(t, shape):
+    """``t`` summed over the dims it was broadcast along to reach its shape from ``shape``."""
+    lead = t.dim() - len(shape)
+    if lead:
+        t = t.sum(list(range(lead)))
+    dims = [i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1]
+    return t.sum(dims, keepdim=True) if dims else t
+
+
+def _linear_backward(grad, xc, wc, output_mask: list[bool]):
+    """dx = dy W, dW = dy^T x, db = sum(dy) from the forward's copies ``xc``, ``wc`` (in the
+    compute dtype), as eager autocast computes them: GEMMs in that dtype (the output gradient
+    rounded to it first), results in the output gradient's dtype; nothing recomputed."""
+    import torch
+
+    empty = torch.empty(0, dtype=grad.dtype)
+    g = grad.to(wc.dtype)
+    g2 = g.reshape(-1, g.shape[-1])
+    dx = torch.matmul(g, wc).to(grad.dtype) if output_mask[0] else empty
+    dw = g2.t().mm(xc.reshape(-1, xc.shape[-1])).to(grad.dtype) if output_mask[1] else empty
+    db = g2.sum(0).to(grad.dtype) if output_mask[2] else empty
+    return dx, dw, db
+
+
+def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
+    """da = dy b^T, db = a^T dy from the forward's copies (rank >= 2), summed over broadcast dims."""
+    import torch
+
+    empty = torch.empty(0, dtype=grad.dtype)
+    g = grad.to(ac.dtype)
+    da = _sum_to(torch.matmul(g, bc.transpose(-1, -2)), ac.shape).to(grad.dtype) if output_mask[0] else empty
+    if not output_mask[1]:
+        db = empty
+    elif bc.dim() == 2:  # a weight: one GEMM over all rows
+        db = ac.reshape(-1, ac.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])).to(grad.dtype)
+    else:
+        db = _sum_to(torch.matmul(ac.transpose(-1, -2), g), bc.shape).to(grad.dtype)
+    return da, db
+
+
 _OPS = {
     "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
     "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
+    "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _linear),
+    "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _matmul),
+    "attention": (
+        "attention(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, ScalarType dtype) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        _attention,
+    ),
+    "attention_backward": (
+        "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
+        "float scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_backward,
+    ),
+    "linear_backward": (
+        "linear_backward(Tensor grad, Tensor xc, Tensor wc, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _linear_backward,
+    ),
+    "matmul_backward": (
+        "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
+        _matmul_backward,
+    ),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
@@ -851,6 +958,29 @@ _OPS = {
 }
 OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
+
+#: ortwrap ops that compute in the dtype their last argument names, on inputs of one float dtype
+#: (their first output has it too; the others are the inputs' copies in the compute dtype).
+DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention")})
+#: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
+#: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
+#: last argument, ``output_mask``, is filled from the gradients the graph uses
+#: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops; their backward
+#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``).
+TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
+    f"{OPS_NAMESPACE}::linear": _grad(
+        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
+    ),
+    f"{OPS_NAMESPACE}::matmul": _grad(
+        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)"], stop=[2]
+    ),
+    f"{OPS_NAMESPACE}::attention": _grad(
+        f"{OPS_NAMESPACE}::attention_backward",
+        ["GO(0)", "O(1)", "O(2)", "O(3)", "O(4)", "O(5)", "I(3)", "I(4)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4, 5],
+    ),
+}
 
 
 def define_ops() -> None:

@@ -2,7 +2,10 @@
 
 On the CPU, ORT 1.19.2 has no bfloat16 kernels, so the graph computes in float32 between eager's
 half-precision boundaries (``passes/half_precision.py``): outputs and gradients have eager's dtypes
-and agree with an eager autocast run within half-precision tolerance.
+and agree with an eager autocast run within half-precision tolerance. With
+``half_compute="native"`` the bfloat16 GEMMs run as PyTorch's bf16 GEMMs inside the graph
+(``passes/half_matmul.py``); the bf16 tests run both routes on every machine (the native one is
+slow where bf16 is emulated: the models are small).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import copy
 import sys
 
+import onnx
 import pytest
 import torch
 from parity import check_parity, seq_len
@@ -25,8 +29,39 @@ BF16 = {"atol": 3e-2, "rtol": 3e-2}
 FP16 = {"atol": 5e-3, "rtol": 5e-3}
 
 
+#: ``Options.half_compute`` values the bf16 tests run with
+ROUTES = ["float32", "native"]
+
+
 def autocast(dtype: torch.dtype):
     return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+def bf16_gemms(w: ORTWrap) -> dict[str, int]:
+    """How many ATen nodes of each of ortwrap's bf16 GEMM ops (and their backward ops, and vjps)
+    the built training graphs have."""
+    counts: dict[str, int] = {}
+    for program in w.programs():
+        for node in program.graph.model().graph.node:
+            op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
+                key = op.rsplit("|", 1)[-1]
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool = True) -> None:
+    """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
+    recompute); the float32 route has none."""
+    counts = bf16_gemms(w)
+    modified = [p.name for p in w.last_artifacts.passes if p.modified]
+    if route == "float32":
+        assert not counts and "HalfMatMulOnCPUPass" not in modified, counts
+        return
+    assert "HalfMatMulOnCPUPass" in modified
+    for name in (op, f"{op}_backward") if backward else (op,):
+        assert counts.get(f"ortwrap_ops::{name}", 0) > 0, counts
+    assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
 
 
 def mlp() -> nn.Module:
@@ -37,13 +72,21 @@ def mlp_inputs(b, g):
     return (torch.randn(b, 12, generator=g),), {}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_mlp_under_autocast(dtype):
+@pytest.mark.parametrize(
+    "dtype,route",
+    [(torch.bfloat16, "float32"), (torch.bfloat16, "native"), (torch.float16, "native")],
+    ids=["bf16-float32", "bf16-native", "fp16"],
+)
+def test_mlp_under_autocast(dtype, route):
     tol = BF16 if dtype is torch.bfloat16 else FP16
-    w = check_parity(mlp, mlp_inputs, autocast=autocast(dtype), **tol)  # checks output dtypes too
+    w = check_parity(
+        mlp, mlp_inputs, autocast=autocast(dtype), wrap_options={"half_compute": route}, **tol
+    )  # checks output dtypes too
     assert w.fallback_reason is None
     # the half-precision Casts were computed as float32 where ORT's CPU kernels need it
     assert "HalfPrecisionOnCPUPass" in [p.name for p in w.last_artifacts.passes if p.modified]
+    # float16 GEMMs compute in float32 on either route
+    assert_route(w, route if dtype is torch.bfloat16 else "float32")
 
 
 class ScaledTanh(torch.autograd.Function):
@@ -78,18 +121,124 @@ class GPTBlockWithFunction(nn.Module):
         return x + self.out(ScaledTanh.apply(self.fc(x), 1.5))  # a Function inside, under autocast
 
 
-def test_gpt_block_with_a_function_under_autocast():
+@pytest.mark.parametrize("route", ROUTES)
+def test_native_route_computes_as_eager_autocast(route):
+    """One Linear under autocast: on the native route ORT's output and gradients are eager
+    autocast's bit for bit (the same bf16 GEMMs, rounded where eager rounds); the float32 route
+    keeps float32 products and differs in the last bits."""
+    torch.manual_seed(0)
+    eager = nn.Linear(64, 48)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route)
+    x = torch.randn(16, 64)
+    results = []
+    for model in (eager, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        results.append([y, *(p.grad for p in model.parameters())])
+    same = [torch.equal(a, b) for a, b in zip(*results)]
+    assert same == ([True] * 3 if route == "native" else [False] * 3), same
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, **BF16)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_inference_under_autocast(route):
+    """Under no_grad (an inference graph: the GEMM ops return no operand copies) and in eval mode
+    outputs match eager autocast."""
+    torch.manual_seed(0)
+    eager = GPTBlockWithFunction().eval()
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route)
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = ours(x), eager(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **BF16)
+    assert_route(ours, route, backward=False)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_gpt_block_with_a_function_under_autocast(route):
     def inputs(b, g):
         return (torch.randn(b, seq_len(b, 6), 16, generator=g),), {}
 
     # (lr small enough that training does not diverge: with check_parity's default 0.05 the
     # gradients grow 100x in three steps and bf16 rounding dominates eager's own results: measured,
     # ortwrap stays closer to a float32 run than eager autocast does)
-    w = check_parity(GPTBlockWithFunction, inputs, autocast=autocast(torch.bfloat16), lr=0.005, **BF16)
+    w = check_parity(
+        GPTBlockWithFunction, inputs, autocast=autocast(torch.bfloat16), lr=0.005,
+        wrap_options={"half_compute": route}, **BF16,
+    )  # fmt: skip
     assert w.fallback_reason is None
+    assert_route(w, route)
 
 
-def test_hf_model_under_autocast():
+@pytest.mark.parametrize(
+    "route,recompute",
+    [("float32", "none"), ("native", "none"), ("native", "layers")],
+    ids=["float32", "native", "native-recompute"],
+)
+def test_tiny_gpt_under_autocast(route, recompute):
+    """The benchmark's LM (tied head, attention matmuls, loss inside): every linear and the
+    attention's matmuls run as bf16 GEMMs on the native route (also with activation recompute,
+    which copies them into the backward)."""
+    sys.path.insert(0, "examples")
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab=40, d=16, heads=2, layers=2, max_len=32)
+
+    def inputs(b, g):
+        data = torch.randint(0, 40, (b, seq_len(b, 10) + 1), generator=g)
+        return (data[:, :-1], data[:, 1:]), {}
+
+    w = check_parity(
+        lambda: TinyGPT(cfg), inputs, loss_fn=lambda out: out[0], autocast=autocast(torch.bfloat16), lr=0.01,
+        wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
+    )  # fmt: skip
+    assert_route(w, route)
+    # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants)
+    graph = next(iter(w.programs())).graph.model().graph
+    operators = {a.s.decode() for n in graph.node for a in n.attribute if a.name == "operator"}
+    assert "ortwrap_cpu::gelu" in operators, sorted(operators)
+    if route == "native":
+        from parity import EXPORTER
+
+        if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
+            assert_route(w, route, op="attention")
+
+
+class BatchedMatMuls(nn.Module):
+    """Batched matmuls with broadcasting (no softmax between): the generic bf16 matmul op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 6) / 3)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)  # (b, t, t)
+        return (s.tanh() @ x) @ self.w  # (b, t, 8) @ (8, 6): a weight read without a transpose
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_batched_matmuls_under_autocast(route):
+    def inputs(b, g):
+        return (torch.randn(b, seq_len(b, 5), 8, generator=g) / 2,), {}
+
+    w = check_parity(
+        BatchedMatMuls,
+        inputs,
+        autocast=autocast(torch.bfloat16),
+        lr=0.005,
+        wrap_options={"half_compute": route},
+        **BF16,
+    )
+    assert_route(w, route, op="matmul")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_hf_model_under_autocast(route):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -102,9 +251,10 @@ def test_hf_model_under_autocast():
 
     w = check_parity(
         lambda: transformers.LlamaForCausalLM(cfg), inputs, loss_fn=lambda o: o.loss, autocast=autocast(torch.bfloat16),
-        **BF16,
+        wrap_options={"half_compute": route}, **BF16,
     )  # fmt: skip
     assert w.fallback_reason is None
+    assert_route(w, route)
 
 
 def test_autocast_state_selects_the_graph():
@@ -130,10 +280,14 @@ def test_autocast_state_selects_the_graph():
     assert len(w.programs()) == 4, seen
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_half_precision_model(dtype):
-    """model.to(dtype): ORT computes in float32 inside, and gradients come back in the
-    parameters' dtype, as in eager."""
+@pytest.mark.parametrize(
+    "dtype,route",
+    [(torch.bfloat16, "float32"), (torch.bfloat16, "native"), (torch.float16, "native")],
+    ids=["bf16-float32", "bf16-native", "fp16"],
+)
+def test_half_precision_model(dtype, route):
+    """model.to(dtype): ORT computes in float32 inside (bf16 GEMMs in bf16 on the native route),
+    and gradients come back in the parameters' dtype, as in eager."""
     tol = {"atol": 5e-2, "rtol": 5e-2} if dtype is torch.bfloat16 else {"atol": 1e-2, "rtol": 1e-2}
 
     def make():
@@ -142,8 +296,9 @@ def test_half_precision_model(dtype):
     def inputs(b, g):
         return (torch.randn(b, 12, generator=g).to(dtype),), {}
 
-    w = check_parity(make, inputs, lr=0.01, **tol)
+    w = check_parity(make, inputs, lr=0.01, wrap_options={"half_compute": route}, **tol)
     assert all(p.grad is None or p.grad.dtype == dtype for p in w.parameters())
+    assert_route(w, route if dtype is torch.bfloat16 else "float32")
 
 
 def test_half_precision_gpt():
@@ -233,3 +388,150 @@ def test_fuse_initializers_remakes_a_copy_when_the_weight_changes():
     eager.load_state_dict(state)
     ours.load_state_dict(state)
     torch.testing.assert_close(ours(x), eager(x), **BF16)
+
+
+# ------------------------------------------------------------------ the native route's rewrite, as ONNX text
+def _aten_ops(model) -> list[tuple[str, list[str], int]]:
+    """(operator, tensor inputs, compute dtype) of each ATen node; the dtype is the last input, a
+    Constant holding torch's ScalarType code."""
+    constants = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"
+    }
+    return [
+        (
+            next(a.s.decode() for a in n.attribute if a.name == "operator"),
+            list(n.input[:-1]),
+            int(constants[n.input[-1]]),
+        )
+        for n in model.graph.node
+        if n.op_type == "ATen"
+    ]
+
+
+def test_half_matmul_pass_writes_linears_and_matmuls():
+    """A Linear (MatMul of W^T, then the bias Add) becomes one linear reading W itself; a batched
+    MatMul becomes matmul; float32 and 1-D MatMuls stay as they are."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+
+    body = """
+    agraph (bfloat16[2, 5, 8] x, bfloat16[6, 8] w, bfloat16[6] b, bfloat16[2, 3, 5, 4] q, bfloat16[2, 3, 4, 5] k,
+            float[5, 8] f, float[8, 2] g, bfloat16[8] v) => (bfloat16[2, 5, 6] y, bfloat16[2, 3, 5, 5] s,
+            float[5, 2] z, bfloat16[2, 5] u) {
+        wt = Transpose <perm = [1, 0]> (w)
+        mm = MatMul (x, wt)
+        y = Add (mm, b)
+        s = MatMul (q, k)
+        z = MatMul (f, g)
+        u = MatMul (x, v)
+    }
+    """
+    p = HalfMatMulOnCPUPass()
+    result, after = onnx_text.run_pass(p, body)
+    assert result.modified and p.rewritten == {"linear": 1, "matmul": 1, "attention": 0}
+    bf16 = 15  # torch's ScalarType code
+    assert _aten_ops(after) == [
+        ("ortwrap_ops::linear", ["x", "w", "b"], bf16),
+        ("ortwrap_ops::matmul", ["q", "k"], bf16),
+    ]
+    ops = sorted(n.op_type for n in after.graph.node if n.op_type != "Constant")
+    assert ops == ["ATen", "ATen", "MatMul", "MatMul"]  # no Transpose, no Add
+
+
+def test_half_matmul_pass_writes_attention():
+    """The dynamo exporter's SDPA (q and k^T each scaled by sqrt(scale) rounded to bf16, a mask
+    computed from no float input added, softmax, times v) becomes one attention node at SDPA's own
+    scale, 1/sqrt(head dim)."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+
+    body = """
+    agraph (bfloat16[2, 3, 5, 64] q, bfloat16[2, 3, 64, 5] kt, bfloat16[2, 3, 5, 64] v, bool[5, 5] keep)
+            => (bfloat16[2, 3, 5, 64] y) {
+        zero = Constant <value = float {0.0}> ()
+        minus = Constant <value = float {-10000.0}> ()
+        additive = Where (keep, zero, minus)
+        mask = Cast <to = 16> (additive)
+        c32 = Constant <value = float {0.353515625}> ()
+        c = Cast <to = 16> (c32)
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+    """
+    p = HalfMatMulOnCPUPass()
+    result, after = onnx_text.run_pass(p, body)
+    assert result.modified and p.rewritten == {"linear": 0, "matmul": 0, "attention": 1}
+    assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast", "Where")] == ["ATen"]
+    node = next(n for n in after.graph.node if n.op_type == "ATen")
+    assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 6
+    constants = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
+    }
+    assert float(constants[node.input[4]]) == 0.125  # 1/sqrt(64), not 0.353515625**2
+
+
+def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
+    """Scores plus a bias computed from a parameter (T5's relative positions) keep their
+    decomposed form: the bias's gradient flows through the scores."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+
+    body = """
+    agraph (bfloat16[2, 3, 5, 8] q, bfloat16[2, 3, 8, 5] kt, bfloat16[2, 3, 5, 8] v, float[5, 5] bias)
+            => (bfloat16[2, 3, 5, 8] y) {
+        b = Cast <to = 16> (bias)
+        s = MatMul (q, kt)
+        m = Add (s, b)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+    """
+    p = HalfMatMulOnCPUPass()
+    onnx_text.run_pass(p, body)
+    assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
+
+
+def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
+    """After HalfPrecisionOnCPUPass the GEMM (computing in bf16 inside) reads and writes float32
+    like the ops around it; no Cast is left but the graph output's, which keeps its dtype."""
+    import onnx_ir as ir
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
+
+    body = """
+    agraph (float[4, 8] x, float[6, 8] w) => (bfloat16[4, 6] r) {
+        xh = Cast <to = 16> (x)
+        wh = Cast <to = 16> (w)
+        wt = Transpose <perm = [1, 0]> (wh)
+        y = MatMul (xh, wt)
+        r = Relu (y)
+    }
+    """
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
+    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass()):
+        model = p(model).model
+    after = ir.serde.serialize_model(model)
+    ops = [n.op_type for n in after.graph.node if n.op_type != "Constant"]
+    assert ops == ["ATen", "Relu", "Cast"], ops
+    assert _aten_ops(after) == [("ortwrap_ops::linear", ["x", "w", ""], 15)]
+    assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+
+
+def test_half_compute_option():
+    from ortwrap import Options
+    from ortwrap._compat.torch import cpu_has_native_bf16
+
+    assert Options.resolve().native_bf16 == cpu_has_native_bf16()
+    assert Options.resolve(half_compute="native").native_bf16
+    assert not Options.resolve(half_compute="float32").native_bf16
+    with pytest.raises(ValueError, match="auto, float32, native"):
+        Options.resolve(half_compute="bf16")

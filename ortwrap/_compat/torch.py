@@ -160,6 +160,11 @@ _FUNCTION_BASE = _declare("torch._C._FunctionBase")
 _TRACING_STATE = _declare("torch._C._get_tracing_state")
 _EXECUTION_ENGINE = _declare("torch.autograd.Variable._execution_engine")
 _ANY_AUTOCAST = _declare("torch._C._is_any_autocast_enabled")
+#: PyTorch's CPU flash attention and its backward (what eager SDPA runs on CPU; ortwrap_ops::attention).
+_FLASH_CPU = _declare("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu")
+_FLASH_CPU_BACKWARD = _declare("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward")
+#: torch's own checks of the CPU's bfloat16 instructions (what its oneDNN kernels dispatch on).
+_CPU_BF16_CHECKS = (_declare("torch.cpu._is_avx512_bf16_supported"), _declare("torch.cpu._is_amx_tile_supported"))
 _declare("Tensor._version")  # the in-place version counter autograd checks
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
@@ -288,6 +293,32 @@ def any_autocast_enabled() -> Callable[[], bool]:
         return _resolve(_ANY_AUTOCAST)
     except Exception:
         return lambda: any(torch.is_autocast_enabled(d) for d in AUTOCAST_DEVICES)
+
+
+@functools.cache
+def flash_attention_cpu() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """PyTorch's CPU flash attention ``(q, k, v, dropout_p, is_causal, *, attn_mask, scale) -> (out,
+    logsumexp)`` and its backward ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *,
+    attn_mask, scale) -> (dq, dk, dv)``."""
+    return _resolve(_FLASH_CPU), _resolve(_FLASH_CPU_BACKWARD)
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX), as torch's kernels see it.
+
+    Without them torch's bfloat16 GEMMs convert to float32 and run several times slower than its
+    float32 ones. Falls back to the flags in ``/proc/cpuinfo`` where torch's checks are missing.
+    """
+    try:
+        return any(bool(_resolve(name)()) for name in _CPU_BF16_CHECKS)
+    except Exception:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((ln.split() for ln in f if ln.startswith("flags")), [])
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def tensor_version(t: torch.Tensor) -> int:

@@ -266,6 +266,13 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             if used is not None:  # gradients the graph does not take (see mark_used_outputs)
                 grads = [g if i < len(used) and used[i] == "1" else None for i, g in enumerate(grads)]
             return _encode(grads, n_out, op)
+        if overload.startswith(USED_MARK):  # a backward op with an output mask (mark_used_outputs)
+            used = overload[len(USED_MARK) :]
+            plan = resolve(op, "")
+            mask = torch.tensor([c == "1" for c in used])  # its last argument, output_mask
+            args, kwargs = plan.decode(op, [*tensors, mask])
+            grads = plan.fn(*args, **kwargs)
+            return _encode([g if used[i] == "1" else None for i, g in enumerate(grads)], n_out, op, tensors)
         plan = resolve(op, overload)
         args, kwargs = plan.decode(op, tensors)
         return _encode(plan.fn(*args, **kwargs), n_out, op, tensors)
@@ -282,7 +289,7 @@ def _is_tensor(op: str, overload: str, index: int, is_input: bool) -> bool:
         name = _split_used(op.removeprefix(VJP_PREFIX))[0]
         if name.startswith(OUTS_MARK):
             name = name.partition("|")[2]
-        plan = resolve(name, overload)
+        plan = resolve(name, "" if overload.startswith(USED_MARK) else overload)
         schema = compat.op_schema(plan.fn)
         t = (schema.arguments if is_input else schema.returns)[index].type
         if t.kind() == "OptionalType":
@@ -561,20 +568,26 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
     The gradient builder leaves the gradients nobody needs (a frozen weight, an input it does not
     differentiate) as unnamed outputs, and ORT's ATen kernel fails ("invalid index -1") when the
     executor hands it a value for one. The flags, ``used=`` and a 1 or 0 per output, go where the
-    executor reads them: the ``overload_name`` of ortwrap's CPU kernels (which have no overloads),
-    and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs marked 0 are
-    returned as nothing.
+    executor reads them: the ``overload_name`` of ortwrap's CPU kernels and of the backward ops of
+    ``registry.TORCH_OP_GRADIENTS`` (whose ``output_mask`` argument they fill; neither has
+    overloads), and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs
+    marked 0 are returned as nothing.
     """
+    from ..registry import TORCH_OP_GRADIENTS
+
+    masked = {g.backward for g in TORCH_OP_GRADIENTS.values()}
     changed = False
     for node in model.graph.node:
-        if node.op_type != "ATen" or node.domain != ATEN_DOMAIN or all(node.output):
+        if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
             continue
         attrs = {a.name: a for a in node.attribute}
         if "operator" not in attrs:
             continue
         op = attrs["operator"].s.decode()
+        if all(node.output) and op not in masked:  # (a masked op always gets its flags)
+            continue
         used = USED_MARK + "".join("1" if o else "0" for o in node.output)
-        if op.startswith(NATIVE_PREFIX):
+        if op.startswith(NATIVE_PREFIX) or op in masked:
             if "overload_name" in attrs:
                 attrs["overload_name"].s = used.encode()
             else:
@@ -648,6 +661,8 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     ORT keys a gradient definition by ``(operator, overload)`` and reads inputs ``I(i)`` by
     position, so all nodes of one op must have the same number of inputs.
     """
+    from ..registry import TORCH_OP_GRADIENTS
+
     keys = []
     types = _types(model)
     for node in model.graph.node:
@@ -657,6 +672,12 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
         op = attrs["operator"].decode()
         overload = attrs.get("overload_name", b"").decode()
         if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in OWN_GRADIENT_OPS:  # they register their own
+            continue
+        grad = TORCH_OP_GRADIENTS.get(op)
+        if grad is not None:  # one explicit backward op (no recompute)
+            keys.append(
+                register_gradient(op, overload, list(grad.inputs), list(grad.outputs), grad.backward, set(grad.stop))
+            )
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
         n_in, n_out = len(node.input), len(node.output)

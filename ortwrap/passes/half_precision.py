@@ -29,6 +29,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from ..bridge.aten import ATEN_DOMAIN
+from ..registry import DTYPE_ARGUMENT_OPS
+
 _HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 _ONNX = ("", "ai.onnx")
 #: Nodes that keep their own dtypes (casts around them instead).
@@ -46,6 +49,15 @@ _DTYPE_ATTRS = {
 }
 
 
+def _opaque(node: ir.Node) -> bool:
+    """Whether ``node`` must see its inputs and outputs in their own dtypes (not ortwrap's GEMMs
+    of ``passes/half_matmul.py``, which take float32 and compute in the dtype they name)."""
+    if (node.domain, node.op_type) not in _OPAQUE:
+        return False
+    operator = node.attributes.get("operator")
+    return operator is None or operator.as_string() not in DTYPE_ARGUMENT_OPS
+
+
 def _is_half(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in _HALF
 
@@ -61,6 +73,8 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
         graph = model.graph
         if not self._has_half(graph):
             return ir.passes.PassResult(model, modified=False)
+        #: id of an opaque node's half-precision output -> its float32 Cast (``_keep_dtypes``)
+        self._to_float: dict[int, ir.Value] = {}
         original = {id(v): v.dtype for v in graph.inputs}
         original.update((id(o), o.dtype) for node in graph for o in node.outputs)
         outputs = list(graph.outputs)
@@ -82,9 +96,12 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
                 graph.insert_before(next(iter(graph)), cast) if len(graph) else graph.append(cast)
         # 3. Nodes.
         for node in list(graph):
-            key = (node.domain, node.op_type)
-            if key in _OPAQUE:
+            if _opaque(node):
                 self._keep_dtypes(graph, node, original)
+                continue
+            if node.domain == ATEN_DOMAIN:  # one of ortwrap's GEMMs: float32 in and out
+                if _is_half(node.outputs[0]):  # (its other outputs are its bf16 operands)
+                    node.outputs[0].dtype = ir.DataType.FLOAT
                 continue
             if node.domain not in _ONNX:
                 continue
@@ -108,10 +125,17 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
             dtype = half_outputs.get(id(value))
             if dtype is None:
                 continue
+            source = value
+            if _is_half(value):  # an opaque node's output, still in half precision
+                source = self._to_float.get(id(value))
+                if source is None:
+                    continue  # read by nothing else: the output as it is
+                # NOTE: the output is cast back from the float32 copy the graph reads, so that the
+                # output's gradient and the graph's are summed in float32 (ORT has no half Sum).
             name = value.name
-            cast = ir.node("Cast", [value], {"to": int(dtype)}, name=f"{name}/ortwrap_to_half")
+            cast = ir.node("Cast", [source], {"to": int(dtype)}, name=f"{name}/ortwrap_to_half")
             graph.append(cast)
-            value.name = f"{name}/float"
+            value.name = f"{name}/{'half' if source is not value else 'float'}"
             cast.outputs[0].name = name
             cast.outputs[0].dtype = dtype
             cast.outputs[0].shape = value.shape
@@ -130,19 +154,20 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
                 return True
         return False
 
-    @staticmethod
-    def _keep_dtypes(graph: ir.Graph, node: ir.Node, original: dict[int, ir.DataType | None]) -> None:
+    def _keep_dtypes(self, graph: ir.Graph, node: ir.Node, original: dict[int, ir.DataType | None]) -> None:
         """Casts around a node that must see its half-precision inputs and outputs as they are."""
         for i, value in enumerate(list(node.inputs)):
             if value is None or _is_half(value):
                 continue
-            # The input was half before this pass made it float32 (or it is a graph input's float
-            # Cast): give the node its half-precision value back.
+            # The input was half before this pass made it float32 (or it is the float Cast of a
+            # graph input or of another opaque node's output): give the node its half value back.
             dtype = original.get(id(value))
             producer = value.producer()
-            if dtype not in _HALF and producer is not None and producer.name.endswith("/ortwrap_to_float"):
+            if dtype not in _HALF and producer is not None and producer.name.endswith("_to_float"):
                 dtype = original.get(id(producer.inputs[0]))
             if dtype in _HALF:
+                # NOTE: one Cast per reading node, even of one value: a half value read twice would
+                # get its gradients summed in half precision, which ORT's CPU Sum cannot.
                 cast = ir.node("Cast", [value], {"to": int(dtype)}, name=f"{node.name}/in{i}_to_half")
                 cast.outputs[0].dtype = dtype
                 cast.outputs[0].shape = value.shape
@@ -154,6 +179,7 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
             cast = ir.node("Cast", [out], {"to": int(ir.DataType.FLOAT)}, name=f"{node.name}/out{j}_to_float")
             cast.outputs[0].dtype = ir.DataType.FLOAT
             cast.outputs[0].shape = out.shape
+            self._to_float[id(out)] = cast.outputs[0]
             for user, index in list(out.uses()):
                 if user is not cast:
                     user.replace_input_with(index, cast.outputs[0])
@@ -198,7 +224,7 @@ class FuseHalfInitializersPass(ir.passes.InPlacePass):
         for value in model.graph.inputs:
             if value.name not in self.names or not _is_half(value):
                 continue
-            if any((user.domain, user.op_type) in _OPAQUE for user, _ in value.uses()):
+            if any(_opaque(user) for user, _ in value.uses()):
                 continue
             value.dtype = ir.DataType.FLOAT
             self.converted.append(value.name)

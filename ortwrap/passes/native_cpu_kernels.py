@@ -48,6 +48,21 @@ def _scalar(value: ir.Value | None) -> float | None:
     return float(v.reshape(-1)[0])
 
 
+def _half_rounded(value: float) -> tuple[float, float]:
+    """``value`` rounded to bfloat16 (to nearest even) and to float16."""
+    bits = int(np.array(value, dtype=np.float32).view(np.uint32))
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return float(np.array(bits, dtype=np.uint32).view(np.float32)), float(np.float16(value))
+
+
+def _is_constant(k: float | None, want: float, tol: float) -> bool:
+    """``k`` is ``want``, or ``want`` rounded to half precision: a graph exported under autocast, or
+    from a bf16/fp16 model, holds its GELU's constants in half precision, and
+    ``HalfPrecisionOnCPUPass`` makes them float32 as they are (eager's GELU kernel computes with
+    the exact constants, as ortwrap's does)."""
+    return k is not None and (abs(k - want) < tol or k in _half_rounded(want))
+
+
 def _const_dtype(value: ir.Value | None) -> ir.DataType | None:
     v = constant_value(value)
     return None if v is None else ir.DataType.from_numpy(v.dtype)
@@ -138,7 +153,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         for x, c in ((scale.inputs[0], scale.inputs[1]), (scale.inputs[1], scale.inputs[0])):
             k = _scalar(c)
             want = 1 / math.sqrt(2) if scale.op_type == "Mul" else math.sqrt(2)
-            if k is not None and abs(k - want) < 1e-6 and (scale.op_type == "Mul" or x is scale.inputs[0]):
+            if _is_constant(k, want, 1e-6) and (scale.op_type == "Mul" or x is scale.inputs[0]):
                 break
         else:
             return
@@ -153,7 +168,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         if not _is(scale, "Mul") or _only_use(scale.outputs[0]) is not tanh:
             return
         s, beta = _const_operand(scale)
-        if s is None or beta is None or abs(beta - math.sqrt(2 / math.pi)) > 1e-6:
+        if s is None or not _is_constant(beta, math.sqrt(2 / math.pi), 1e-6):
             return
         add = s.producer()
         if not _is(add, "Add") or _only_use(s) is not scale:
@@ -163,7 +178,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             if not _is(kmul, "Mul") or _only_use(k) is not add:
                 continue
             cube, kappa = _const_operand(kmul)
-            if cube is None or kappa is None or abs(kappa - 0.044715) > 1e-7:
+            if cube is None or not _is_constant(kappa, 0.044715, 1e-7):
                 continue
             cube_nodes = _cube_of(cube, x)
             if cube_nodes is not None:

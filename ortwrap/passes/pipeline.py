@@ -22,6 +22,7 @@ from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .grouped_conv import GroupedConvGradPass
+from .half_matmul import HalfMatMulOnCPUPass
 from .half_precision import HalfPrecisionOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
@@ -48,7 +49,12 @@ class PassRecord:
 
 
 def default_passes(
-    *, with_backward: bool, device_type: str = "cpu", native_kernels: bool = False, fusions: bool = True
+    *,
+    with_backward: bool,
+    device_type: str = "cpu",
+    native_kernels: bool = False,
+    fusions: bool = True,
+    native_bf16: bool = False,
 ) -> list[ir.passes.PassBase]:
     """The passes every export goes through, in order.
 
@@ -58,6 +64,8 @@ def default_passes(
         native_kernels: use ortwrap's CPU kernels (``ortwrap.kernels``, loaded by the caller) for the
             ops they cover; CPU training graphs only.
         fusions: fuse GELU / LayerNorm / RMSNorm into single ops (``passes.fusions``).
+        native_bf16: on CPU, run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (``passes.half_matmul``;
+            ``Options.half_compute``).
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
@@ -68,6 +76,9 @@ def default_passes(
         RestoreOptionalOutputsPass(),
     ]
     if device_type == "cpu":
+        if native_bf16:
+            # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
+            passes.append(HalfMatMulOnCPUPass(with_backward=with_backward))
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())

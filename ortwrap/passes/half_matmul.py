@@ -1,0 +1,307 @@
+"""bfloat16 GEMMs on CPUs with native bfloat16: MatMul/Gemm become PyTorch's bf16 GEMMs (ATen nodes).
+
+ONNX Runtime 1.19.2's CPU provider has no bfloat16 MatMul or Gemm, so ``HalfPrecisionOnCPUPass``
+computes a bf16 graph in float32. Where the CPU has bf16 instructions (AVX512-BF16, AMX), PyTorch's
+oneDNN bf16 GEMMs run several times faster than float32 ones. This pass, which runs just before
+``HalfPrecisionOnCPUPass``, rewrites every MatMul and Gemm whose inputs and output are bfloat16
+into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
+
+- ``MatMul(a, Transpose(W, perm=[1, 0]))`` (a ``Linear``; also through a ``Cast`` to bf16 of the
+  Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
+  ``Gemm(A, B, C, transB=1)``: ``ortwrap_ops::linear(a, W, bias)``, no transposed copy of W;
+- ``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)``, the dynamo exporter's decomposed
+  ``scaled_dot_product_attention``, all bf16 of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask,
+  scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
+  T x T tensor for the backward (its scale is SDPA's own ``1/sqrt(head dim)`` when ``c1 * c2`` is
+  that up to bf16 rounding);
+- any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
+  ``ortwrap_ops::matmul(a, b)``.
+
+Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
+``HalfPrecisionOnCPUPass`` then makes its inputs and first output float32 like everything else's.
+The op casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the
+bf16 GEMM and returns the result rounded to bf16, as eager autocast's is, widened to float32 for
+the elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32). In a training graph
+it also returns its bf16 copies of both operands, which only the backward op reads: ORT keeps those
+for the backward, as eager autocast keeps its bf16 operands, and can free the float32 ones.
+
+Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``: ``dX = dY W`` and
+``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as
+eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
+
+Why not bf16 values in the graph, with ``Cast`` nodes around the GEMM: a bf16 value read by two
+nodes (q, k and v projections of one input; ORT's common-subexpression elimination merges the
+Casts) gets its gradients summed in bf16, and ORT 1.19.2's CPU ``Sum`` has no bf16 kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from ..bridge.aten import ATEN_DOMAIN
+from ..registry import OPS_NAMESPACE
+from ._build import constant_value
+
+_ONNX = ("", "ai.onnx")
+_BF16 = ir.DataType.BFLOAT16
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
+#: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
+_TORCH_BFLOAT16 = 15
+LINEAR = f"{OPS_NAMESPACE}::linear"
+ATTENTION = f"{OPS_NAMESPACE}::attention"
+MATMUL = f"{OPS_NAMESPACE}::matmul"
+
+
+def _bf16(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype == _BF16
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _producer(value: ir.Value, op_type: str) -> ir.Node | None:
+    node = value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain in _ONNX else None
+
+
+def _int_attr(node: ir.Node, name: str, default: int) -> int:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_int()
+
+
+def _float_attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.as_float()
+
+
+class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
+    """Run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (see the module docstring).
+
+    ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``, ``attention``).
+    """
+
+    def __init__(self, with_backward: bool = True) -> None:
+        super().__init__()
+        self.with_backward = with_backward
+        self.rewritten: dict[str, int] = {}
+        self._dropped: list[ir.Node] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.rewritten = {"linear": 0, "matmul": 0, "attention": 0}
+        graph = model.graph
+        for node in list(graph):
+            if node.op_type == "Softmax" and node.domain in _ONNX and node.graph is graph:
+                self._attention(graph, node)
+        for node in list(graph):
+            if node.graph is not graph:  # removed by the attention rewrite
+                continue
+            if node.domain not in _ONNX or node.op_type not in ("MatMul", "Gemm"):
+                continue
+            if not (_bf16(node.outputs[0]) and all(_bf16(v) for v in node.inputs[:2])):
+                continue
+            if node.op_type == "MatMul":
+                self._matmul(graph, node)
+            else:
+                self._gemm(graph, node)
+        # the Transposes (and Casts) of W that the linears read directly
+        for node in reversed(list(dict.fromkeys(self._dropped))):
+            if not node.outputs[0].uses() and not node.outputs[0].is_graph_output():
+                graph.remove(node, safe=True)
+        self._dropped = []
+        return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
+
+    def _matmul(self, graph: ir.Graph, node: ir.Node) -> None:
+        a, b = node.inputs[0], node.inputs[1]
+        if _rank(a) is None or _rank(b) is None or _rank(a) < 2 or _rank(b) < 2:
+            return  # 1-D operands: left to float32
+        weight = self._transposed_weight(graph, node, b)
+        if weight is None:
+            self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
+            return
+        out, bias, add = node.outputs[0], None, None
+        users = list(out.uses())
+        if len(users) == 1 and not out.is_graph_output():
+            user = users[0][0]
+            if user.op_type == "Add" and user.domain in _ONNX and _bf16(user.outputs[0]):
+                other = user.inputs[1] if user.inputs[0] is out else user.inputs[0]
+                n = b.shape[-1] if b.shape is not None else None
+                if _bf16(other) and other.shape is not None and len(other.shape) == 1 and other.shape[0] == n:
+                    bias, add = other, user
+        self._replace(graph, node, LINEAR, [a, weight, bias], out if add is None else add.outputs[0], add)
+
+    def _attention(self, graph: ir.Graph, softmax: ir.Node) -> None:
+        """``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)`` (the dynamo exporter's SDPA), all
+        bf16 and of rank 4 -> ``ortwrap_ops::attention(q, k^T, v, mask, scale)``."""
+        p = softmax.outputs[0]
+        if not _bf16(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
+            return
+        pv = _single_user(p)
+        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not p:
+            return
+        v, scores, mask, add = pv.inputs[1], softmax.inputs[0], None, None
+        producer = scores.producer()
+        if producer is not None and producer.op_type == "Add" and _single_user(scores) is softmax:
+            add = producer
+            for i in (0, 1):
+                mm = add.inputs[i].producer()
+                if mm is not None and mm.op_type == "MatMul" and mm.domain in _ONNX:
+                    scores, mask = add.inputs[i], add.inputs[1 - i]
+                    break
+            else:
+                return
+        qk = scores.producer()
+        if qk is None or qk.op_type != "MatMul" or qk.domain not in _ONNX:
+            return
+        if _single_user(scores) not in (softmax, add):
+            return
+        if mask is not None and (_rank(mask) not in (2, 3, 4) or not _without_gradient(graph, mask)):
+            return  # (a learned bias, T5's relative positions: its gradient goes through the scores)
+        (q, c1, mul_q), (kt, c2, mul_k) = _scaled(qk.inputs[0]), _scaled(qk.inputs[1])
+        operands = (q, kt, v, pv.outputs[0])
+        if not all(_bf16(x) and _rank(x) == 4 for x in operands):
+            return
+        scale = c1 * c2
+        head = q.shape[-1]
+        if isinstance(head, int) and abs(scale * math.sqrt(head) - 1) < 1e-2:
+            scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
+        b = _Builder(graph, pv, self.with_backward)
+        scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
+        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6)
+        if self.with_backward:
+            node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
+            node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
+            node.outputs[2].shape = None  # k, not k^T
+        for dead in (pv, softmax, add, qk, mul_q, mul_k):
+            if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
+                graph.remove(dead, safe=True)
+        self.rewritten["attention"] += 1
+
+    def _gemm(self, graph: ir.Graph, node: ir.Node) -> None:
+        if _int_attr(node, "transA", 0) or _float_attr(node, "alpha", 1.0) != 1.0:
+            return
+        a, b = node.inputs[0], node.inputs[1]
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if c is not None and (_float_attr(node, "beta", 1.0) != 1.0 or not _bf16(c) or _rank(c) != 1):
+            return
+        if _int_attr(node, "transB", 0):
+            self._replace(graph, node, LINEAR, [a, b, c], node.outputs[0])
+        elif c is None:
+            self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
+
+    def _transposed_weight(self, graph: ir.Graph, node: ir.Node, b: ir.Value) -> ir.Value | None:
+        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to bf16), else None."""
+        cast = _producer(b, "Cast")
+        transpose = _producer(cast.inputs[0] if cast is not None else b, "Transpose")
+        if transpose is None or _rank(b) != 2:
+            return None
+        perm = transpose.attributes.get("perm")
+        if perm is None or list(perm.as_ints()) != [1, 0]:
+            return None
+        self._dropped.append(transpose)
+        weight = transpose.inputs[0]
+        if cast is None:
+            return weight
+        self._dropped.append(cast)
+        to_bf16 = ir.node("Cast", [weight], {"to": int(_BF16)}, name=f"{node.name}/ortwrap_weight_to_bf16")
+        to_bf16.outputs[0].dtype = _BF16
+        to_bf16.outputs[0].shape = weight.shape
+        graph.insert_before(node, to_bf16)
+        return to_bf16.outputs[0]
+
+    def _replace(
+        self,
+        graph: ir.Graph,
+        node: ir.Node,
+        op: str,
+        inputs: list[ir.Value | None],
+        out: ir.Value,
+        add: ir.Node | None = None,
+    ) -> None:
+        # (A linear without bias keeps an empty third input: the dtype is its fourth.)
+        _Builder(graph, node, self.with_backward).aten(op, inputs, out, 3)
+        if add is not None:
+            graph.remove(add, safe=True)
+        graph.remove(node, safe=True)
+        self.rewritten["linear" if op == LINEAR else "matmul"] += 1
+
+
+def _single_user(value: ir.Value) -> ir.Node | None:
+    users = list(value.uses())
+    return users[0][0] if len(users) == 1 and not value.is_graph_output() else None
+
+
+def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
+    """Whether no float graph input reaches ``value`` through float values (a causal or padding
+    mask: constants, shapes, integer inputs), so nothing takes a gradient through it; False past
+    ``limit`` values."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or (v.dtype is not None and v.dtype not in _FLOATS):  # (no gradient through ints)
+            continue
+        seen.add(id(v))
+        if len(seen) > limit:
+            return False
+        node = v.producer()
+        if node is None:
+            if v in graph.inputs:
+                return False
+            continue
+        stack.extend(i for i in node.inputs if i is not None)
+    return True
+
+
+def _scaled(value: ir.Value) -> tuple[ir.Value, float, ir.Node | None]:
+    """``(x, c, Mul)`` where ``value`` is ``Mul(x, c)`` (read only there) of a scalar constant c,
+    else ``(value, 1.0, None)``."""
+    mul = value.producer()
+    if mul is not None and mul.op_type == "Mul" and mul.domain in _ONNX and _single_user(value) is not None:
+        for i in (0, 1):
+            c = constant_value(mul.inputs[1 - i])
+            if c is not None and c.size == 1:
+                return mul.inputs[i], float(c.reshape(())), mul
+    return value, 1.0, None
+
+
+class _Builder:
+    """Writes one of ortwrap's ATen GEMM nodes in place of ``node`` (inserted before it)."""
+
+    def __init__(self, graph: ir.Graph, node: ir.Node, with_backward: bool) -> None:
+        self.graph, self.node, self.with_backward = graph, node, with_backward
+
+    def constant(self, value: np.ndarray, what: str) -> ir.Value:
+        const = ir.node("Constant", [], {"value": ir.tensor(value)}, name=f"{self.node.name}/{what}")
+        self.graph.insert_before(self.node, const)
+        return const.outputs[0]
+
+    def aten(self, op: str, inputs: list[ir.Value | None], out: ir.Value, n_outputs: int) -> ir.Node:
+        """The node computing ``op`` on ``inputs`` in bf16 (the dtype is its last input, as the
+        ATen bridge encodes a ScalarType: torch's code); its first output replaces ``out``. In a
+        training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
+        operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
+        name = out.name
+        dtype = self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")
+        aten = ir.node(
+            "ATen",
+            [*inputs, dtype],
+            attributes={"operator": op, "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=n_outputs if self.with_backward else 1,
+            name=f"{self.node.name}/ortwrap_bf16",
+        )
+        self.graph.insert_before(self.node, aten)
+        result = aten.outputs[0]
+        result.dtype, result.shape = out.dtype, out.shape
+        for i, copy in enumerate(aten.outputs[1:]):
+            operand = inputs[i] if i < len(inputs) and inputs[i] is not None else None
+            copy.dtype, copy.shape = _BF16, operand.shape if operand is not None else None
+            copy.name = f"{name}/ortwrap_saved_{i}"
+        out.replace_all_uses_with(result, replace_graph_outputs=True)
+        out.name = None
+        result.name = name
+        return aten
