@@ -331,3 +331,35 @@ def test_detach_in_place_trains_like_eager(shared):
         wrap_options={"exporter": "dynamo"},
     )  # fmt: skip
     assert w.last_artifacts.exporter == "dynamo"
+
+
+class MixedDtypes(nn.Module):
+    """Ops whose inputs the exporter's type promotion casts: int / int, int * float, float64 + float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, idx):
+        h = self.l(x)
+        return h * (idx / 3) + idx * 2.5 + (h.double() + h).float() * (h > 0)
+
+
+def test_type_promotion_matches_the_exporters_pass():
+    """ortwrap's type promotion re-runs only the nodes it changes (``compat._insert_type_promotion``):
+    the graph is the one the exporter's own pass makes, casts included, and it trains like eager."""
+    from ortwrap._compat import torch as compat
+
+    inputs = (torch.randn(3, 4), torch.randint(0, 5, (3, 4)))
+    graphs = []
+    for promote in (compat._resolve(compat._DYN_PROMOTE), compat._insert_type_promotion):
+        gm = torch.export.export(MixedDtypes(), inputs, strict=False).graph_module
+        promote(gm)
+        graphs.append(str(gm.graph))
+    assert graphs[0] == graphs[1]
+    assert "convert_element_type" in graphs[1]  # the pass had work to do
+    check_parity(
+        MixedDtypes,
+        lambda b, g: ((torch.randn(b, 4, generator=g), torch.randint(0, 5, (b, 4), generator=g)), {}),
+        wrap_options={"exporter": "dynamo"},
+    )
