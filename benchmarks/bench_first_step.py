@@ -8,8 +8,9 @@ Each (model, exporter) runs in two fresh processes sharing a new, empty build ca
 - ``cached``: the first step of the second process, which loads the graph from the build cache
   (what a restarted job pays: ``build_cache``, docs/user-guide.md).
 
-Each row gives wall time and the CPU seconds of the process (``time.process_time``, all threads):
-the build is mostly one thread, so on a shared, busy machine CPU seconds are the steadier figure.
+Each row gives wall time and the CPU seconds of the process (``time.process_time``, all threads),
+and per stage group both (``StageRecord.cpu_seconds``): the build is mostly one thread, so on a
+shared, busy machine CPU seconds are the steadier figure.
 
 Models: the GPT-style LM of ``bench_lm.py``, a small HF GPT-2 (random weights) and bench_scale's
 GPT-2-small-sized LM (``gpt2``, 98M parameters). Prints the stage times ortwrap records
@@ -64,7 +65,11 @@ for phase in {phases!r}:
     t0, c0 = time.perf_counter(), time.process_time()
     loss_of(w(*args, **kwargs)).backward()
     first, cpu = time.perf_counter() - t0, time.process_time() - c0
-    results.append(dict(phase=phase, first=first, cpu=cpu, stages=w.last_artifacts.seconds, imp=t_import))
+    stages_cpu = {{}}
+    for r in w.last_artifacts.stages:
+        stages_cpu[r.group] = stages_cpu.get(r.group, 0.0) + getattr(r, "cpu_seconds", 0.0)
+    results.append(dict(phase=phase, first=first, cpu=cpu, stages=w.last_artifacts.seconds, stages_cpu=stages_cpu,
+                        imp=t_import))
 print("RESULT " + json.dumps(results))
 """
 
@@ -94,17 +99,21 @@ def main(models: list[str] | None = None) -> None:
     print(f"\n== first step (fresh process per row), torch {torch.__version__}, default exporter {default_exporter()}")
     for kind in models or ["lm", "hf-gpt2"]:
         first: dict[tuple[str, str], float] = {}
+        cpu_of: dict[tuple[str, str], float] = {}
         for exporter in ("torchscript", "dynamo"):
             for r in measure(kind, exporter):
                 first[(exporter, r["phase"])] = r["first"]
-                stages = ", ".join(f"{k} {v:.2f}" for k, v in r["stages"].items())
+                cpu_of[(exporter, r["phase"])] = r["cpu"]
+                cpu = r.get("stages_cpu", {})
+                stages = ", ".join(f"{k} {v:.2f}/{cpu.get(k, 0.0):.2f}" for k, v in r["stages"].items())
                 print(
                     f"  {kind:<8} {exporter:<12} {r['phase']:<6} first step {r['first']:6.2f} s, "
-                    f"{r['cpu']:6.2f} CPU s  (import ortwrap {r['imp']:.2f} s; {stages})"
+                    f"{r['cpu']:6.2f} CPU s  (import ortwrap {r['imp']:.2f} s; stage wall/CPU s: {stages})"
                 )
         for phase in ("cold", "warm"):
             ratio = first[("dynamo", phase)] / first[("torchscript", phase)]
-            print(f"  {kind:<8} dynamo / torchscript, {phase}: {ratio:.2f}x")
+            ratio_cpu = cpu_of[("dynamo", phase)] / cpu_of[("torchscript", phase)]
+            print(f"  {kind:<8} dynamo / torchscript, {phase}: {ratio:.2f}x wall, {ratio_cpu:.2f}x CPU")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ calls (a helper in another file of yours), and global state the forward reads. E
 ``build_cache=False`` (``ORTWRAP_BUILD_CACHE=0``), or delete the cache directory.
 
 Graphs that call ``torch.autograd.Function``s (PythonOps) are not cached: their nodes point at
-Python objects of the process that built them.
+Python objects of the process that built them. An output ORTWrap cannot take apart (kept as the
+object the export built, such as transformers' ``DynamicCache`` in ``past_key_values``) is stored
+when it pickles; one that does not (the dynamo capture leaves fake tensors in it) is stored as
+``None``, and the process that loads the entry says so once (``portable_out_spec``).
 
 Entries are written atomically (a temporary file, then ``os.replace``): a crash mid-write leaves no
 entry, never half of one. Each entry carries a checksum; one that fails to load (corrupt, or written
@@ -53,10 +56,10 @@ from torch import nn
 from ._compat import torch as compat
 from ._logging import logger
 
-__all__ = ["BuildCacheWarning", "CacheEntry", "build_key", "load", "store"]
+__all__ = ["BuildCacheWarning", "CacheEntry", "build_key", "load", "portable_out_spec", "store"]
 
 #: Bumped when the entry format changes: older entries are ignored.
-FORMAT = 1
+FORMAT = 2
 _MAGIC = b"ORTWRAP-BUILD\n"
 #: Tensors kept as plain attributes up to this size are hashed by value; a larger one makes the
 #: module uncacheable (hashing it would cost more than the cache saves).
@@ -91,6 +94,42 @@ class CacheEntry:
     exports: int
     pass_names: list[str] = field(default_factory=list)
     static_shape: tuple | None = None  # the non-batch dims a static_spatial graph was built for
+    #: outputs kept as opaque objects that could not be stored (returned as None): "`path` (type)"
+    dropped_outputs: list[str] = field(default_factory=list)
+
+
+def portable_out_spec(spec: tuple, path: str = "output") -> tuple[tuple, list[str]]:
+    """``spec`` (``_tree.flatten``'s) with every opaque output object that does not pickle replaced
+    by None, and the list of those replaced ("`path` (module.Class)").
+
+    An opaque output is the object the export built (``export/adapter.py``); one that holds fake
+    tensors (a dynamo capture's ``DynamicCache``) cannot be pickled, and without this the whole
+    entry was not stored: every process exported again.
+    """
+    kind = spec[0]
+    if kind == "O":
+        try:
+            pickle.dumps(spec[1], protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            cls = type(spec[1])
+            return ("O", None), [f"`{path}` ({cls.__module__}.{cls.__qualname__})"]
+        return spec, []
+    dropped: list[str] = []
+    if kind == "S":
+        children = []
+        for i, child in enumerate(spec[2]):
+            c, d = portable_out_spec(child, f"{path}[{i}]")
+            children.append(c)
+            dropped += d
+        return (kind, spec[1], tuple(children)), dropped
+    if kind in ("M", "D"):
+        children = []
+        for name, child in zip(spec[2], spec[3]):
+            c, d = portable_out_spec(child, f"{path}[{name!r}]" if kind == "M" else f"{path}.{name}")
+            children.append(c)
+            dropped += d
+        return (kind, spec[1], spec[2], tuple(children)), dropped
+    return spec, []
 
 
 # ------------------------------------------------------------------------------------------- the key

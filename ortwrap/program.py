@@ -664,6 +664,7 @@ def cache_store(
         buffers = {g: by_id[id(b)] for g, b in feeds.buffer_outputs.items()}
     except KeyError:
         return {}
+    out_spec, dropped = build_cache.portable_out_spec(feeds.out_spec)
     entry = build_cache.CacheEntry(
         model_bytes=graph.model_bytes,
         graph=graph,
@@ -671,7 +672,7 @@ def cache_store(
         pre_grad=pre_grad.SerializeToString(),
         user_input_names=list(feeds.user_input_names),
         output_names=list(feeds.output_names),
-        out_spec=feeds.out_spec,
+        out_spec=out_spec,
         state_names=dict(feeds.state_names),
         buffer_outputs=buffers,
         static_reasons=list(feeds.static_reasons),
@@ -681,6 +682,7 @@ def cache_store(
         exports=exports,
         pass_names=[r.name for r in pass_records if r.modified],
         static_shape=_static_shape(request.leaves) if feeds.static_spatial else None,
+        dropped_outputs=dropped,
     )
     directory = build_cache_dir()
     entries = [e for e in (build_cache.load(directory, cache_key) or []) if not _same_fit(e, entry)]
@@ -723,6 +725,12 @@ def _from_cache(
                 kernels.available(request.options.intra_op_threads or torch.get_num_threads())
         return {"feeds": feeds, "graph": cached.graph}
 
+    if entry.dropped_outputs:
+        logger.warning(
+            "forward() output %s, the object the export built, could not be kept in the build cache: "
+            "this process returns None for it (return tensors in tuples, dicts or dataclasses)",
+            ", ".join(entry.dropped_outputs),
+        )
     stages = [cache_load, *[s for s in build_stages(request) if s.name in ("session", "program")]]
     values = run_stages(stages, {"request": request, "cached": entry, "host_split": None}, records=records, **debug)
     seconds: dict[str, float] = {"export": 0.0, "passes": 0.0, "gradient_build": 0.0, "session": 0.0}

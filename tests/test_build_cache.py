@@ -239,3 +239,35 @@ def test_graphs_with_autograd_functions_are_not_cached(cache_dir):
 
     check_parity(WithFunction, lambda b, g: ((torch.randn(b, 4, generator=g),), {}))
     assert not os.path.exists(cache_dir) or not [f for f in os.listdir(cache_dir) if f.endswith(".build")]
+
+
+_HF_CHILD = """
+import json, torch, transformers
+from ortwrap import ORTWrap
+cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+torch.manual_seed(0)
+eager = transformers.GPT2LMHeadModel(cfg)
+torch.manual_seed(0)
+w = ORTWrap(transformers.GPT2LMHeadModel(cfg), fallback=False, exporter="dynamo")
+ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+out = w(input_ids=ids, labels=ids)
+out.loss.backward()
+eager(input_ids=ids, labels=ids).loss.backward()
+grads = all(torch.allclose(a.grad, b.grad, atol=1e-5) for a, b in zip(w.parameters(), eager.parameters()))
+print("RESULT " + json.dumps(dict(cached=w.last_artifacts.cached, exports=w.export_count, grads=grads,
+      loss=torch.allclose(out.loss, eager(input_ids=ids, labels=ids).loss, atol=1e-5))))
+"""
+
+
+def test_a_second_process_loads_an_hf_model_exported_by_dynamo(cache_dir):
+    """HF GPT-2 returns a ``DynamicCache`` ORTWrap cannot take apart; the dynamo capture leaves fake
+    tensors in it, which do not pickle. It used to keep the whole build out of the cache (every
+    process exported again); the entry is stored without it, and a second process loads it."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "ORTWRAP_BUILD_CACHE_DIR": cache_dir, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = _run_child(_HF_CHILD, env)
+    assert first == {"cached": False, "exports": 1, "grads": True, "loss": True}, first
+    assert [f for f in os.listdir(cache_dir) if f.endswith(".build")]
+    second = _run_child(_HF_CHILD, env)
+    assert second == {"cached": True, "exports": 0, "grads": True, "loss": True}, second

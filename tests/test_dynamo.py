@@ -270,3 +270,96 @@ def test_parameters_keep_their_identity():
                      wrap_options={"exporter": "dynamo"})  # fmt: skip
     inputs = {i.name for i in w.last_artifacts.pre_grad.graph.input}
     assert {"module.0.weight", "module.2.weight", "module.0.bias", "module.2.bias"} <= inputs
+
+
+def test_the_lazy_torchlib_registry_has_from_torchlibs_entries():
+    """ortwrap builds torchlib's registry without inferring every function's signature up front
+    (``compat._lazy_torchlib``): the same entries, in the same order, with the same signatures."""
+    from ortwrap._compat import torch as compat
+
+    lazy = compat._lazy_torchlib(20)
+    eager = compat._resolve(compat._DYN_REGISTRY).from_torchlib(opset_version=20)
+    assert lazy.opset_version == eager.opset_version == 20
+    assert list(lazy.functions) == list(eager.functions)
+    for key, metas in eager.functions.items():
+        got = lazy.functions[key]
+        assert len(got) == len(metas), key
+        for a, b in zip(got, metas):
+            fields = ("onnx_function", "fx_target", "is_complex", "is_custom", "opset_introduced", "device")
+            assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], key
+            assert str(a.signature) == str(b.signature), key
+
+
+class DetachInPlace(nn.Module):
+    """``detach_`` of a fresh tensor (as HF's ``DynamicCache`` does) and of a value used after it."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+        self.shared = shared
+
+    def forward(self, x):
+        h = self.l(x)
+        offset = torch.ones(4).detach_()
+        if not self.shared:
+            return torch.tanh(h) + offset
+        g = h * 2
+        g.detach_()  # eager: no gradient through g, for every later use of it
+        return torch.tanh(h) * g + offset
+
+
+@pytest.mark.parametrize(
+    "shared",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known bug (both exporters, before this change too): detach() of a computed tensor "
+                "is exported as Identity, and ORT's gradient flows through it",
+            ),
+        ),
+    ],
+    ids=["fresh", "shared"],
+)
+def test_detach_in_place_trains_like_eager(shared):
+    """A ``detach_`` nothing else reads (HF's ``DynamicCache``) is translated as it is, without the
+    functionalizing retrace of the whole graph."""
+    w = check_parity(
+        lambda: DetachInPlace(shared), lambda b, g: ((torch.randn(b, 4, generator=g),), {}),
+        wrap_options={"exporter": "dynamo"},
+    )  # fmt: skip
+    assert w.last_artifacts.exporter == "dynamo"
+
+
+class MixedDtypes(nn.Module):
+    """Ops whose inputs the exporter's type promotion casts: int / int, int * float, float64 + float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x, idx):
+        h = self.l(x)
+        return h * (idx / 3) + idx * 2.5 + (h.double() + h).float() * (h > 0)
+
+
+def test_type_promotion_matches_the_exporters_pass():
+    """ortwrap's type promotion re-runs only the nodes it changes (``compat._insert_type_promotion``):
+    the graph is the one the exporter's own pass makes, casts included, and it trains like eager."""
+    from ortwrap._compat import torch as compat
+
+    inputs = (torch.randn(3, 4), torch.randint(0, 5, (3, 4)))
+    graphs = []
+    for promote in (compat._resolve(compat._DYN_PROMOTE), compat._insert_type_promotion):
+        gm = torch.export.export(MixedDtypes(), inputs, strict=False).graph_module
+        promote(gm)
+        graphs.append(str(gm.graph))
+    assert graphs[0] == graphs[1]
+    assert "convert_element_type" in graphs[1]  # the pass had work to do
+    check_parity(
+        MixedDtypes,
+        lambda b, g: ((torch.randn(b, 4, generator=g), torch.randint(0, 5, (b, 4), generator=g)), {}),
+        wrap_options={"exporter": "dynamo"},
+    )

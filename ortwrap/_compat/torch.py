@@ -208,9 +208,22 @@ _DYN = "torch.onnx._internal.exporter"
 _DYN_REGISTRY = _declare(f"{_DYN}._registration.ONNXRegistry")
 _DYN_TRANSLATE = _declare(f"{_DYN}._core._exported_program_to_onnx_program")
 _DYN_PREPARE = _declare(f"{_DYN}._core._prepare_exported_program_for_export")
-_DYN_PROMOTE = _declare(f"{_DYN}._fx_passes.insert_type_promotion_nodes")
+_DYN_PROMOTE = _declare(f"{_DYN}._fx_passes.insert_type_promotion_nodes")  # what tests compare ortwrap's with
 _DYN_NO_ASSERTS = _declare(f"{_DYN}._fx_passes.remove_assertion_nodes")
 _DYN_FLAGS = _declare(f"{_DYN}._flags._is_onnx_exporting")
+# ortwrap's lazy copy of ONNXRegistry.from_torchlib (it also sets the registry's _opset_version)
+_DYN_REGISTER = _declare(f"{_DYN}._registration.ONNXRegistry._register")
+_DYN_OPSET_CLEANUP = _declare(f"{_DYN}._registration.ONNXRegistry._cleanup_registry_based_on_opset_version")
+_DYN_DECOMP_META = _declare(f"{_DYN}._registration.OnnxDecompMeta")
+_DYN_GET_OVERLOAD = _declare(f"{_DYN}._registration._get_overload")
+_DYN_OWN_TORCHLIB = _declare(f"{_DYN}._torchlib._torchlib_registry.get_torchlib_ops")
+_DYN_SIGNATURE = _declare(f"{_DYN}._schemas.op_signature_from_function")
+# ortwrap's type promotion: the exporter's pass, without re-running the nodes it leaves alone
+_PROMOTE = "torch.onnx._internal.fx.passes.type_promotion"
+_PROMOTE_PASS = _declare(f"{_PROMOTE}.InsertTypePromotion")
+_PROMOTE_INTERPRETER = _declare(f"{_PROMOTE}._TypePromotionInterpreter")
+_PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
+_PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
@@ -562,20 +575,87 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
 
 # ------------------------------------------------------------------------------- the dynamo exporter
 
-_registries: dict[tuple, Any] = {}
+_torchlib_registries: dict[int, Any] = {}
 
 
 def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
-    """torchlib's registry at ``opset`` with ``table``'s translations, built once per (opset, table)
-    (``torch.onnx.export`` builds a new one, about 0.3 s, on every call)."""
-    key = (opset, tuple(table.items()))
-    registry = _registries.get(key)
+    """torchlib's registry at ``opset`` (built once per process and opset, :func:`_lazy_torchlib`)
+    with ``table``'s translations first.
+
+    ``table`` is laid over a copy for each export: its functions are not the same objects from one
+    export to the next (``translations._softmax_in`` makes new ones), so keying a whole registry by
+    them rebuilt torchlib's on every export (~0.5 CPU s of each dynamo build).
+    """
+    registry = _torchlib_registries.get(opset)
     if registry is None:
-        registry = _resolve(_DYN_REGISTRY)().from_torchlib(opset_version=opset)
-        for op, fn in table.items():
-            registry.register_op(op, fn, is_complex=False)
-        _registries[key] = registry
+        registry = _torchlib_registries[opset] = _lazy_torchlib(opset)
+    return _with_extra(registry, table)
+
+
+def _lazy_torchlib(opset: int) -> Any:
+    """What ``ONNXRegistry.from_torchlib(opset_version=opset)`` builds, with the ONNX signature of each
+    onnxscript function inferred when the exporter first dispatches to it.
+
+    ``from_torchlib`` compiles every torchlib function to ONNX IR (``function_ir``) and infers its
+    signature up front: ~600 functions, 0.7-1.2 CPU s of a process's first dynamo build, for the few
+    dozen a graph uses. The entries, their order and their opsets are ``from_torchlib``'s
+    (``tests/test_dynamo.py`` compares the two registries entry by entry).
+    """
+    registry_cls = _resolve(_DYN_REGISTRY)
+    register, get_overload = _resolve(_DYN_REGISTER), _resolve(_DYN_GET_OVERLOAD)
+    lazy = _lazy_signature_meta()
+    registry = registry_cls()
+    registry._opset_version = opset
+    for meta in _resolve(_DYN_OWN_TORCHLIB)():
+        register(registry, meta.fx_target, meta)
+    from onnxscript.function_libs.torch_lib import ops, registration  # importing ops registers them
+
+    del ops
+    for qualified_name, overloads in registration.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue
+        target = get_overload(qualified_name)
+        if target is None:
+            continue
+        for fn, is_complex in [*((f, False) for f in overloads.overloads), *((f, True) for f in overloads.complex)]:
+            meta = lazy(onnx_function=fn, fx_target=target, signature=None, is_custom=False, is_complex=is_complex)
+            register(registry, target, meta)
+    _resolve(_DYN_OPSET_CLEANUP)(registry)
     return registry
+
+
+@functools.cache
+def _lazy_signature_meta() -> type:
+    """``OnnxDecompMeta`` whose ``signature`` is inferred on first read (``__post_init__`` infers it
+    at construction), exactly as ``__post_init__`` would (and written to the function, where the
+    exporter's ``eval_function`` reads it)."""
+    import onnxscript
+
+    base = _resolve(_DYN_DECOMP_META)
+    infer = _resolve(_DYN_SIGNATURE)
+
+    class LazySignatureMeta(base):
+        def __post_init__(self) -> None:
+            pass
+
+        @property
+        def signature(self) -> Any:
+            signature = self.__dict__.get("_signature")
+            if signature is None:
+                fn = self.onnx_function
+                if isinstance(fn, onnxscript.OnnxFunction):
+                    signature = infer(fn, fn.function_ir.domain, fn.name, since_version=fn.opset.version)
+                else:  # a traceable function
+                    signature = infer(fn, "__traced", fn.__name__)
+                self.__dict__["_signature"] = signature
+                fn._pt_onnx_signature = signature
+            return signature
+
+        @signature.setter
+        def signature(self, value: Any) -> None:
+            self.__dict__["_signature"] = value
+
+    return LazySignatureMeta
 
 
 def _assert_metadata() -> Any:
@@ -659,7 +739,7 @@ def dynamo_to_onnx(
                 if chosen is not None:
                     # The type promotion pass re-runs every op on fake tensors, as the retrace does.
                     _views_as_reshapes(gm)
-                    _resolve(_DYN_PROMOTE)(gm)
+                    _insert_type_promotion(gm)
                     gm = _resolve(_DYN_NO_ASSERTS)(gm)
                     if gm is not program.graph_module:
                         program._graph_module = gm
@@ -676,6 +756,47 @@ def dynamo_to_onnx(
         chosen = extra(prepared, registry.is_registered, True) if extra is not None else {}
         translated = _resolve(_DYN_TRANSLATE)(prepared, registry=_with_extra(registry, chosen or {}))
     return translated.model, True
+
+
+def _insert_type_promotion(gm: torch.fx.GraphModule) -> None:
+    """The exporter's type promotion pass (``insert_type_promotion_nodes``: explicit casts where an
+    op's inputs have other dtypes than it computes in), re-running on fake tensors only the nodes it
+    adds or changes.
+
+    The exporter's pass re-runs every node of the graph on fake tensors to know its inputs' dtypes
+    (0.15-0.6 CPU s: a third of the translation's time). A node the pass does not touch keeps the
+    value the capture recorded (``meta["val"]``, the same fake tensor a re-run computes): the pass
+    casts a changed node's output back to the dtype it had, so what follows sees the same dtypes.
+    The graphs are the same as the exporter's pass makes (``tests/test_dynamo.py``).
+    """
+    base = _lazy_promotion_interpreter()
+    table = _resolve(_PROMOTE_TABLE)()
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            raise AssertionError(f"expected a GraphModule, got {type(module)}")
+        transform = _resolve(_PROMOTE_PASS)(module)
+        transform.interpreter = base(module, table)
+        transform.run()
+
+
+@functools.cache
+def _lazy_promotion_interpreter() -> type:
+    base = _resolve(_PROMOTE_INTERPRETER)
+    rule_of = _resolve(_PROMOTE_RULE)
+    run_any = torch.fx.Interpreter.run_node
+
+    class ReusingInterpreter(base):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            args, kwargs, target = n.args, n.kwargs, n.target
+            with self._set_current_node(n):
+                if rule := rule_of(n, self.type_promotion_table):
+                    self._maybe_promote_node(n, rule)
+            untouched = n.args is args and n.kwargs is kwargs and n.target is target
+            if untouched and n.op == "call_function" and "val" in n.meta:
+                return n.meta["val"]
+            return run_any(self, n)
+
+    return ReusingInterpreter
 
 
 def _functionalized(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -695,11 +816,21 @@ def _functionalized(program: torch.export.ExportedProgram) -> torch.export.Expor
         and is_op_overload(n.target)
         and n.target.namespace == "aten"
         and op_schema(n.target).is_mutable
+        and not _detach_of_unshared(n)
     ]
     if not mutating:
         return program
     _views_as_reshapes(gm)
     return program.run_decompositions({})
+
+
+def _detach_of_unshared(node: torch.fx.Node) -> bool:
+    """A ``detach_`` of a value nothing else reads (HF models' ``torch.tensor([]).detach_()`` in
+    ``DynamicCache``): it changes autograd metadata only, and the translation is the identity
+    (``export/translations.py``), so it needs no functionalization (a retrace of the whole graph:
+    ~3 of the 4.5 CPU seconds of HF GPT-2's dynamo export)."""
+    arg = node.args[0] if node.args else None
+    return node.target is torch.ops.aten.detach_.default and isinstance(arg, torch.fx.Node) and len(arg.users) == 1
 
 
 def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
