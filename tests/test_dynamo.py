@@ -310,17 +310,7 @@ class DetachInPlace(nn.Module):
 
 @pytest.mark.parametrize(
     "shared",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known bug (both exporters, before this change too): detach() of a computed tensor "
-                "is exported as Identity, and ORT's gradient flows through it",
-            ),
-        ),
-    ],
+    [False, True],
     ids=["fresh", "shared"],
 )
 def test_detach_in_place_trains_like_eager(shared):

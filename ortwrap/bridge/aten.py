@@ -43,6 +43,9 @@ ATEN_DOMAIN = "org.pytorch.aten"
 VJP_PREFIX = "ortwrap_vjp::"
 #: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
 NATIVE_PREFIX = "ortwrap_cpu::"
+#: Operators ORT's gradient builder must not differentiate through (``detach``: every input is a
+#: stop-gradient edge; ``passes/stop_gradient.py``).
+NO_GRADIENT_OPS: frozenset[str] = frozenset({"detach"})
 #: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
 OWN_GRADIENT_OPS: set[str] = set()
 #: Arguments ops update in place although their schemas do not say so (no ``Tensor(a!)``): the
@@ -704,6 +707,8 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             plan = resolve(op, overload)
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            if op in NO_GRADIENT_OPS:
+                stop = set(range(n_in))
             register_gradient(
                 op,
                 overload,

@@ -69,6 +69,15 @@ def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
     return g.op("Where", is_pad, frozen_rows, gathered)
 
 
+def _detach(g, self):
+    """``x.detach()``: torch's symbolic erases it (ONNX is inference-only), so ORT's gradient would
+    flow through. ``ortwrap::StopGradient`` marks it; ``ResolveStopGradientPass`` resolves it."""
+    from .schemas import register_schemas
+
+    register_schemas()
+    return g.op(f"{ORTWRAP_DOMAIN}::StopGradient", self)
+
+
 def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, label_smoothing):
     if not isinstance(compat.ts_constant(ignore_index, "i"), int):
         # ignore_index computed from a traced size: an ATen node reads it at run time (ONNX's
@@ -329,6 +338,7 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
 
     symbolics: dict[str, Callable] = {
         "aten::embedding": _embedding,
+        "aten::detach": _detach,
         "aten::unflatten": _unflatten,
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,

@@ -91,6 +91,11 @@ def _stop_gradient_op():
     return onnxscript.values.Opset(ORTWRAP_DOMAIN, 1).StopGradient
 
 
+def _detach(self):
+    """``detach`` / ``detach_``: torchlib writes ``Identity``, which ORT differentiates through."""
+    return _stop_gradient_op()(self)
+
+
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     from onnxscript import opset18 as op
 
@@ -224,12 +229,6 @@ def _to_dtype_layout(
 
 def _to_device(self, device, dtype, non_blocking=False, copy=False, memory_format=None):
     return _cast_or_identity(self, dtype)
-
-
-def _identity(self):
-    from onnxscript import opset18 as op
-
-    return op.Identity(self)
 
 
 def _bitwise_and(self, other):
@@ -368,7 +367,8 @@ def training_translations() -> dict:
     table[aten.to.dtype_layout] = _to_dtype_layout
     table[aten.to.device] = _to_device
     table[aten.__and__.Tensor] = _bitwise_and
-    table[aten.detach_.default] = _identity
+    table[aten.detach.default] = _detach
+    table[aten.detach_.default] = _detach
     table[aten.diff.default] = _diff
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims

@@ -70,7 +70,7 @@ def default_passes(
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
         ATenStringArgumentsPass(),
-        ResolveStopGradientPass(),
+        ResolveStopGradientPass(with_backward=with_backward),
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
