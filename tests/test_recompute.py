@@ -247,3 +247,25 @@ def test_cheap_recompute_drops_attention_probabilities(which):
     yield_at = next(i for i, n in enumerate(cheap.graph.node) if n.op_type == "YieldOp")
     copies = [i for i, n in enumerate(cheap.graph.node) if n.name.endswith(SUFFIX)]
     assert copies and min(copies) > yield_at
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6, momentum=0.3)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.l(x))))
+
+
+@pytest.mark.parametrize("mode", ["cheap", "layers"])
+def test_recompute_never_repeats_batchnorm(mode):
+    """BatchNorm in training mode writes its running statistics into the buffers: a recomputed copy
+    would update them twice. Buffers and every gradient match eager."""
+    check_parity(
+        _BatchNormNet,
+        lambda b, g: ((torch.randn(b, 5, generator=g),), {}),
+        wrap_options={"recompute": mode, "build_cache": False},
+    )

@@ -99,6 +99,8 @@ _SHAPE_OPS = frozenset({"Shape", "Size"})
 #: Random or stateful ops: recomputing them would not give the same values.
 _NOT_RECOMPUTABLE = frozenset(
     {
+        "BatchNormalization",  # training mode: running statistics, written in place into buffers
+        "BatchNormInternal",
         "Dropout",
         "BitmaskDropout",
         "BiasDropout",
