@@ -236,6 +236,11 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
     for p, segs in users.items():
         if len(segs) == 1 and _GRAD_NAME.format(p) in outputs:
             own.setdefault(next(iter(segs)), []).append(_GRAD_NAME.format(p))
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in (*graph.value_info, *graph.input, *graph.output)
+        if v.type.tensor_type.HasField("shape")
+    }
     nodes: list[onnx.NodeProto] = []
     undo = []
     zero = "ortwrap_order_zero"
@@ -243,7 +248,8 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
     for seg in range(1, len(cut_values) + 1):
         grad = _GRAD_NAME.format(cut_values[seg - 1])
         leaves = own.get(seg, [])
-        if grad not in produced or not leaves:
+        rank = ranks.get(cut_values[seg - 1])
+        if grad not in produced or not leaves or not rank:
             continue
         if not nodes:
             nodes.append(
@@ -266,8 +272,18 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
                 total = f"{tag}/sum_{k}"
         gated = f"{grad}/ortwrap_after_segment_{seg}"
         nodes.append(make("Mul", [total, zero], [f"{tag}/zero"], name=f"{tag}/Mul"))
-        nodes.append(make("Shape", [grad], [f"{tag}/shape"], name=f"{tag}/Shape"))
-        nodes.append(make("Add", [f"{tag}/shape", f"{tag}/zero"], [f"{tag}/gated_shape"], name=f"{tag}/Add"))
+        # NOTE: the shape is all zeros ("keep this dimension"), not Shape(grad) + 0: a Shape of a
+        # backward value came out stale when the input shapes changed between steps.
+        nodes.append(
+            make(
+                "Constant",
+                [],
+                [f"{tag}/keep"],
+                name=f"{tag}/Keep",
+                value=onnx.helper.make_tensor(f"{tag}/keep", onnx.TensorProto.INT64, [rank], [0] * rank),
+            )
+        )
+        nodes.append(make("Add", [f"{tag}/keep", f"{tag}/zero"], [f"{tag}/gated_shape"], name=f"{tag}/Add"))
         nodes.append(make("Reshape", [grad, f"{tag}/gated_shape"], [gated], name=f"{tag}/Reshape"))
         for n in backward:
             for k, x in enumerate(n.input):
@@ -378,6 +394,11 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
         )
 
     produced_backward = {o for n in backward for o in n.output if o}
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in (*graph.value_info, *graph.input, *graph.output)
+        if v.type.tensor_type.HasField("shape")
+    }
     # Per segment: forward value -> its recomputed copy.
     renamed_in: dict[int, dict[str, str]] = {
         seg: {o: o + SUFFIX for j in chain for o in forward[j].output if o} for seg, chain in chains.items()
@@ -443,7 +464,12 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
                     elif x in data:  # a kept activation: read once the segment's backward starts
                         if x not in gated:
                             g = f"{x}/ortwrap_gate_{seg}"
-                            nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
+                            rank = ranks.get(x)
+                            if rank:  # all zeros: keep each dimension (see _order_backward's NOTE)
+                                keep = onnx.helper.make_tensor(f"{g}/shape", onnx.TensorProto.INT64, [rank], [0] * rank)
+                                nodes.append(make("Constant", [], [f"{g}/shape"], name=f"{g}/Keep", value=keep))
+                            else:
+                                nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
                             nodes.append(make("Add", [f"{g}/shape", gate], [f"{g}/gated_shape"], name=f"{g}/Add"))
                             nodes.append(make("Reshape", [x, f"{g}/gated_shape"], [g], name=f"{g}/Reshape"))
                             gated[x] = g
