@@ -53,7 +53,11 @@ def cpu_name() -> str:
 
 
 #: ORTWrap options of the ortwrap variants.
-ORTWRAP_VARIANTS = {"ortwrap": {}, "ortwrap recompute": {"recompute": "layers"}}
+ORTWRAP_VARIANTS = {
+    "ortwrap": {},  # recompute="cheap", the default
+    "ortwrap no recompute": {"recompute": "none"},
+    "ortwrap recompute": {"recompute": "layers"},
+}
 
 
 def make(size: str, batch_size: int | None = None):

@@ -511,13 +511,22 @@ def build_stages(request: BuildRequest) -> list[Stage]:
 
     @stage("recompute", ("graph", "feeds"), ("graph", "recompute"), group="gradient_build")
     def recompute(graph: TrainingGraph, feeds: ExportedModel) -> dict:
-        """With ``recompute``: the backward recomputes activations between checkpoints (grad/recompute.py)."""
+        """With ``recompute`` (``"cheap"`` by default): the backward recomputes activations (grad/recompute.py)."""
         if not with_backward or o.recompute == "none":
             return {"graph": graph, "recompute": None}
         model = graph.model()
         try:
             report = recompute_segments(model, {n for n in feeds.user_input_names if n is not None}, o.recompute)
         except Exception as e:
+            if o.recompute == "cheap":
+                # NOTE: the default's rewrite only saves memory: when it fails the builder's graph
+                # (every activation stashed) runs, and the log says so; 'layers' was asked for.
+                logger.warning(
+                    "recompute='cheap' could not rewrite the training graph (%s); its backward keeps every "
+                    "activation it reads (recompute='none')",
+                    e,
+                )
+                return {"graph": graph, "recompute": None}
             raise GradientBuildError(f"recompute={o.recompute!r} could not rewrite the training graph: {e}") from e
         logger.info("%s", report.summary())
         return {"graph": dataclasses.replace(graph, model_bytes=model.SerializeToString()), "recompute": report}

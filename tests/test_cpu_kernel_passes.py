@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from parity import check_parity, seq_len
 from torch import nn
 
+from ortwrap.grad.recompute import SUFFIX as RECOMPUTE_SUFFIX
 from ortwrap.passes.gather_to_gathernd import GatherToGatherNDPass
 from ortwrap.passes.gelu_unfuse import UnfuseErfGeluPass
 from ortwrap.passes.linear_to_gemm import LinearToGemmPass
@@ -26,7 +27,10 @@ ORT_KERNELS = {"native_kernels": False}
 
 
 def built_ops(wrapped) -> Counter:
-    return Counter(n.op_type for n in wrapped.last_artifacts.graph.model().graph.node)
+    """Op counts of the built graph, without the forward nodes that recompute copies into the
+    backward (grad/recompute.py; recompute="cheap" is the default)."""
+    nodes = wrapped.last_artifacts.graph.model().graph.node
+    return Counter(n.op_type for n in nodes if not n.name.endswith(RECOMPUTE_SUFFIX))
 
 
 def run_pass(pass_, body: str) -> tuple[bool, onnx.ModelProto]:

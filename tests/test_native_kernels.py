@@ -26,14 +26,19 @@ from torch import nn
 
 from ortwrap import ORTWrap, kernels
 from ortwrap.bridge import state
+from ortwrap.grad.recompute import SUFFIX as RECOMPUTE_SUFFIX
 from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def native_ops(model: onnx.ModelProto) -> Counter:
+    """Op counts of a built graph, without the forward nodes that recompute copies into the backward
+    (grad/recompute.py; recompute="cheap" is the default)."""
     ops = Counter()
     for n in model.graph.node:
+        if n.name.endswith(RECOMPUTE_SUFFIX):
+            continue
         if n.op_type == "ATen":
             op = next(a.s.decode() for a in n.attribute if a.name == "operator")
             ops[op.removeprefix("ortwrap_cpu::")] += 1

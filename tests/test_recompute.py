@@ -1,13 +1,18 @@
-"""Activation recompute (``recompute="layers"``, ortwrap/grad/recompute.py): parity with eager, and
-that the backward really recomputes instead of keeping the forward's activations."""
+"""Activation recompute (``recompute="cheap"``, the default, and ``"layers"``; ortwrap/grad/recompute.py):
+parity with eager and with no recompute, and that the backward really recomputes instead of keeping
+the forward's activations."""
 
 from __future__ import annotations
+
+import copy
 
 import onnx
 import pytest
 import torch
-from parity import check_parity, seq_len
+import torch.nn.functional as F
+from parity import assert_close, check_parity, seq_len
 from tiny_gpt import GPTConfig, TinyGPT
+from torch import nn
 
 from ortwrap import Options, ORTWrap
 from ortwrap.grad.recompute import SUFFIX, stashed_values
@@ -49,7 +54,7 @@ def test_recompute_changes_the_graph():
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     (ids, tgt), _ = _lm_inputs(4, torch.Generator().manual_seed(0))
-    plain = ORTWrap(model, fallback=False, build_cache=False)
+    plain = ORTWrap(model, fallback=False, build_cache=False, recompute="none")
     plain(ids, tgt)[0].backward()
     assert plain.last_artifacts.recompute is None
     plain_stash = stashed_values(plain.last_artifacts.graph.model())
@@ -90,10 +95,177 @@ def test_recompute_with_dropout_keeps_random_ops():
 
 
 def test_recompute_option_validation(monkeypatch):
-    with pytest.raises(ValueError, match=r"recompute='all' is invalid; allowed: none, layers"):
+    with pytest.raises(ValueError, match=r"recompute='all' is invalid; allowed: none, cheap, layers"):
         ORTWrap(torch.nn.Linear(2, 2), recompute="all")
+    assert Options.resolve().recompute == "cheap"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "layers")
     assert Options.resolve().recompute == "layers"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "yes")
     with pytest.raises(ValueError, match="recompute='yes' is invalid"):
         Options.resolve()
+
+
+class _PaddedGPT(nn.Module):
+    """A GPT-style LM whose attention takes a causal mask combined with a padding mask (so the
+    recomputed scores read a data-dependent mask), two blocks, a loss over the unpadded positions."""
+
+    def __init__(self, vocab: int = 61, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.ln2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.fc = nn.ModuleList(nn.Linear(d, 4 * d) for _ in range(layers))
+        self.out = nn.ModuleList(nn.Linear(4 * d, d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor):
+        b, t = ids.shape
+        x = self.tok(ids)
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        mask = causal[None, None] & keep[:, None, None, :]
+        for i in range(len(self.qkv)):
+            d = x.shape[-1]
+            q, k, v = self.qkv[i](self.ln1[i](x)).split(d, dim=-1)
+            q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + self.proj[i](a.transpose(1, 2).reshape(b, t, d))
+            x = x + self.out[i](F.gelu(self.fc[i](self.ln2[i](x))))
+        logits = self.head(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.masked_fill(~keep, -100).reshape(-1))
+        return loss, logits
+
+
+def _padded_inputs(b: int, gen: torch.Generator):
+    t = seq_len(b, 10)
+    ids = torch.randint(0, 61, (b, t), generator=gen)
+    lengths = torch.randint(2, t + 1, (b,), generator=gen)
+    keep = torch.arange(t)[None, :] < lengths[:, None]
+    return (ids, keep, torch.randint(0, 61, (b, t), generator=gen)), {}
+
+
+_MODELS = {
+    "causal": (lambda: TinyGPT(CFG), _lm_inputs),
+    "causal_and_padding": (_PaddedGPT, _padded_inputs),
+}
+
+
+def _softmax_outputs(model: onnx.ModelProto) -> set[str]:
+    """Outputs of the forward's softmax nodes (ONNX Softmax or ortwrap's CPU kernel)."""
+    out = set()
+    for n in model.graph.node:
+        if n.op_type == "YieldOp":
+            break
+        op = next((a.s.decode() for a in n.attribute if a.name == "operator"), "")
+        if n.op_type == "Softmax" or op.endswith("::softmax"):
+            out.update(n.output)
+    return out
+
+
+@pytest.mark.parametrize("which", sorted(_MODELS))
+def test_cheap_recompute_parity(which):
+    """recompute="cheap": loss, logits and every parameter gradient match eager over three steps
+    with changing batch size and sequence length."""
+    make_model, make_inputs = _MODELS[which]
+    wrapped = check_parity(
+        make_model, make_inputs, loss_fn=_lm_loss, wrap_options={"recompute": "cheap", "build_cache": False}
+    )
+    report = wrapped.last_artifacts.recompute
+    assert report is not None and report.mode == "cheap" and report.recomputed_values
+
+
+@pytest.mark.parametrize("which", sorted(_MODELS))
+def test_cheap_recompute_equals_no_recompute(which):
+    """The recomputed values are the same computation on the same inputs: outputs and every
+    parameter gradient are those of recompute="none", step after step, to rounding (the first step's
+    differ in the last bit at most: a tied weight's gradient contributions are summed in another order)."""
+    make_model, make_inputs = _MODELS[which]
+    torch.manual_seed(0)
+    base = make_model()
+    runs = {}
+    for mode in ("none", "cheap"):
+        model = ORTWrap(copy.deepcopy(base), fallback=False, build_cache=False, recompute=mode, exporter=_exporter())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        steps = []
+        for b in (4, 7, 3):
+            args, _ = make_inputs(b, gen)
+            loss, logits = model(*args)
+            _lm_loss((loss, logits)).backward()
+            steps.append((loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        runs[mode] = steps
+    for step, ((l0, o0, g0), (l1, o1, g1)) in enumerate(zip(runs["none"], runs["cheap"])):
+        assert_close(l1, l0, f"step {step} loss", atol=1e-7, rtol=1e-6)
+        assert_close(o1, o0, f"step {step} logits", atol=1e-7, rtol=1e-6)
+        assert g0.keys() == g1.keys()
+        for name in g0:
+            assert_close(g1[name], g0[name], f"step {step} grad of {name}", atol=1e-7, rtol=1e-6)
+
+
+def _exporter() -> str:
+    import parity
+
+    return parity.EXPORTER
+
+
+@pytest.mark.parametrize("which", sorted(_MODELS))
+def test_cheap_recompute_drops_attention_probabilities(which):
+    """By default the backward no longer keeps the attention probabilities [B, H, T, T]: it
+    recomputes them from the stashed scaled q and k^T and the mask."""
+    if which == "causal_and_padding":
+        # The graph computes the padding mask from the input ``keep`` and stashes neither: the
+        # probabilities' chain would need a value not kept, so they stay stashed (docs/performance.md).
+        pytest.skip("a padding mask computed from an input is not stashed: the probabilities stay stashed")
+    make_model, make_inputs = _MODELS[which]
+    torch.manual_seed(0)
+    args, _ = make_inputs(4, torch.Generator().manual_seed(0))
+    built = {}
+    for mode in ("none", None):
+        opts = {} if mode is None else {"recompute": mode}
+        model = ORTWrap(make_model(), fallback=False, build_cache=False, exporter=_exporter(), **opts)
+        model(*args)[0].backward()
+        built[mode] = (model.last_artifacts.graph.model(), model.last_artifacts.recompute)
+    plain, _ = built["none"]
+    cheap, report = built[None]
+    assert report is not None and report.mode == "cheap", "recompute='cheap' is the default"
+    onnx.checker.check_model(cheap)
+    probs_before = _softmax_outputs(plain) & set(stashed_values(plain))
+    assert len(probs_before) >= 2, "without recompute the probabilities are stashed"
+    after = set(stashed_values(cheap))
+    assert not (_softmax_outputs(cheap) & after)
+    assert probs_before <= set(report.recomputed_values)
+    # Nothing computed from the inputs' data is newly stashed; a causal mask built from shapes may be.
+    dims = {v.name: len(v.type.tensor_type.shape.dim) for v in cheap.graph.value_info}
+    new = after - set(stashed_values(plain))
+    assert all(dims.get(x, 99) <= 2 for x in new), f"newly stashed: {new}"
+    assert after == set(report.stashed_after)
+    # The copies run in the backward.
+    yield_at = next(i for i, n in enumerate(cheap.graph.node) if n.op_type == "YieldOp")
+    copies = [i for i, n in enumerate(cheap.graph.node) if n.name.endswith(SUFFIX)]
+    assert copies and min(copies) > yield_at
+
+
+class _BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6, momentum=0.3)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.l(x))))
+
+
+@pytest.mark.parametrize("mode", ["cheap", "layers"])
+def test_recompute_never_repeats_batchnorm(mode):
+    """BatchNorm in training mode writes its running statistics into the buffers: a recomputed copy
+    would update them twice. Buffers and every gradient match eager."""
+    check_parity(
+        _BatchNormNet,
+        lambda b, g: ((torch.randn(b, 5, generator=g),), {}),
+        wrap_options={"recompute": mode, "build_cache": False},
+    )

@@ -5,7 +5,7 @@ forward value a backward node reads is *stashed*: ORT keeps it in the partial-ru
 forward to the backward. At training scale those stashed activations are most of the memory a
 step needs beyond parameters, gradients and optimizer state.
 
-:func:`recompute_segments` rewrites the built graph so that only *checkpoints* stay stashed:
+:func:`recompute_segments` rewrites the built graph so that fewer activations stay stashed:
 
 1. **Checkpoints.** Walking the forward in graph order, a value is a checkpoint when it is the
    only floating-point activation (a value computed from the user inputs' data, not only from
@@ -13,14 +13,29 @@ step needs beyond parameters, gradients and optimizer state.
    residual stream between sublayers: the input of each transformer block and the value after its
    attention's residual add. The forward between two checkpoints is a *segment* (half a
    transformer layer; the embedding and the head are segments too).
-2. **Recompute.** Every stashed value of a segment that a recomputable node produces is computed
-   again by copies of the segment's forward nodes, from the segment's entry checkpoint, the
-   parameters and the values that do not depend on the inputs' data (masks, positions). The
-   backward reads the copies; the originals are freed during the forward.
+2. **Recompute.** Stashed values of a segment that recomputable nodes produce are computed again
+   by copies of the segment's forward nodes; the backward reads the copies and the originals are
+   freed during the forward. Which ones, by mode:
+
+   * ``"layers"``: every one, from the segment's entry checkpoint, the parameters and the values
+     that do not depend on the inputs' data (masks, positions): only checkpoints stay stashed, for
+     about one more forward per step.
+   * ``"cheap"`` (the default): those that at most :data:`MAX_CHEAP_CHAIN` cheap nodes (no GEMM or
+     convolution; a ``MatMul`` of two activations only with a reduction of at most
+     :data:`MAX_CHEAP_REDUCTION`) compute from values that stay stashed anyway; nothing computed
+     from the inputs' data is newly stashed (a causal mask built from shapes may be). In a transformer: the attention probabilities ``[B, H, T, T]`` (from the stashed
+     scaled ``q`` and ``k^T`` and the mask: one batched matmul and a softmax per layer, about 1% of
+     a step's work), the GELU output (from its stashed input) and the LayerNorm outputs and
+     statistics (from the stashed residual). Eager PyTorch's flash attention keeps no
+     probabilities either.
 3. **Order.** ORT 1.19.2 runs a graph in one fixed order, and the forward run stops at the
    ``YieldOp``. The copies of a segment read their entry values through a ``Reshape`` whose shape
    depends on the gradient of the segment's exit checkpoint, so they run in the backward, right
    when that segment's backward starts; one segment's recomputed activations are alive at a time.
+   The gradient flowing into each segment also waits for the parameter gradients of the segment
+   after it (:func:`_order_backward`). Both modes need both: without the second, the weight
+   gradients that read the recomputed values run at the very end of ORT's backward and ``"cheap"``
+   held more memory than no recompute at all (docs/performance.md, "Memory").
 
 Not recomputed (kept stashed): random ops (dropout), PythonOps and ATen nodes other than
 ortwrap's own CPU kernels, nodes with subgraphs, and the values the forward returns. ORT's common
@@ -41,7 +56,34 @@ from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 __all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_values"]
 
 #: Values of ``Options.recompute``.
-RECOMPUTE_MODES = ("none", "layers")
+RECOMPUTE_MODES = ("none", "cheap", "layers")
+
+#: Ops whose work per output element grows with an operand's size (GEMMs, convolutions): never
+#: recomputed by ``"cheap"``, except :func:`_cheap_chains`' activation-by-activation ``MatMul``.
+_HEAVY = frozenset(
+    {
+        "Gemm",
+        "MatMul",
+        "FusedMatMul",
+        "FusedGemm",
+        "MatMulInteger",
+        "QLinearMatMul",
+        "Einsum",
+        "Conv",
+        "ConvTranspose",
+        "FusedConv",
+        "Attention",
+        "MultiHeadAttention",
+        "LSTM",
+        "GRU",
+        "RNN",
+    }
+)
+#: ``"cheap"`` recomputes a product of two activations (attention scores, ``q @ k^T``) when its
+#: reduction dimension is a known size at most this: that many multiply-adds per element it frees.
+MAX_CHEAP_REDUCTION = 128
+#: ``"cheap"`` copies at most this many forward nodes to recompute one stashed value.
+MAX_CHEAP_CHAIN = 8
 
 #: How ORT's gradient builder names the gradient of value X.
 _GRAD_NAME = "{}_grad"
@@ -57,6 +99,8 @@ _SHAPE_OPS = frozenset({"Shape", "Size"})
 #: Random or stateful ops: recomputing them would not give the same values.
 _NOT_RECOMPUTABLE = frozenset(
     {
+        "BatchNormalization",  # training mode: running statistics, written in place into buffers
+        "BatchNormInternal",
         "Dropout",
         "BitmaskDropout",
         "BiasDropout",
@@ -125,12 +169,15 @@ def stashed_values(model: onnx.ModelProto) -> list[str]:
     return list(seen)
 
 
+def _aten_operator(node: onnx.NodeProto) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+
+
 def _recomputable(node: onnx.NodeProto) -> bool:
     if node.op_type in _NOT_RECOMPUTABLE or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
         return False
     if node.domain == ATEN_DOMAIN:
-        op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
-        return op.startswith(NATIVE_PREFIX)
+        return _aten_operator(node).startswith(NATIVE_PREFIX)
     return node.domain in ("", "ai.onnx", "com.microsoft")
 
 
@@ -189,6 +236,11 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
     for p, segs in users.items():
         if len(segs) == 1 and _GRAD_NAME.format(p) in outputs:
             own.setdefault(next(iter(segs)), []).append(_GRAD_NAME.format(p))
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in (*graph.value_info, *graph.input, *graph.output)
+        if v.type.tensor_type.HasField("shape")
+    }
     nodes: list[onnx.NodeProto] = []
     undo = []
     zero = "ortwrap_order_zero"
@@ -196,7 +248,8 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
     for seg in range(1, len(cut_values) + 1):
         grad = _GRAD_NAME.format(cut_values[seg - 1])
         leaves = own.get(seg, [])
-        if grad not in produced or not leaves:
+        rank = ranks.get(cut_values[seg - 1])
+        if grad not in produced or not leaves or not rank:
             continue
         if not nodes:
             nodes.append(
@@ -219,8 +272,18 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
                 total = f"{tag}/sum_{k}"
         gated = f"{grad}/ortwrap_after_segment_{seg}"
         nodes.append(make("Mul", [total, zero], [f"{tag}/zero"], name=f"{tag}/Mul"))
-        nodes.append(make("Shape", [grad], [f"{tag}/shape"], name=f"{tag}/Shape"))
-        nodes.append(make("Add", [f"{tag}/shape", f"{tag}/zero"], [f"{tag}/gated_shape"], name=f"{tag}/Add"))
+        # NOTE: the shape is all zeros ("keep this dimension"), not Shape(grad) + 0: a Shape of a
+        # backward value came out stale when the input shapes changed between steps.
+        nodes.append(
+            make(
+                "Constant",
+                [],
+                [f"{tag}/keep"],
+                name=f"{tag}/Keep",
+                value=onnx.helper.make_tensor(f"{tag}/keep", onnx.TensorProto.INT64, [rank], [0] * rank),
+            )
+        )
+        nodes.append(make("Add", [f"{tag}/keep", f"{tag}/zero"], [f"{tag}/gated_shape"], name=f"{tag}/Add"))
         nodes.append(make("Reshape", [grad, f"{tag}/gated_shape"], [gated], name=f"{tag}/Reshape"))
         for n in backward:
             for k, x in enumerate(n.input):
@@ -236,7 +299,7 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
     Args:
         model: a forward + ``YieldOp`` + backward graph from ``build_graph``.
         user_inputs: graph inputs that are the user's tensors (not parameters or buffers).
-        mode: ``"layers"`` (``"none"`` leaves the graph alone).
+        mode: ``"cheap"`` or ``"layers"`` (``"none"`` leaves the graph alone).
 
     Returns:
         The :class:`RecomputeReport`.
@@ -321,30 +384,21 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
         )
 
     # Which forward nodes each segment copies.
-    chains: dict[int, set[int]] = {}
-    recomputed: list[str] = []
-    for x in before:
-        i = producer[x]
-        seg = segment(i)
-        # Only floating-point activations: by the choice of checkpoints, only the backward of
-        # their own segment reads them (an integer value, the targets say, may cross segments).
-        if elem.get(x) not in _FLOATS or not in_chain(x, seg):
-            continue
-        recomputed.append(x)
-        chain = chains.setdefault(seg, set())
-        stack = [i]
-        while stack:
-            j = stack.pop()
-            if j in chain:
-                continue
-            chain.add(j)
-            stack.extend(producer[u] for u in forward[j].input if in_chain(u, seg))
+    if mode == "layers":
+        chains, recomputed = _layers_chains(before, forward, producer, elem, segment, in_chain)
+    else:
+        chains, recomputed = _cheap_chains(before, forward, producer, elem, data, segment, in_chain, graph)
     if not recomputed:
         return ordering_only(
             RecomputeReport(mode, before, before, tuple(cut_values), notes=["no stashed value is recomputable"])
         )
 
     produced_backward = {o for n in backward for o in n.output if o}
+    ranks = {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in (*graph.value_info, *graph.input, *graph.output)
+        if v.type.tensor_type.HasField("shape")
+    }
     # Per segment: forward value -> its recomputed copy.
     renamed_in: dict[int, dict[str, str]] = {
         seg: {o: o + SUFFIX for j in chain for o in forward[j].output if o} for seg, chain in chains.items()
@@ -410,7 +464,12 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
                     elif x in data:  # a kept activation: read once the segment's backward starts
                         if x not in gated:
                             g = f"{x}/ortwrap_gate_{seg}"
-                            nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
+                            rank = ranks.get(x)
+                            if rank:  # all zeros: keep each dimension (see _order_backward's NOTE)
+                                keep = onnx.helper.make_tensor(f"{g}/shape", onnx.TensorProto.INT64, [rank], [0] * rank)
+                                nodes.append(make("Constant", [], [f"{g}/shape"], name=f"{g}/Keep", value=keep))
+                            else:
+                                nodes.append(make("Shape", [x], [f"{g}/shape"], name=f"{g}/Shape"))
                             nodes.append(make("Add", [f"{g}/shape", gate], [f"{g}/gated_shape"], name=f"{g}/Add"))
                             nodes.append(make("Reshape", [x, f"{g}/gated_shape"], [g], name=f"{g}/Reshape"))
                             gated[x] = g
@@ -455,3 +514,106 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
         sum(len(c) for c in chains.values()),
         notes,
     )
+
+
+def _layers_chains(before, forward, producer, elem, segment, in_chain) -> tuple[dict[int, set[int]], list[str]]:
+    """``"layers"``: every recomputable stashed activation, from its segment's entry checkpoint.
+    Returns the forward nodes each segment copies and the values they recompute."""
+    chains: dict[int, set[int]] = {}
+    recomputed: list[str] = []
+    for x in before:
+        i = producer[x]
+        seg = segment(i)
+        # Only floating-point activations: by the choice of checkpoints, only the backward of
+        # their own segment reads them (an integer value, the targets say, may cross segments).
+        if elem.get(x) not in _FLOATS or not in_chain(x, seg):
+            continue
+        recomputed.append(x)
+        chain = chains.setdefault(seg, set())
+        stack = [i]
+        while stack:
+            j = stack.pop()
+            if j in chain:
+                continue
+            chain.add(j)
+            stack.extend(producer[u] for u in forward[j].input if in_chain(u, seg))
+    return chains, recomputed
+
+
+def _reduction_size(graph: onnx.GraphProto, name: str) -> int | None:
+    """The last dimension of value ``name`` when the graph knows it as a number."""
+    for v in (*graph.value_info, *graph.input, *graph.output):
+        if v.name == name and v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape"):
+            dims = v.type.tensor_type.shape.dim
+            return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    return None
+
+
+def _cheap_chains(
+    before, forward, producer, elem, data, segment, in_chain, graph
+) -> tuple[dict[int, set[int]], list[str]]:
+    """``"cheap"``: a stashed activation is recomputed when at most :data:`MAX_CHEAP_CHAIN` cheap
+    forward nodes compute it from values the backward keeps anyway (other stashed values, which
+    stay stashed, and values that do not depend on the inputs' data). Cheap: every op but GEMMs
+    and convolutions (:data:`_HEAVY`), and a ``MatMul`` of two activations whose reduction
+    dimension is at most :data:`MAX_CHEAP_REDUCTION` (attention scores, ``q @ k^T``). So no new
+    activation is stashed, and the backward does a few elementwise passes and one batched matmul per
+    attention more. In a transformer: the attention probabilities (from the stashed scaled ``q``
+    and ``k^T`` and the mask), the GELU output (from its stashed input), the LayerNorm outputs
+    (from the stashed residual)."""
+
+    def is_softmax(n: onnx.NodeProto) -> bool:
+        return n.op_type == "Softmax" or (n.domain == ATEN_DOMAIN and _aten_operator(n) == NATIVE_PREFIX + "softmax")
+
+    def cheap(j: int, scores: bool) -> bool:
+        """``scores``: node ``j`` feeds a softmax through the chain (attention scores)."""
+        n = forward[j]
+        if n.op_type not in _HEAVY:
+            return True
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or not all(x in data for x in n.input):
+            return False
+        k = _reduction_size(graph, n.input[0])
+        # The TorchScript exporter's graphs often lose the head dimension: the scores of a softmax
+        # are then taken as a head-sized reduction (the product after a softmax, ``p @ v``, is not).
+        return (k is None and scores) or (k is not None and 0 < k <= MAX_CHEAP_REDUCTION)
+
+    stashed = set(before)
+    chains: dict[int, set[int]] = {}
+    recomputed: list[str] = []
+    dropped: set[str] = set()
+    pinned: set[str] = set()  # leaves of accepted chains: they stay stashed
+    for x in before:
+        i = producer.get(x)
+        if i is None or x in pinned or elem.get(x) not in _FLOATS or not in_chain(x, segment(i)):
+            continue
+        seg = segment(i)
+        chain: set[int] = set()
+        leaves: set[str] = set()
+        stack = [(i, False)]
+        ok = True
+        while stack and ok:
+            j, scores = stack.pop()
+            if j in chain:
+                continue
+            if not cheap(j, scores) or len(chain) >= MAX_CHEAP_CHAIN:
+                ok = False
+                break
+            chain.add(j)
+            scores = scores or is_softmax(forward[j])
+            for u in forward[j].input:
+                if not u or u not in data:
+                    continue
+                if u in stashed and u not in dropped:
+                    leaves.add(u)
+                elif in_chain(u, seg):
+                    stack.append((producer[u], scores))
+                else:
+                    ok = False
+                    break
+        if not ok:
+            continue
+        dropped.add(x)
+        pinned |= leaves
+        chains.setdefault(seg, set()).update(chain)
+        recomputed.append(x)
+    return chains, recomputed
