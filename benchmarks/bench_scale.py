@@ -54,8 +54,8 @@ def cpu_name() -> str:
 
 #: ORTWrap options of the ortwrap variants.
 ORTWRAP_VARIANTS = {
-    "ortwrap": {},  # recompute="cheap", the default
-    "ortwrap no recompute": {"recompute": "none"},
+    "ortwrap": {},  # the default (recompute="none")
+    "ortwrap cheap": {"recompute": "cheap"},
     "ortwrap recompute": {"recompute": "layers"},
 }
 

@@ -28,7 +28,7 @@ ORT_KERNELS = {"native_kernels": False}
 
 def built_ops(wrapped) -> Counter:
     """Op counts of the built graph, without the forward nodes that recompute copies into the
-    backward (grad/recompute.py; recompute="cheap" is the default)."""
+    backward (grad/recompute.py; with recompute="cheap")."""
     nodes = wrapped.last_artifacts.graph.model().graph.node
     return Counter(n.op_type for n in nodes if not n.name.endswith(RECOMPUTE_SUFFIX))
 

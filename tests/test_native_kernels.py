@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def native_ops(model: onnx.ModelProto) -> Counter:
     """Op counts of a built graph, without the forward nodes that recompute copies into the backward
-    (grad/recompute.py; recompute="cheap" is the default)."""
+    (grad/recompute.py; with recompute="cheap")."""
     ops = Counter()
     for n in model.graph.node:
         if n.name.endswith(RECOMPUTE_SUFFIX):

@@ -97,7 +97,7 @@ def test_recompute_with_dropout_keeps_random_ops():
 def test_recompute_option_validation(monkeypatch):
     with pytest.raises(ValueError, match=r"recompute='all' is invalid; allowed: none, cheap, layers"):
         ORTWrap(torch.nn.Linear(2, 2), recompute="all")
-    assert Options.resolve().recompute == "cheap"
+    assert Options.resolve().recompute == "none"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "layers")
     assert Options.resolve().recompute == "layers"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "yes")
@@ -214,7 +214,7 @@ def _exporter() -> str:
 
 @pytest.mark.parametrize("which", sorted(_MODELS))
 def test_cheap_recompute_drops_attention_probabilities(which):
-    """By default the backward no longer keeps the attention probabilities [B, H, T, T]: it
+    """With ``recompute="cheap"`` the backward no longer keeps the attention probabilities [B, H, T, T]: it
     recomputes them from the stashed scaled q and k^T and the mask."""
     if which == "causal_and_padding":
         # The graph computes the padding mask from the input ``keep`` and stashes neither: the
@@ -225,13 +225,13 @@ def test_cheap_recompute_drops_attention_probabilities(which):
     args, _ = make_inputs(4, torch.Generator().manual_seed(0))
     built = {}
     for mode in ("none", None):
-        opts = {} if mode is None else {"recompute": mode}
+        opts = {"recompute": "cheap"} if mode is None else {"recompute": mode}
         model = ORTWrap(make_model(), fallback=False, build_cache=False, exporter=_exporter(), **opts)
         model(*args)[0].backward()
         built[mode] = (model.last_artifacts.graph.model(), model.last_artifacts.recompute)
     plain, _ = built["none"]
     cheap, report = built[None]
-    assert report is not None and report.mode == "cheap", "recompute='cheap' is the default"
+    assert report is not None and report.mode == "cheap"
     onnx.checker.check_model(cheap)
     probs_before = _softmax_outputs(plain) & set(stashed_values(plain))
     assert len(probs_before) >= 2, "without recompute the probabilities are stashed"
@@ -269,3 +269,19 @@ def test_recompute_never_repeats_batchnorm(mode):
         lambda b, g: ((torch.randn(b, 5, generator=g),), {}),
         wrap_options={"recompute": mode, "build_cache": False},
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, open: recompute='cheap' gives wrong gradients for LocalResponseNorm under TorchScript "
+    "(avg_pool3d ATen node + squeeze_ones chain); why 'cheap' is not the default",
+)
+def test_cheap_recompute_local_response_norm_torchscript():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LocalResponseNorm(2, alpha=0.1, beta=0.6, k=1.5))
+    model = ORTWrap(copy.deepcopy(eager), fallback=False, exporter="torchscript", recompute="cheap")
+    x = torch.randn(2, 3, 6, 6)
+    eager(x).sum().backward()
+    model(x).sum().backward()
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)

@@ -201,7 +201,8 @@ _declare("_SymbolicFunctionGroup._functions")  # the registry's per-opset table 
 _TS_HELPER = _declare(f"{_TS}.symbolic_helper")
 _TS_TYPE_UTILS = _declare(f"{_TS}._type_utils.JitScalarType")
 _TS_OVERLOAD_NAME = _declare(f"{_TS}.utils._get_aten_op_overload_name")
-_TS_OPSET14 = _declare(f"{_TS}.symbolic_opset14")
+#: torch's symbolics per opset (``symbolic_opset9`` ... ``symbolic_opset20``), imported lazily by the exporter
+_TS_OPSETS = {n: _declare(f"{_TS}.symbolic_opset{n}") for n in range(9, 21)}
 _TS_ONNX_BLOCK = _declare("torch._C._jit_pass_onnx_block")
 # The dynamo (torch.export-based) ONNX exporter -------------------------------------------------
 _DYN = "torch.onnx._internal.exporter"
@@ -538,9 +539,15 @@ def ts_overload_name(node: Any) -> str:
 
 
 def ts_load_opset_symbolics(opset: int) -> None:
-    """Register torch's symbolics of ``opset`` (imported lazily by the exporter otherwise)."""
-    if opset >= 14:
-        _first(_TS_OPSET14, "torch.onnx.symbolic_opset14")
+    """Register torch's symbolics of every opset up to ``opset`` (the exporter imports them lazily:
+    before that, the registry answers an op with an older opset's symbolic, ``squeeze``'s opset 9
+    one, which writes ``Squeeze`` where opset 11+ writes an ``If`` for a dynamic dim)."""
+    for n, name in _TS_OPSETS.items():
+        if n <= opset:
+            try:
+                _first(name, f"torch.onnx.symbolic_opset{n}")
+            except Exception:  # an opset this release has no module for
+                pass
 
 
 def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:

@@ -268,13 +268,50 @@ def _softmax_in(default: Callable) -> Callable:
     return symbolic
 
 
+#: ONNX ops (as the TorchScript exporter writes them) that keep their first input's axes in place.
+_AXIS_PRESERVING = frozenset(
+    f"onnx::{op}"
+    for op in ("Pad", "AveragePool", "MaxPool", "LpPool", "Mul", "Div", "Add", "Sub", "Pow", "Cast", "Identity")
+)
+
+
+def _constant_one(value, axis: int, depth: int = 12) -> bool:
+    """Whether ``axis`` of ``value`` is a size-1 axis the graph itself makes (an ``Unsqueeze`` at that
+    axis, or a ``Reshape`` to a shape whose entry there is the constant 1), reached through ops that
+    keep axes in place: its size is 1 whatever the inputs, only ONNX shape inference lost it."""
+    while depth > 0:
+        node = value.node()
+        kind = node.kind()
+        inputs = list(node.inputs())
+        if kind == "onnx::Unsqueeze" and len(inputs) > 1:
+            axes = compat.ts_constant(inputs[1], "is")
+            rank = compat.ts_rank(value)
+            return isinstance(axes, list) and rank is not None and axis in [a % rank for a in axes]
+        if kind == "onnx::Reshape" and len(inputs) > 1:
+            shape = inputs[1].node()  # the size list (``view(s0, 1, s1, ...)``), as traced or as ONNX
+            if shape.kind() not in ("prim::ListConstruct", "onnx::Concat"):
+                return False
+            parts = list(shape.inputs())
+            if len(parts) != compat.ts_rank(value) or axis >= len(parts):
+                return False
+            piece = parts[axis]
+            if piece.node().kind() not in ("prim::Constant", "onnx::Constant"):
+                return False
+            one = compat.ts_constant(piece, "is" if shape.kind() == "onnx::Concat" else "i")
+            return one in ([1], 1)
+        if kind not in _AXIS_PRESERVING or not inputs:
+            return False
+        value, depth = inputs[0], depth - 1
+    return False
+
+
 def _squeeze(default: Callable) -> Callable:
-    """``squeeze(dim)`` of a dim whose size ONNX shape inference lost (a computed ``Pad`` before it:
-    ``F.local_response_norm``): torch's symbolic writes an ``If`` (squeeze when the size is 1), which
-    ORT cannot differentiate. Where the traced call did squeeze, ``ortwrap_ops::squeeze_ones`` runs
-    torch's squeeze as an ATen node instead (an error if the size is not 1 at run time: the graph
-    after it was traced for the squeezed rank); a dim the traced call kept is torch's ``If`` (refused
-    by ``RefuseControlFlowPass``, naming the fix). Training graphs only."""
+    """``squeeze(dim)`` of a size-1 dim the graph makes but whose size ONNX shape inference lost (an
+    ``Unsqueeze`` then a computed ``Pad``: ``F.local_response_norm``): torch's symbolic writes an
+    ``If`` (squeeze when the size is 1), which ORT cannot differentiate; ``ortwrap_ops::squeeze_ones``
+    runs torch's squeeze as an ATen node instead. Only there (:func:`_constant_one`): a dim that comes
+    from the inputs (a batch or a length traced at 1) keeps torch's ``If``, which makes the build
+    static-shape or fall back, as eager's squeeze depends on the size. Training graphs only."""
 
     def symbolic(g, self, dim=None):
         if dim is None or compat.ts_is_none(dim):
@@ -284,7 +321,7 @@ def _squeeze(default: Callable) -> Callable:
         if not isinstance(d, int) or sizes is None or out_rank != len(sizes) - 1:
             return default(g, self, dim)
         d %= len(sizes)
-        if sizes[d] is not None:
+        if sizes[d] is not None or not _constant_one(self, d):
             return default(g, self, dim)
         dims = g.op("Constant", value_t=torch.tensor([d], dtype=torch.int64))
         out = g.aten_op("ortwrap_ops::squeeze_ones", self, dims, overload_name="", outputs=1)
