@@ -31,7 +31,8 @@ eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
 
 The same pass with ``dtype=FLOAT`` (``Options.gemm="torch"``, for CPUs where PyTorch's MKL/oneDNN
 float32 GEMMs beat ORT's MLAS: Intel) writes the ``*_f32`` ops on float32 MatMul/Gemm/attention:
-no dtype argument, no copies (the backward op reads the forward's inputs); attention returns only
+no dtype argument, no copies (the backward op reads the forward's inputs); only in graphs without
+bfloat16/float16 values (mixed-precision graphs follow ``Options.half_compute``); attention returns only
 the output, k and the log-sum-exp, so no T x T probabilities are kept for the backward.
 
 Why not bf16 values in the graph, with ``Cast`` nodes around the GEMM: a bf16 value read by two
@@ -102,6 +103,9 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten = {"linear": 0, "matmul": 0, "attention": 0}
         graph = model.graph
+        if self.dtype != _BF16 and _has_half_values(graph):
+            # a mixed-precision graph (autocast, a half model): its GEMMs follow ``half_compute``
+            return ir.passes.PassResult(model, modified=False)
         for node in list(graph):
             if node.op_type == "Softmax" and node.domain in _ONNX and node.graph is graph:
                 self._attention(graph, node)
@@ -205,7 +209,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
 
     def _transposed_weight(self, graph: ir.Graph, node: ir.Node, b: ir.Value) -> ir.Value | None:
-        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to bf16), else None."""
+        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to the pass's dtype), else None."""
         cast = _producer(b, "Cast")
         transpose = _producer(cast.inputs[0] if cast is not None else b, "Transpose")
         if transpose is None or _rank(b) != 2:
@@ -218,8 +222,8 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         if cast is None:
             return weight
         self._dropped.append(cast)
-        to_bf16 = ir.node("Cast", [weight], {"to": int(_BF16)}, name=f"{node.name}/ortwrap_weight_to_bf16")
-        to_bf16.outputs[0].dtype = _BF16
+        to_bf16 = ir.node("Cast", [weight], {"to": int(self.dtype)}, name=f"{node.name}/ortwrap_weight_cast")
+        to_bf16.outputs[0].dtype = self.dtype
         to_bf16.outputs[0].shape = weight.shape
         graph.insert_before(node, to_bf16)
         return to_bf16.outputs[0]
@@ -239,6 +243,12 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             graph.remove(add, safe=True)
         graph.remove(node, safe=True)
         self.rewritten["linear" if op == LINEAR else "matmul"] += 1
+
+
+def _has_half_values(graph: ir.Graph) -> bool:
+    half = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+    values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
+    return any(v.dtype in half for v in values)
 
 
 def _single_user(value: ir.Value) -> ir.Node | None:
