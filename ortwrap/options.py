@@ -19,6 +19,7 @@ _EXPORTERS = ("auto", "torchscript", "dynamo")
 _ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "cheap", "layers")  # grad.recompute.RECOMPUTE_MODES
 _HALF_COMPUTE = ("auto", "float32", "native")
+_GEMM = ("auto", "ort", "torch")
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -116,6 +117,14 @@ class Options:
         "rest in float32. 'auto': 'native' where the CPU has bf16 instructions (AVX512-BF16 or AMX), else "
         "'float32' (docs/performance.md). float16 always computes in float32.",
     )
+    gemm: str = _opt(
+        "auto",
+        "ORTWRAP_GEMM",
+        f"On CPU, which library runs the float32 MatMul/Gemm (Linear layers) and attention of a graph, one of "
+        f"{', '.join(_GEMM)}. 'ort': ONNX Runtime's MLAS. 'torch': PyTorch's GEMMs and CPU flash attention inside "
+        "the graph (ATen nodes with explicit backward ops; attention then keeps no T x T probabilities). 'auto': "
+        "'torch' on Intel CPUs (MKL/oneDNN beat MLAS there), else 'ort' (docs/performance.md).",
+    )
     build_cache: bool = _opt(
         True,
         "ORTWRAP_BUILD_CACHE",
@@ -169,6 +178,8 @@ class Options:
             raise ValueError(
                 f"ORTWrap option half_compute={self.half_compute!r} is invalid; allowed: {', '.join(_HALF_COMPUTE)}"
             )
+        if self.gemm not in _GEMM:
+            raise ValueError(f"ORTWrap option gemm={self.gemm!r} is invalid; allowed: {', '.join(_GEMM)}")
         if self.recompute not in _RECOMPUTE:
             raise ValueError(
                 f"ORTWrap option recompute={self.recompute!r} is invalid; allowed: {', '.join(_RECOMPUTE)}"
@@ -230,6 +241,15 @@ class Options:
         from ._compat.torch import cpu_has_native_bf16
 
         return cpu_has_native_bf16()
+
+    @property
+    def torch_gemm(self) -> bool:
+        """Whether float32 GEMMs and attention run as PyTorch's on CPU (``gemm``, ``"auto"`` resolved)."""
+        if self.gemm != "auto":
+            return self.gemm == "torch"
+        from ._compat.torch import cpu_is_intel
+
+        return cpu_is_intel()
 
     @property
     def logging_level(self) -> int:

@@ -559,6 +559,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         native_kernels=True,
         fusions=o.fusions,
         native_bf16=o.native_bf16,
+        torch_gemm=o.torch_gemm,
     )
     return [
         native_kernels,
@@ -630,6 +631,7 @@ def _schema(request: BuildRequest) -> tuple:
         str(request.device),
         repr(request.autocast),
         request.options.native_bf16,  # half_compute="auto" resolved on this machine
+        request.options.torch_gemm,  # gemm="auto" resolved on this machine
     )
 
 

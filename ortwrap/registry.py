@@ -885,6 +885,30 @@ def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_m
     )
 
 
+def _linear_f32(x, w, b):
+    """``F.linear`` in the inputs' dtype (float32): its backward reads the inputs themselves."""
+    import torch.nn.functional as F
+
+    return F.linear(x, w, b)
+
+
+def _matmul_f32(a, b):
+    """``torch.matmul`` in the inputs' dtype (float32)."""
+    import torch
+
+    return torch.matmul(a, b)
+
+
+def _attention_f32(q, kt, v, mask, scale: float):
+    """:func:`_attention` in the inputs' dtype (float32): the output, then k (contiguous, not k^T) and
+    the log-sum-exp, which the backward reads with q, v and the output (no T x T probabilities)."""
+    from ._compat.torch import flash_attention_cpu
+
+    k = kt.transpose(-1, -2).contiguous()
+    out, lse = flash_attention_cpu()[0](q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    return out, k, lse
+
+
 def _sum_to(t, shape):
     """``t`` summed over the dims it was broadcast along to reach its shape from ``shape``."""
     lead = t.dim() - len(shape)
@@ -948,6 +972,12 @@ _OPS = {
         "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
         _matmul_backward,
     ),
+    "linear_f32": ("linear_f32(Tensor x, Tensor w, Tensor? b) -> Tensor", _linear_f32),
+    "matmul_f32": ("matmul_f32(Tensor a, Tensor b) -> Tensor", _matmul_f32),
+    "attention_f32": (
+        "attention_f32(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)",
+        _attention_f32,
+    ),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
@@ -966,7 +996,8 @@ DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::{op}" for op in ("linear", "m
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
 #: last argument, ``output_mask``, is filled from the gradients the graph uses
 #: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops; their backward
-#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``).
+#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``);
+#: that of the ``*_f32`` ops (float32, ``Options.gemm``) reads the forward's inputs (``I(0)``, ``I(1)``).
 TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
     f"{OPS_NAMESPACE}::linear": _grad(
         f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
@@ -979,6 +1010,18 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
         ["GO(0)", "O(1)", "O(2)", "O(3)", "O(4)", "O(5)", "I(3)", "I(4)"],
         ["GI(0)", "GI(1)", "GI(2)"],
         stop=[3, 4, 5],
+    ),
+    f"{OPS_NAMESPACE}::linear_f32": _grad(
+        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[]
+    ),
+    f"{OPS_NAMESPACE}::matmul_f32": _grad(
+        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)", "GI(1)"], stop=[]
+    ),
+    f"{OPS_NAMESPACE}::attention_f32": _grad(
+        f"{OPS_NAMESPACE}::attention_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4],
     ),
 }
 

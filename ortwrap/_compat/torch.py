@@ -318,6 +318,16 @@ def flash_attention_cpu() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 
 @functools.cache
+def cpu_is_intel() -> bool:
+    """Whether ``/proc/cpuinfo`` names an Intel CPU (MKL and oneDNN pick their kernels by vendor)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
+    except OSError:
+        return False
+
+
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX), as torch's kernels see it.
 

@@ -29,6 +29,12 @@ Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``:
 ``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as
 eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
 
+The same pass with ``dtype=FLOAT`` (``Options.gemm="torch"``, for CPUs where PyTorch's MKL/oneDNN
+float32 GEMMs beat ORT's MLAS: Intel) writes the ``*_f32`` ops on float32 MatMul/Gemm/attention:
+no dtype argument, no copies (the backward op reads the forward's inputs); only in graphs without
+bfloat16/float16 values (mixed-precision graphs follow ``Options.half_compute``); attention returns only
+the output, k and the log-sum-exp, so no T x T probabilities are kept for the backward.
+
 Why not bf16 values in the graph, with ``Cast`` nodes around the GEMM: a bf16 value read by two
 nodes (q, k and v projections of one input; ORT's common-subexpression elimination merges the
 Casts) gets its gradients summed in bf16, and ORT 1.19.2's CPU ``Sum`` has no bf16 kernel.
@@ -84,15 +90,22 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
     ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``, ``attention``).
     """
 
-    def __init__(self, with_backward: bool = True) -> None:
+    def __init__(self, with_backward: bool = True, dtype: ir.DataType = _BF16) -> None:
         super().__init__()
         self.with_backward = with_backward
+        self.dtype = dtype
         self.rewritten: dict[str, int] = {}
         self._dropped: list[ir.Node] = []
+
+    def _is(self, value: ir.Value | None) -> bool:
+        return value is not None and value.dtype == self.dtype
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten = {"linear": 0, "matmul": 0, "attention": 0}
         graph = model.graph
+        if self.dtype != _BF16 and _has_half_values(graph):
+            # a mixed-precision graph (autocast, a half model): its GEMMs follow ``half_compute``
+            return ir.passes.PassResult(model, modified=False)
         for node in list(graph):
             if node.op_type == "Softmax" and node.domain in _ONNX and node.graph is graph:
                 self._attention(graph, node)
@@ -101,7 +114,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
                 continue
             if node.domain not in _ONNX or node.op_type not in ("MatMul", "Gemm"):
                 continue
-            if not (_bf16(node.outputs[0]) and all(_bf16(v) for v in node.inputs[:2])):
+            if not (self._is(node.outputs[0]) and all(self._is(v) for v in node.inputs[:2])):
                 continue
             if node.op_type == "MatMul":
                 self._matmul(graph, node)
@@ -126,10 +139,10 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         users = list(out.uses())
         if len(users) == 1 and not out.is_graph_output():
             user = users[0][0]
-            if user.op_type == "Add" and user.domain in _ONNX and _bf16(user.outputs[0]):
+            if user.op_type == "Add" and user.domain in _ONNX and self._is(user.outputs[0]):
                 other = user.inputs[1] if user.inputs[0] is out else user.inputs[0]
                 n = b.shape[-1] if b.shape is not None else None
-                if _bf16(other) and other.shape is not None and len(other.shape) == 1 and other.shape[0] == n:
+                if self._is(other) and other.shape is not None and len(other.shape) == 1 and other.shape[0] == n:
                     bias, add = other, user
         self._replace(graph, node, LINEAR, [a, weight, bias], out if add is None else add.outputs[0], add)
 
@@ -137,7 +150,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         """``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)`` (the dynamo exporter's SDPA), all
         bf16 and of rank 4 -> ``ortwrap_ops::attention(q, k^T, v, mask, scale)``."""
         p = softmax.outputs[0]
-        if not _bf16(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
+        if not self._is(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
             return
         pv = _single_user(p)
         if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not p:
@@ -162,16 +175,19 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             return  # (a learned bias, T5's relative positions: its gradient goes through the scores)
         (q, c1, mul_q), (kt, c2, mul_k) = _scaled(qk.inputs[0]), _scaled(qk.inputs[1])
         operands = (q, kt, v, pv.outputs[0])
-        if not all(_bf16(x) and _rank(x) == 4 for x in operands):
+        if not all(self._is(x) and _rank(x) == 4 for x in operands):
             return
         scale = c1 * c2
         head = q.shape[-1]
         if isinstance(head, int) and abs(scale * math.sqrt(head) - 1) < 1e-2:
             scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
-        b = _Builder(graph, pv, self.with_backward)
+        b = _Builder(graph, pv, self.with_backward, self.dtype)
         scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
-        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6)
-        if self.with_backward:
+        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
+        if self.with_backward and self.dtype != _BF16:  # (out, k, lse)
+            node.outputs[1].shape = None
+            node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
+        elif self.with_backward:
             node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
             node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
@@ -185,7 +201,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             return
         a, b = node.inputs[0], node.inputs[1]
         c = node.inputs[2] if len(node.inputs) > 2 else None
-        if c is not None and (_float_attr(node, "beta", 1.0) != 1.0 or not _bf16(c) or _rank(c) != 1):
+        if c is not None and (_float_attr(node, "beta", 1.0) != 1.0 or not self._is(c) or _rank(c) != 1):
             return
         if _int_attr(node, "transB", 0):
             self._replace(graph, node, LINEAR, [a, b, c], node.outputs[0])
@@ -193,7 +209,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             self._replace(graph, node, MATMUL, [a, b], node.outputs[0])
 
     def _transposed_weight(self, graph: ir.Graph, node: ir.Node, b: ir.Value) -> ir.Value | None:
-        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to bf16), else None."""
+        """W where ``b`` is ``W^T`` of a rank-2 W (through a Cast to the pass's dtype), else None."""
         cast = _producer(b, "Cast")
         transpose = _producer(cast.inputs[0] if cast is not None else b, "Transpose")
         if transpose is None or _rank(b) != 2:
@@ -206,8 +222,8 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         if cast is None:
             return weight
         self._dropped.append(cast)
-        to_bf16 = ir.node("Cast", [weight], {"to": int(_BF16)}, name=f"{node.name}/ortwrap_weight_to_bf16")
-        to_bf16.outputs[0].dtype = _BF16
+        to_bf16 = ir.node("Cast", [weight], {"to": int(self.dtype)}, name=f"{node.name}/ortwrap_weight_cast")
+        to_bf16.outputs[0].dtype = self.dtype
         to_bf16.outputs[0].shape = weight.shape
         graph.insert_before(node, to_bf16)
         return to_bf16.outputs[0]
@@ -222,11 +238,17 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         add: ir.Node | None = None,
     ) -> None:
         # (A linear without bias keeps an empty third input: the dtype is its fourth.)
-        _Builder(graph, node, self.with_backward).aten(op, inputs, out, 3)
+        _Builder(graph, node, self.with_backward, self.dtype).aten(op, inputs, out, 3)
         if add is not None:
             graph.remove(add, safe=True)
         graph.remove(node, safe=True)
         self.rewritten["linear" if op == LINEAR else "matmul"] += 1
+
+
+def _has_half_values(graph: ir.Graph) -> bool:
+    half = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+    values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
+    return any(v.dtype in half for v in values)
 
 
 def _single_user(value: ir.Value) -> ir.Node | None:
@@ -271,8 +293,8 @@ def _scaled(value: ir.Value) -> tuple[ir.Value, float, ir.Node | None]:
 class _Builder:
     """Writes one of ortwrap's ATen GEMM nodes in place of ``node`` (inserted before it)."""
 
-    def __init__(self, graph: ir.Graph, node: ir.Node, with_backward: bool) -> None:
-        self.graph, self.node, self.with_backward = graph, node, with_backward
+    def __init__(self, graph: ir.Graph, node: ir.Node, with_backward: bool, dtype: ir.DataType = _BF16) -> None:
+        self.graph, self.node, self.with_backward, self.dtype = graph, node, with_backward, dtype
 
     def constant(self, value: np.ndarray, what: str) -> ir.Value:
         const = ir.node("Constant", [], {"value": ir.tensor(value)}, name=f"{self.node.name}/{what}")
@@ -285,19 +307,24 @@ class _Builder:
         training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
         operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
         name = out.name
-        dtype = self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")
+        if self.dtype == _BF16:
+            args = [*inputs, self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")]
+        else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
+            # in a linear or matmul (the backward reads the inputs)
+            op, args = f"{op}_f32", inputs
+            n_outputs = n_outputs if op == f"{ATTENTION}_f32" else 1
         aten = ir.node(
             "ATen",
-            [*inputs, dtype],
+            args,
             attributes={"operator": op, "overload_name": ""},
             domain=ATEN_DOMAIN,
             num_outputs=n_outputs if self.with_backward else 1,
-            name=f"{self.node.name}/ortwrap_bf16",
+            name=f"{self.node.name}/ortwrap_{'bf16' if self.dtype == _BF16 else 'torch'}",
         )
         self.graph.insert_before(self.node, aten)
         result = aten.outputs[0]
         result.dtype, result.shape = out.dtype, out.shape
-        for i, copy in enumerate(aten.outputs[1:]):
+        for i, copy in enumerate(aten.outputs[1:] if self.dtype == _BF16 else ()):
             operand = inputs[i] if i < len(inputs) and inputs[i] is not None else None
             copy.dtype, copy.shape = _BF16, operand.shape if operand is not None else None
             copy.name = f"{name}/ortwrap_saved_{i}"

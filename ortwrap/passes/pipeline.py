@@ -55,6 +55,7 @@ def default_passes(
     native_kernels: bool = False,
     fusions: bool = True,
     native_bf16: bool = False,
+    torch_gemm: bool = False,
 ) -> list[ir.passes.PassBase]:
     """The passes every export goes through, in order.
 
@@ -66,6 +67,8 @@ def default_passes(
         fusions: fuse GELU / LayerNorm / RMSNorm into single ops (``passes.fusions``).
         native_bf16: on CPU, run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (``passes.half_matmul``;
             ``Options.half_compute``).
+        torch_gemm: on CPU, run float32 MatMul/Gemm and attention as PyTorch's (the same pass in
+            float32; ``Options.gemm``).
     """
     passes: list[ir.passes.PassBase] = [
         AddPythonOpContextPass(),
@@ -79,6 +82,9 @@ def default_passes(
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
             passes.append(HalfMatMulOnCPUPass(with_backward=with_backward))
+        if torch_gemm:
+            # float32 GEMMs and attention as PyTorch's (before the next pass: only the graph's own float32 ones).
+            passes.append(HalfMatMulOnCPUPass(with_backward=with_backward, dtype=ir.DataType.FLOAT))
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())

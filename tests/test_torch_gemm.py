@@ -1,0 +1,145 @@
+"""``Options.gemm="torch"``: float32 MatMul/Gemm and attention run as PyTorch's GEMMs and CPU flash
+attention inside the graph (``passes/half_matmul.py`` with ``dtype=FLOAT``), each with its explicit
+backward op. Outputs and every parameter gradient match eager float32; ``gemm="ort"`` leaves the
+graph's MatMuls to ONNX Runtime."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from parity import EXPORTER, check_parity, seq_len
+from torch import nn
+
+from ortwrap import ORTWrap
+from ortwrap.options import Options
+
+pytestmark = pytest.mark.usefixtures("exporter")
+
+
+def torch_ops(w: ORTWrap) -> dict[str, int]:
+    """ATen nodes of ortwrap's float32 GEMM ops and their backward ops (and vjps) in the built graphs."""
+    counts: dict[str, int] = {}
+    for program in w.programs():
+        for node in program.graph.model().graph.node:
+            op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
+                key = op.rsplit("|", 1)[-1]
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def matmuls(w: ORTWrap) -> int:
+    return sum(n.op_type in ("MatMul", "Gemm", "FusedMatMul") for p in w.programs() for n in p.graph.model().graph.node)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 32, bias=False), nn.LayerNorm(32), nn.Linear(32, 5)
+    )
+
+
+def mlp_inputs(b, g):
+    return (torch.randn(b, 12, generator=g),), {}
+
+
+def test_mlp_torch_gemm():
+    w = check_parity(mlp, mlp_inputs, wrap_options={"gemm": "torch"})
+    counts = torch_ops(w)
+    assert counts.get("ortwrap_ops::linear_f32") == 3, counts
+    assert counts.get("ortwrap_ops::linear_backward") == 3, counts
+    assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
+    assert matmuls(w) == 0
+
+
+def test_mlp_ort_gemm_leaves_matmuls():
+    w = check_parity(mlp, mlp_inputs, wrap_options={"gemm": "ort"})
+    assert not torch_ops(w)
+    assert matmuls(w) > 0
+
+
+class MaskedGPT(nn.Module):
+    """Two pre-LN blocks with SDPA under a causal and padding mask, and a tied LM head."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(32, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d),
+                           "ln2": nn.LayerNorm(d), "fc": nn.Linear(d, 2 * d), "out": nn.Linear(2 * d, d)})
+            for _ in range(2)
+        )  # fmt: skip
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, ids, keep):
+        b, t = ids.shape
+        x = self.emb(ids) + self.pos(torch.arange(t, device=ids.device))
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        mask = causal[None, None] & keep[:, None, None, :].bool()
+        for blk in self.blocks:
+            h = blk["ln1"](x)
+            q, k, v = blk["qkv"](h).split(x.shape[-1], dim=-1)
+            q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + blk["proj"](a.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["out"](nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+        return self.ln(x) @ self.emb.weight.t()
+
+
+def gpt_inputs(b, g):
+    t = seq_len(b, 10)
+    ids = torch.randint(0, 40, (b, t), generator=g)
+    keep = torch.ones(b, t, dtype=torch.int64)
+    keep[0, t - 3 :] = 0  # padding at the end of one row (causal: no row fully masked)
+    return (ids, keep), {}
+
+
+def test_masked_gpt_torch_gemm():
+    """Every linear (tied head included) as the float32 linear op; under the dynamo exporter the
+    attention is PyTorch's flash attention (no T x T probabilities saved); several lengths."""
+    w = check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01)
+    counts = torch_ops(w)
+    assert counts.get("ortwrap_ops::linear_f32") == 9, counts
+    assert counts.get("ortwrap_ops::linear_backward") == 9, counts
+    assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
+    if EXPORTER == "dynamo":
+        assert counts.get("ortwrap_ops::attention_f32") == 2, counts
+        assert counts.get("ortwrap_ops::attention_backward") == 2, counts
+        assert matmuls(w) == 0
+    else:  # (the TorchScript exporter's SDPA: matmuls through the float32 matmul op)
+        assert counts.get("ortwrap_ops::matmul_f32", 0) >= 4, counts
+
+
+def test_masked_gpt_inference_torch_gemm():
+    """Under no_grad (inference graph: the ops return only their result), several lengths."""
+    from parity import EXPORTER as exporter
+
+    torch.manual_seed(0)
+    eager = MaskedGPT().eval()
+    w = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter, gemm="torch")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for b in (4, 7, 3):
+            args, _ = gpt_inputs(b, g)
+            torch.testing.assert_close(w(*args), eager(*args), atol=1e-4, rtol=1e-4)
+    assert torch_ops(w).get("ortwrap_ops::linear_f32") == 9
+
+
+def test_gemm_option(monkeypatch):
+    assert Options(gemm="torch").torch_gemm and not Options(gemm="ort").torch_gemm
+    monkeypatch.setenv("ORTWRAP_GEMM", "torch")
+    assert Options.resolve().gemm == "torch" and Options.resolve().torch_gemm
+    with pytest.raises(ValueError, match="gemm"):
+        Options(gemm="mkl")
+
+
+def test_auto_gemm_follows_the_cpu_vendor():
+    from ortwrap._compat.torch import cpu_is_intel
+
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert cpu_is_intel() == intel
+    assert Options(gemm="auto").torch_gemm == intel
