@@ -156,3 +156,16 @@ def check_parity(
     for (name, p_o), (_, p_e) in zip(ours.named_parameters(), eager.named_parameters()):
         assert_close(p_o.detach(), p_e.detach(), f"parameter {name} after training", atol * 10, rtol * 10)
     return wrapped
+
+
+def gemm_op_counts(w: ORTWrap) -> dict[str, int]:
+    """How many ATen nodes of each of ortwrap's GEMM/attention ops (bf16 and float32, their backward
+    ops) and of vjps the built graphs of ``w`` have."""
+    counts: dict[str, int] = {}
+    for program in w.programs():
+        for node in program.graph.model().graph.node:
+            op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
+            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
+                key = op.rsplit("|", 1)[-1]
+                counts[key] = counts.get(key, 0) + 1
+    return counts

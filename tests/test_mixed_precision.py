@@ -16,7 +16,7 @@ import sys
 import onnx
 import pytest
 import torch
-from parity import check_parity, seq_len
+from parity import check_parity, gemm_op_counts, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap
@@ -37,23 +37,10 @@ def autocast(dtype: torch.dtype):
     return lambda: torch.autocast("cpu", dtype=dtype)
 
 
-def bf16_gemms(w: ORTWrap) -> dict[str, int]:
-    """How many ATen nodes of each of ortwrap's bf16 GEMM ops (and their backward ops, and vjps)
-    the built training graphs have."""
-    counts: dict[str, int] = {}
-    for program in w.programs():
-        for node in program.graph.model().graph.node:
-            op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
-            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
-                key = op.rsplit("|", 1)[-1]
-                counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool = True) -> None:
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
     recompute); the float32 route has none."""
-    counts = bf16_gemms(w)
+    counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
         assert not counts and "HalfMatMulOnCPUPass" not in modified, counts

@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import copy
 
+import parity
 import pytest
 import torch
-from parity import EXPORTER, check_parity, seq_len
+from parity import check_parity, gemm_op_counts, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap
 from ortwrap.options import Options
 
 pytestmark = pytest.mark.usefixtures("exporter")
-
-
-def torch_ops(w: ORTWrap) -> dict[str, int]:
-    """ATen nodes of ortwrap's float32 GEMM ops and their backward ops (and vjps) in the built graphs."""
-    counts: dict[str, int] = {}
-    for program in w.programs():
-        for node in program.graph.model().graph.node:
-            op = next((a.s.decode() for a in node.attribute if a.name == "operator"), "")
-            if op.startswith(("ortwrap_ops::linear", "ortwrap_ops::matmul", "ortwrap_ops::attention", "ortwrap_vjp::")):
-                key = op.rsplit("|", 1)[-1]
-                counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def matmuls(w: ORTWrap) -> int:
@@ -46,7 +35,7 @@ def mlp_inputs(b, g):
 
 def test_mlp_torch_gemm():
     w = check_parity(mlp, mlp_inputs, wrap_options={"gemm": "torch"})
-    counts = torch_ops(w)
+    counts = gemm_op_counts(w)
     assert counts.get("ortwrap_ops::linear_f32") == 3, counts
     assert counts.get("ortwrap_ops::linear_backward") == 3, counts
     assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
@@ -55,7 +44,7 @@ def test_mlp_torch_gemm():
 
 def test_mlp_ort_gemm_leaves_matmuls():
     w = check_parity(mlp, mlp_inputs, wrap_options={"gemm": "ort"})
-    assert not torch_ops(w)
+    assert not gemm_op_counts(w)
     assert matmuls(w) > 0
 
 
@@ -97,20 +86,51 @@ def gpt_inputs(b, g):
     return (ids, keep), {}
 
 
+def _attention_is_flash(w: ORTWrap) -> None:
+    counts = gemm_op_counts(w)
+    assert counts.get("ortwrap_ops::attention_f32") == 2, counts
+    assert counts.get("ortwrap_ops::attention_backward") == 2, counts
+    assert matmuls(w) == 0
+
+
 def test_masked_gpt_torch_gemm():
-    """Every linear (tied head included) as the float32 linear op; under the dynamo exporter the
-    attention is PyTorch's flash attention (no T x T probabilities saved); several lengths."""
+    """Every linear (tied head included) as the float32 linear op; several lengths."""
     w = check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01)
-    counts = torch_ops(w)
+    counts = gemm_op_counts(w)
     assert counts.get("ortwrap_ops::linear_f32") == 9, counts
     assert counts.get("ortwrap_ops::linear_backward") == 9, counts
     assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
-    if EXPORTER == "dynamo":
-        assert counts.get("ortwrap_ops::attention_f32") == 2, counts
-        assert counts.get("ortwrap_ops::attention_backward") == 2, counts
-        assert matmuls(w) == 0
-    else:  # (the TorchScript exporter's SDPA: matmuls through the float32 matmul op)
+    if w.last_artifacts.exporter == "torchscript":  # (its SDPA: matmuls through the float32 matmul op)
         assert counts.get("ortwrap_ops::matmul_f32", 0) >= 4, counts
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the dynamo exporter's SDPA of MaskedGPT (causal + padding mask from an input) does not match "
+    "HalfMatMulOnCPUPass's attention pattern, so it runs as matmuls and keeps the T x T probabilities "
+    "(this assertion was dead code until 2026-11-25: it compared a stale module-level EXPORTER)",
+)
+def test_masked_gpt_attention_is_flash_attention_under_dynamo():
+    if parity.EXPORTER != "dynamo":
+        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
+    _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01))
+
+
+def test_causal_gpt_attention_is_flash_attention_under_dynamo():
+    """A causal-only SDPA (examples/tiny_gpt.py) under dynamo: PyTorch's flash attention, no matmuls."""
+    if parity.EXPORTER != "dynamo":
+        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    def inputs(b, g):
+        ids = torch.randint(0, 64, (b, seq_len(b, 12)), generator=g)
+        return (ids, ids), {}
+
+    w = check_parity(
+        lambda: TinyGPT(GPTConfig(vocab=64, d=32, heads=4, layers=2)), inputs,
+        wrap_options={"gemm": "torch"}, loss_fn=lambda out: out[0], lr=0.01,
+    )  # fmt: skip
+    _attention_is_flash(w)
 
 
 def test_masked_gpt_inference_torch_gemm():
@@ -125,7 +145,7 @@ def test_masked_gpt_inference_torch_gemm():
         for b in (4, 7, 3):
             args, _ = gpt_inputs(b, g)
             torch.testing.assert_close(w(*args), eager(*args), atol=1e-4, rtol=1e-4)
-    assert torch_ops(w).get("ortwrap_ops::linear_f32") == 9
+    assert gemm_op_counts(w).get("ortwrap_ops::linear_f32") == 9
 
 
 def test_gemm_option(monkeypatch):
