@@ -46,7 +46,8 @@ def report(title: str, times: dict[str, list[float]], baseline: str = "eager") -
     base = statistics.median(times[baseline])
     for name, ts in times.items():
         med = statistics.median(ts)
-        q1, q3 = statistics.quantiles(ts, n=4)[0], statistics.quantiles(ts, n=4)[2]
+        # quantiles() needs two points; one timing (--iters 1) has no spread.
+        q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (med, med, med)
         ratio = f"  ratio {name}/{baseline} = {med / base:.2f}x" if name != baseline else ""
         print(f"  {name:<28} median {med * 1e3:9.3f} ms  (IQR {q1 * 1e3:.3f}-{q3 * 1e3:.3f}){ratio}")
 

@@ -304,27 +304,40 @@ def _reduce(name: str) -> Callable:
     return args
 
 
-def _conv_transpose(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+def _symmetric_pads(node: Any, rank: int, what: str, refused: tuple[str, ...] = ()) -> list[int]:
+    """The per-axis padding of a pooling/convolution ``node`` whose pads are explicit and symmetric.
+
+    PyTorch's ops take one pad per spatial axis; ONNX's begin/end pads and ``auto_pad`` have no such form,
+    so those (and the ``refused`` attributes, when set) raise a PassError naming the node and ``what`` it is."""
     from .errors import PassError
+
+    set_attrs = [a for a in refused if _attr(node, a, 0)]
+    if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        set_attrs.insert(0, "auto_pad")
+    if set_attrs:
+        raise PassError(
+            f"node {node.name!r}: {what} with {' or '.join(set_attrs)} cannot be trained here; "
+            "export it with explicit padding (torch.nn's modules do)"
+        )
+    pads = list(_attr(node, "pads", [0] * (2 * rank)))
+    if pads[:rank] != pads[rank:]:
+        raise PassError(f"node {node.name!r}: {what} with asymmetric pads {pads} cannot be trained here")
+    return pads[:rank]
+
+
+def _conv_transpose(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
 
     x = node.inputs[0]
     rank = len(x.shape) - 2 if x.shape is not None else None
     if rank is None:
         return None
-    if _attr(node, "auto_pad", "NOTSET") != "NOTSET" or node.attributes.get("output_shape"):
-        raise PassError(
-            f"node {node.name!r}: ConvTranspose with auto_pad or output_shape cannot be trained on this device; "
-            "export it with explicit padding (nn.ConvTranspose*d does)"
-        )
-    pads = _attr(node, "pads", [0] * (2 * rank))
-    if list(pads[:rank]) != list(pads[rank:]):
-        raise PassError(f"node {node.name!r}: ConvTranspose with asymmetric pads {pads} is not supported")
+    pads = _symmetric_pads(node, rank, "ConvTranspose", refused=("output_shape",))
     return [
         value(0),
         value(1),
         value(2) if len(node.inputs) > 2 else None,
         list(_attr(node, "strides", [1] * rank)),
-        list(pads[:rank]),
+        pads,
         list(_attr(node, "dilations", [1] * rank)),
         True,
         list(_attr(node, "output_padding", [0] * rank)),
@@ -401,18 +414,14 @@ def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
 
     k = list(_attr(node, "kernel_shape", []))
     nd = len(k)
-    if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
-        raise PassError(f"node {node.name!r}: AveragePool with auto_pad is not supported")
-    pads = list(_attr(node, "pads", [0] * (2 * nd)))
-    if pads[:nd] != pads[nd:]:
-        raise PassError(f"node {node.name!r}: AveragePool with asymmetric pads {pads} is not supported")
+    pads = _symmetric_pads(node, nd, "AveragePool")
     if any(d != 1 for d in _attr(node, "dilations", [1] * nd)):
         raise PassError(f"node {node.name!r}: AveragePool with dilations is not supported")
     args = [
         value(0),
         k,
         list(_attr(node, "strides", [1] * nd)),
-        pads[:nd],
+        pads,
         bool(_attr(node, "ceil_mode", 0)),
         bool(_attr(node, "count_include_pad", 0)),
     ]
@@ -594,23 +603,18 @@ def _layer_norm(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
 
 
 def _conv(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from .errors import PassError
 
     x = node.inputs[0]
     rank = len(x.shape) - 2 if x.shape is not None else None
     if rank is None:
         return None
-    if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
-        raise PassError(f"node {node.name!r}: a float64 Conv with auto_pad cannot be trained (explicit pads can)")
-    pads = list(_attr(node, "pads", [0] * (2 * rank)))
-    if pads[:rank] != pads[rank:]:
-        raise PassError(f"node {node.name!r}: a float64 Conv with asymmetric pads {pads} cannot be trained")
+    pads = _symmetric_pads(node, rank, "a float64 Conv")
     return [
         value(0),
         value(1),
         value(2) if len(node.inputs) > 2 else None,
         list(_attr(node, "strides", [1] * rank)),
-        pads[:rank],
+        pads,
         list(_attr(node, "dilations", [1] * rank)),
         False,
         [0] * rank,
@@ -625,16 +629,12 @@ def _max_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
     nd = len(k)
     if len(node.outputs) > 1 and node.outputs[1].uses():
         raise PassError(f"node {node.name!r}: a float64 MaxPool whose indices are read cannot be trained")
-    if _attr(node, "auto_pad", "NOTSET") != "NOTSET" or _attr(node, "storage_order", 0):
-        raise PassError(f"node {node.name!r}: a float64 MaxPool with auto_pad or storage_order cannot be trained")
-    pads = list(_attr(node, "pads", [0] * (2 * nd)))
-    if pads[:nd] != pads[nd:]:
-        raise PassError(f"node {node.name!r}: a float64 MaxPool with asymmetric pads {pads} cannot be trained")
+    pads = _symmetric_pads(node, nd, "a float64 MaxPool", refused=("storage_order",))
     return [
         value(0),
         k,
         list(_attr(node, "strides", [1] * nd)),
-        pads[:nd],
+        pads,
         list(_attr(node, "dilations", [1] * nd)),
         bool(_attr(node, "ceil_mode", 0)),
     ]
