@@ -78,6 +78,19 @@ class UnsupportedOutputError(ExportError, TypeError):
     phase = "outputs"
 
 
+def output_error_in(e: BaseException) -> UnsupportedOutputError | None:
+    """The UnsupportedOutputError that ``e`` is or wraps (through ``__cause__``/``__context__``), if any:
+    an exporter that reports it as its own failure would hide that no exporter can take those outputs."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, UnsupportedOutputError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 class UnsupportedFunctionError(ORTWrapError, TypeError):
     """A torch.autograd.Function in the module cannot run inside ONNX Runtime (non-tensor outputs)."""
 

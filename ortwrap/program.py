@@ -28,7 +28,7 @@ from ._logging import logger
 from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN, infer_types
-from .errors import ExportError, GradientBuildError, PassError, UnsupportedInputError
+from .errors import ExportError, GradientBuildError, PassError, UnsupportedInputError, UnsupportedOutputError
 from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
@@ -380,6 +380,9 @@ def _export(
                 values = run_stages(stages, {"request": request, "static_spatial": True}, records=records, **debug)
                 exported = values["exported"]
                 exports += 1
+        except UnsupportedOutputError:
+            # The module's outputs, not the exporter, are the problem: every exporter would refuse them.
+            raise
         except ExportError as e:
             errors.append((name, e))
             if i + 1 < len(exporters):

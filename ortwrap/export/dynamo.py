@@ -37,7 +37,7 @@ from torch import nn
 
 from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
-from ..errors import ExportError
+from ..errors import ExportError, output_error_in
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .model import ExportedModel
@@ -185,7 +185,7 @@ def capture_dynamo(
             # A constraint torch.export cannot prove on a dynamic non-batch dim (a UNet's
             # ``Eq(x - 4*((x/2)//2), 0) cannot be solved`` for its image size): capture again with
             # those dims static, as TorchScript does; the program is then kept per non-batch shape.
-            if static_spatial or all(t.dim() <= 1 for t in flat_inputs):
+            if static_spatial or all(t.dim() <= 1 for t in flat_inputs) or output_error_in(first):
                 raise
             try:
                 program, bridge = export(True)
@@ -196,6 +196,8 @@ def capture_dynamo(
             static_reasons.append(f"torch.export failed with dynamic non-batch dims ({type(first).__name__}: {reason})")
             _log.info("dynamo: %s; captured with static non-batch dims", static_reasons[-1])
     except Exception as e:
+        if (outputs := output_error_in(e)) is not None:
+            raise outputs from None
         raise _export_error("torch.export.export", type(module).__name__, e) from e
     finally:
         module.train(was_training)

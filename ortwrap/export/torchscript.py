@@ -23,7 +23,7 @@ from torch import nn
 
 from .._compat import torch as compat
 from ..bridge.symbolic import export_scope
-from ..errors import ExportError
+from ..errors import ExportError, output_error_in
 from ..integrations.distributed import collective_stubs
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .model import ExportedModel
@@ -133,6 +133,8 @@ def capture_torchscript(
                 operator_export_type=torch.onnx.OperatorExportTypes.ONNX_ATEN_FALLBACK,
             )
     except Exception as e:
+        if (outputs := output_error_in(e)) is not None:
+            raise outputs from None
         text = str(e)
         if len(text) > 500:  # the exporter appends whole graphs; the chained cause keeps them
             text = text[:500] + " ... (full message in the chained exception)"
