@@ -440,7 +440,7 @@ def _axes_input(node: Any, index: int) -> list[int] | None:
 
 
 def _reduce_to(kind: str) -> Callable:
-    """ReduceProd/ReduceL1/ReduceSumSquare/ReduceLogSum -> ``ortwrap_ops::reduce(x, kind, dims, keepdim)``."""
+    """ReduceProd/ReduceL1/ReduceL2/ReduceSumSquare/ReduceLogSum -> ``ortwrap_ops::reduce(x, kind, dims, keepdim)``."""
 
     def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
         axes = _axes_input(node, 1)
@@ -554,6 +554,8 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         OnnxViaTorch("ReduceL1", "ortwrap_ops::reduce", _reduce_to("l1")),
         OnnxViaTorch("ReduceSumSquare", "ortwrap_ops::reduce", _reduce_to("sum_square")),
         OnnxViaTorch("ReduceLogSum", "ortwrap_ops::reduce", _reduce_to("log_sum")),
+        # ORT 1.19.2's ReduceL2 gradient builds an invalid graph (a one-input Unsqueeze) at opset >= 13.
+        OnnxViaTorch("ReduceL2", "ortwrap_ops::reduce", _reduce_to("l2")),
         OnnxViaTorch("Mod", "fmod.Tensor", _mod),
         OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
         OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
@@ -772,6 +774,8 @@ def _reduce_impl(x, kind: str, dims: list[int], keepdim: bool):
         return x if keepdim else x.squeeze(dims) if dims else x
     if kind == "l1":
         return torch.linalg.vector_norm(x, 1, dims, keepdim)
+    if kind == "l2":
+        return torch.linalg.vector_norm(x, 2, dims, keepdim)
     if kind == "sum_square":
         return (x * x).sum(dims, keepdim)
     if kind == "log_sum":
