@@ -165,7 +165,9 @@ ELEMENTWISE = {
 }
 
 
-@pytest.mark.parametrize("name", cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype", "l2_norm"}))
+@pytest.mark.parametrize(
+    "name", cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype", "l2_norm"})
+)
 def test_elementwise(name, exporter):
     check_parity(lambda: Pre(Fn(ELEMENTWISE[name])), seq)
 
