@@ -153,6 +153,8 @@ ELEMENTWISE = {
     "cummax": lambda x: torch.cummax(x, 1).values,
     "flip_maximum_atan2": lambda x: torch.maximum(x, x.flip(-1)) + torch.atan2(x, x.flip(1)),
     "prod": lambda x: x.prod(-1, keepdim=True) + x,
+    # TorchScript's unfold symbolic placed the window axis wrong for a negative dim (wrong forward)
+    "unfold_negative_dim": lambda x: x.unfold(-1, 4, 2).sum(-1).repeat(1, 1, 3)[..., :8] * x,
     "l1_norm": lambda x: x.norm(p=1, dim=-1, keepdim=True) + x,
     # norm(dim) exports as ReduceL2, whose ORT gradient without keepdims is an invalid graph at opset >= 13
     "l2_norm": lambda x: F.normalize(x, dim=-1) * torch.linalg.vector_norm(x, dim=1).unsqueeze(1),
@@ -166,7 +168,8 @@ ELEMENTWISE = {
 
 
 @pytest.mark.parametrize(
-    "name", cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype", "l2_norm"})
+    "name",
+    cases(ELEMENTWISE, {"flip_maximum_atan2", "reflection_pad", "softmax_dtype", "l2_norm", "unfold_negative_dim"}),
 )
 def test_elementwise(name, exporter):
     check_parity(lambda: Pre(Fn(ELEMENTWISE[name])), seq)

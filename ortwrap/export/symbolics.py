@@ -346,6 +346,21 @@ def _multinomial(default: Callable) -> Callable:
     return symbolic
 
 
+def _unfold(default: Callable) -> Callable:
+    """``unfold(dim, size, step)`` with a negative ``dim``: torch's symbolic unsqueezes each window at
+    ``dim`` *after* adding the window axis, so ``x.unfold(-1, 4, 2)`` of ``[B, T, 8]`` comes out
+    ``[B, T, 4, 3]`` instead of ``[B, T, 3, 4]``: a silently wrong forward. The dim is made
+    non-negative first (the rank is known wherever torch's symbolic can export it)."""
+
+    def symbolic(g, input, dimension, size, step):
+        d, rank = compat.ts_constant(dimension, "i"), compat.ts_rank(input)
+        if isinstance(d, int) and d < 0 and rank is not None:
+            dimension = d + rank
+        return default(g, input, dimension, size, step)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
@@ -385,6 +400,9 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
     default_multinomial = compat.ts_symbolic("aten::multinomial", opset)
     if default_multinomial is not None:
         symbolics["aten::multinomial"] = _multinomial(default_multinomial)
+    default_unfold = compat.ts_symbolic("aten::unfold", opset)
+    if default_unfold is not None:
+        symbolics["aten::unfold"] = _unfold(default_unfold)
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)
