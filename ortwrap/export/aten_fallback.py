@@ -107,6 +107,28 @@ def _is_fx_node(value: Any) -> bool:
     return isinstance(value, torch.fx.Node)
 
 
+def _runnable_op(qualified: str, overload: str) -> tuple[str, str]:
+    """The (operator, overload) an ATen node runs for the op ``qualified`` (``ns::name``): aten ops by
+    bare name, other namespaces kept. A ``prims`` op (left by a decomposition: ``erfinv`` becomes
+    ``prims.erf_inv``) has no autograd formula, so its aten twin of the same arguments runs instead.
+
+    Raises:
+        NotImplementedError: a prims op without an aten twin (it could not be differentiated)."""
+    ns, _, name = qualified.partition("::")
+    if ns == "aten":
+        return name, overload
+    if ns != "prims":
+        return qualified, overload
+    for twin in dict.fromkeys((name, name.replace("_", ""))):
+        packet = getattr(torch.ops.aten, twin, None)
+        if packet is not None and "default" in packet.overloads():
+            if [a.name for a in compat.op_schema(packet.default).arguments] == [
+                a.name for a in compat.op_schema(getattr(torch.ops.prims, name).default).arguments
+            ]:
+                return twin, ""
+    raise NotImplementedError(f"prims.{name} (left by a decomposition) has no autograd formula and no aten twin")
+
+
 def _make_translation(target: Any, records: collections.deque, scope: Any) -> Callable[..., Any]:
     """The translation of ``target``: consumes one record (the FX node's own arguments) per call,
     in graph order, and writes the placeholder node."""
@@ -141,7 +163,8 @@ def _make_translation(target: Any, records: collections.deque, scope: Any) -> Ca
         n_out = len(schema.returns)
         if any(_kind(r.type).startswith("list:") for r in schema.returns):
             raise NotImplementedError(f"aten.{name}: an op returning a list of tensors cannot run as an ATen node")
-        scope.aten_calls[call_id] = AtenCall(schema.name.split("::", 1)[-1], overload, absent)
+        operator, op_overload = _runnable_op(schema.name, overload)
+        scope.aten_calls[call_id] = AtenCall(operator, op_overload, absent)
         placeholder = getattr(onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1), placeholder_schema(n_out))
         outs = placeholder(*[x for x in inputs if x is not None], call_id=call_id)
         return outs
