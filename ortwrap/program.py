@@ -476,6 +476,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         if any(n.domain == ATEN_DOMAIN for n in pre_grad.graph.node):
             aten.install()
             aten.declare_output_types(pre_grad)
+            aten.mark_bool_inputs(pre_grad)
             if with_backward:
                 try:
                     aten.register_gradients(pre_grad)

@@ -157,6 +157,8 @@ ELEMENTWISE = {
     "unfold_negative_dim": lambda x: x.unfold(-1, 4, 2).sum(-1).repeat(1, 1, 3)[..., :8] * x,
     # dynamo decomposes erfinv into prims.erf_inv, which has no autograd formula (aten.erfinv runs)
     "erfinv": lambda x: torch.erfinv(_bounded(x)),
+    # an ATen node under dynamo: its bool mask crossed ORT's DLPack as uint8 (the op refused it)
+    "masked_select": lambda x: x.masked_select(x > 0).sum() * x + x.masked_select(x.flip(-1) < 0.5).mean(),
     "l1_norm": lambda x: x.norm(p=1, dim=-1, keepdim=True) + x,
     # norm(dim) exports as ReduceL2, whose ORT gradient without keepdims is an invalid graph at opset >= 13
     "l2_norm": lambda x: F.normalize(x, dim=-1) * torch.linalg.vector_norm(x, dim=1).unsqueeze(1),
@@ -173,7 +175,15 @@ ELEMENTWISE = {
     "name",
     cases(
         ELEMENTWISE,
-        {"flip_maximum_atan2", "reflection_pad", "softmax_dtype", "l2_norm", "unfold_negative_dim", "erfinv"},
+        {
+            "flip_maximum_atan2",
+            "reflection_pad",
+            "softmax_dtype",
+            "l2_norm",
+            "unfold_negative_dim",
+            "erfinv",
+            "masked_select",
+        },
     ),
 )
 def test_elementwise(name, exporter):

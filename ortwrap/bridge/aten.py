@@ -156,6 +156,7 @@ _plans: dict[tuple[str, str], _Plan] = {}
 
 def resolve(op: str, overload: str) -> _Plan:
     """The plan for ``op`` (``name`` = ``aten::name``, or ``ns::name``) and its overload."""
+    overload = overload.partition(BOOL_MARK)[0]
     key = (op, overload)
     plan = _plans.get(key)
     if plan is None:
@@ -217,6 +218,63 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
+def _restore_bools(op: str, overload: str, tensors: list, n_out: int) -> list:
+    """The bool inputs ``BOOL_MARK`` names, as bool again: ORT's DLPack hands bool tensors over as
+    uint8, which ops that take masks (``masked_select``, ``masked_fill``, ``where``) refuse. In a vjp
+    node the forward inputs come after the output gradients."""
+    positions = [int(i) for i in overload.partition(BOOL_MARK)[2].split(",") if i]
+    offset = 0
+    if op.startswith(VJP_PREFIX):
+        name = _split_used(op[len(VJP_PREFIX) :])[0]
+        if name.startswith(OUTS_MARK):
+            offset = int(name[len(OUTS_MARK) :].partition("|")[0])
+        else:
+            offset = resolve(name, overload).n_returns
+    tensors = list(tensors)
+    for i in positions:
+        t = tensors[offset + i] if offset + i < len(tensors) else None
+        if t is not None and t.dtype is torch.uint8:
+            tensors[offset + i] = t.view(torch.bool)
+    return tensors
+
+
+def mark_bool_inputs(model: onnx.ModelProto) -> None:
+    """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``BOOL_MARK``), so the
+    executor can give the op bool tensors again (see :func:`_restore_bools`). A node whose gradient
+    is an explicit backward op, or ortwrap's own kernels, is left alone."""
+    from ..registry import TORCH_OP_GRADIENTS
+
+    elem = {}
+    for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        if v.type.tensor_type.elem_type:
+            elem[v.name] = v.type.tensor_type.elem_type
+    for t in model.graph.initializer:
+        elem[t.name] = t.data_type
+    for node in model.graph.node:
+        if node.op_type == "Constant" and not node.domain:
+            for a in node.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    elem[node.output[0]] = a.t.data_type
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        op = attrs["operator"].s.decode()
+        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in TORCH_OP_GRADIENTS or op in OWN_GRADIENT_OPS:
+            continue
+        bools = [str(i) for i, name in enumerate(node.input) if name and elem.get(name) == onnx.TensorProto.BOOL]
+        if not bools:
+            continue
+        overload = attrs["overload_name"].s.decode() if "overload_name" in attrs else ""
+        if BOOL_MARK in overload:
+            continue
+        marked = f"{overload}{BOOL_MARK}{','.join(bools)}"
+        if "overload_name" in attrs:
+            attrs["overload_name"].s = marked.encode()
+        else:
+            node.attribute.append(onnx.helper.make_attribute("overload_name", marked))
+
+
 def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = None) -> list:
     """PyTorch's backward of ``op``: inputs are the output gradients (one per output of the forward
     node: ``outs=N|op`` when it has fewer than the op returns), then the forward inputs."""
@@ -263,6 +321,8 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
         if op.startswith(NATIVE_PREFIX):
             raise RuntimeError(f"{op}: ortwrap's CPU kernels are not loaded in this process")
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
+        if BOOL_MARK in overload:
+            tensors = _restore_bools(op, overload, tensors, n_out)
         if op.startswith(VJP_PREFIX):
             name, used = _split_used(op[len(VJP_PREFIX) :])
             grads = _vjp(name, overload, tensors, n_out, used)
@@ -561,6 +621,8 @@ def _slice_signature(model: onnx.ModelProto) -> tuple:
 
 
 USED_MARK = "used="
+#: suffix of an ATen node's ``overload_name`` listing its bool tensor inputs (``mark_bool_inputs``)
+BOOL_MARK = "@bool="
 #: ``ortwrap_vjp::outs=N|op``: the forward node has N outputs, fewer than ``op`` returns.
 OUTS_MARK = "outs="
 
