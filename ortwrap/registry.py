@@ -739,6 +739,11 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
     ),
     AtenViaTorch("threshold", ("torchscript",), "torch writes an org.pytorch.aten::threshold op ORT cannot load"),
     AtenViaTorch("diagonal", ("torchscript",), "torch's symbolic writes an If node, which ORT cannot differentiate"),
+    AtenViaTorch(
+        "cdist",
+        ("torchscript",),
+        "torch's symbolic is Sqrt of summed squares: its gradient is NaN at a zero distance (eager's is 0)",
+    ),
 )
 
 

@@ -159,6 +159,10 @@ ELEMENTWISE = {
     "erfinv": lambda x: torch.erfinv(_bounded(x)),
     # an ATen node under dynamo: its bool mask crossed ORT's DLPack as uint8 (the op refused it)
     "masked_select": lambda x: x.masked_select(x > 0).sum() * x + x.masked_select(x.flip(-1) < 0.5).mean(),
+    # zero distances (each row with itself): TorchScript's Sqrt form had NaN gradients there
+    "cdist": lambda x: (
+        torch.cdist(x, x).sum(-1, keepdim=True) * x + torch.cdist(x, x.flip(1), p=1).mean(-1, keepdim=True)
+    ),
     "l1_norm": lambda x: x.norm(p=1, dim=-1, keepdim=True) + x,
     # norm(dim) exports as ReduceL2, whose ORT gradient without keepdims is an invalid graph at opset >= 13
     "l2_norm": lambda x: F.normalize(x, dim=-1) * torch.linalg.vector_norm(x, dim=1).unsqueeze(1),

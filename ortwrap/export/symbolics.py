@@ -27,8 +27,11 @@ softmax, log_softmax           with ``dtype=``, torch's symbolic casts the resul
 squeeze (training graphs)      of a dim whose size ONNX lost (``LocalResponseNorm``'s, after a
                                computed ``Pad``): torch writes an ``If``; ortwrap an ATen node
                                ``ortwrap_ops::squeeze_ones`` where the traced call squeezed.
-``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal: torch's ONNX form is
-                               wrong or untrainable; ATen nodes (PyTorch's kernel and autograd).
+``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
+                               forward); the dim is made non-negative first.
+``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist: torch's ONNX
+                               form is wrong or untrainable (cdist: NaN gradient at distance 0);
+                               ATen nodes (PyTorch's kernel and autograd).
 =============================  =================================================================
 """
 
