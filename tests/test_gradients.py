@@ -134,6 +134,22 @@ def test_conv_transpose(name):
     check_parity(lambda: ConvThen(make(), dims=dims, c=c), img(dims, hw=4))
 
 
+SAME_PADDING = {
+    # TorchScript writes padding="same" as auto_pad=SAME_UPPER: ORT's ConvGrad ignored it (an even
+    # kernel's uneven padding gave wrong gradients) and its Conv refused it with a dilation.
+    "2d_even_kernel": (lambda: nn.Conv2d(4, 4, 4, padding="same"), 2),
+    "2d_dilation": (lambda: nn.Conv2d(4, 4, 3, padding="same", dilation=2), 2),
+    "1d_even_kernel_dilation": (lambda: nn.Conv1d(4, 4, 2, padding="same", dilation=3), 1),
+    "3d_mixed_kernel": (lambda: nn.Conv3d(4, 4, (2, 3, 4), padding="same"), 3),
+}
+
+
+@pytest.mark.parametrize("name", cases(SAME_PADDING, {"2d_even_kernel", "1d_even_kernel_dilation"}))
+def test_conv_same_padding(name, exporter):
+    make, dims = SAME_PADDING[name]
+    check_parity(lambda: ConvThen(make(), dims=dims), img(dims, hw=5))
+
+
 @pytest.mark.slow
 def test_diagonal():
     check_parity(

@@ -15,6 +15,7 @@ from .avgpool_to_conv import AveragePoolToConvPass
 from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .bidirectional_rnn import BidirectionalRNNPass
 from .control_flow import RefuseControlFlowPass
+from .conv_pads import ExplicitConvPadsPass
 from .double_precision import DoublePrecisionOnCPUPass
 from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
@@ -77,6 +78,8 @@ def default_passes(
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
+        # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
+        ExplicitConvPadsPass(),
     ]
     if device_type == "cpu":
         if native_bf16:
