@@ -409,6 +409,21 @@ def _resize(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
     return [x, size, factors] if align is None else [x, size, align, factors]
 
 
+_GRID_MODES = {"bilinear": 0, "linear": 0, "nearest": 1, "bicubic": 2, "cubic": 2}
+_GRID_PADDING = {"zeros": 0, "border": 1, "reflection": 2}
+
+
+def _grid_sample(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """GridSample (opset 16's and 20's mode names) -> ``grid_sampler(x, grid, mode, padding, align)``."""
+    mode = _GRID_MODES.get(
+        str(_attr(node, "mode", "bilinear" if node.version is None or node.version < 20 else "linear"))
+    )
+    padding = _GRID_PADDING.get(str(_attr(node, "padding_mode", "zeros")))
+    if mode is None or padding is None:
+        return None
+    return [value(0), value(1), mode, padding, bool(_attr(node, "align_corners", 0))]
+
+
 def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     from .errors import PassError
 
@@ -571,6 +586,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         ),
         # After ResizeToMatMulPass (4-D, static H and W, constant scales or sizes: a faster form).
         OnnxViaTorch("Resize", "upsample", _resize, devices=("cpu",), why="no ResizeGrad kernel on CPU in ORT 1.19.2"),
+        OnnxViaTorch("GridSample", "grid_sampler", _grid_sample),
         # After AveragePoolToConvPass (what it leaves: ceil_mode, a channel count not static).
         OnnxViaTorch(
             "AveragePool",

@@ -150,6 +150,35 @@ def test_conv_same_padding(name, exporter):
     check_parity(lambda: ConvThen(make(), dims=dims), img(dims, hw=5))
 
 
+class Warp(nn.Module):
+    """grid_sample of a conv's map at a grid computed from it (gradients into both)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.kw = kw
+
+    def forward(self, x):
+        y = self.c(x)
+        grid = torch.tanh(y[:, :2].permute(0, 2, 3, 1)) * 1.2  # some points outside [-1, 1]
+        return F.grid_sample(y, grid, **self.kw)
+
+
+GRID_SAMPLE = {
+    "bilinear_zeros": {},
+    "nearest_border_align": {"mode": "nearest", "padding_mode": "border", "align_corners": True},
+    "bicubic_reflection": {"mode": "bicubic", "padding_mode": "reflection", "align_corners": False},
+}
+
+
+@pytest.mark.parametrize("name", cases(GRID_SAMPLE, {"bilinear_zeros", "bicubic_reflection"}))
+def test_grid_sample(name, exporter):
+    # ORT 1.19.2 has no GridSample gradient: PyTorch's grid_sampler runs it. A small learning rate:
+    # the interpolation has kinks at pixel borders, and a large step moves sample points across them
+    # on one side and not the other (differences of rounding, amplified).
+    check_parity(lambda: Warp(**GRID_SAMPLE[name]), img(2, hw=5), lr=1e-3)
+
+
 @pytest.mark.slow
 def test_diagonal():
     check_parity(
