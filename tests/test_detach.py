@@ -70,3 +70,55 @@ def test_detach_in_an_inference_graph_costs_nothing(exporter):
         torch.testing.assert_close(w(x), model(x))
     built = onnx.load_from_string(w.last_artifacts.graph.model_bytes)
     assert not [n for n in built.graph.node if n.op_type == "ATen" or n.domain == "ortwrap"]
+
+
+class NoGradInside(nn.Module):
+    """``torch.no_grad()`` / ``set_grad_enabled(False)`` inside forward: eager's gradient stops at
+    what the block computes from values that need grad. Gradients differ by O(1) if it flows."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.l1 = nn.Linear(4, 6)
+        self.l2 = nn.Linear(6, 3)
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, x):
+        h = self.l1(x)
+        if self.how == "scale":
+            with torch.no_grad():
+                scale = h.abs().mean(-1, keepdim=True) + 1  # a statistic used as a constant
+            h = h / scale
+        elif self.how == "set_grad_enabled":
+            with torch.set_grad_enabled(False):
+                gate = torch.sigmoid(h * 3)
+            h = torch.tanh(h) * gate + h
+        elif self.how == "buffer":
+            with torch.no_grad():  # a running statistic updated in place, then read
+                self.running.mul_(0.9).add_(h.mean(0), alpha=0.1)
+            h = h - self.running
+        elif self.how == "nested":
+            with torch.no_grad():
+                t = h * 2
+                with torch.enable_grad():
+                    u = t + self.l1.bias.sum()  # grad on again: reaches the bias, not h
+            h = h * u
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("how", ["scale", "set_grad_enabled", "buffer", "nested"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_no_grad_inside_forward_stops_the_gradient_like_eager(exporter, how):
+    check_parity(lambda: NoGradInside(how), _inputs, wrap_options={"exporter": exporter})
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_spectral_norm_trains_like_eager(exporter):
+    # power iteration under no_grad (out= ops, in-place u/v updates), then a dot product of vectors
+    from torch.nn.utils import parametrizations
+
+    def make():
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), parametrizations.spectral_norm(nn.Linear(6, 3)))
+
+    w = check_parity(make, _inputs, wrap_options={"exporter": exporter})
+    assert w.fallback_reason is None

@@ -769,7 +769,11 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             plan = resolve(op, overload)
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            if op in NO_GRADIENT_OPS:
+            # An ``out=`` overload (``div.out``: spectral_norm's power iteration, run under no_grad in
+            # eager, which refuses out= with inputs that need grad): no gradient flows through it.
+            if op in NO_GRADIENT_OPS or any(
+                a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in schema_args
+            ):
                 stop = set(range(n_in))
             register_gradient(
                 op,

@@ -21,6 +21,7 @@ from torch import nn
 from .. import _tree
 from ..errors import ExportError, UnsupportedOutputError
 from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from .grad_mode import no_grad_boundaries
 from .model import ExportedModel
 
 #: Graph names of the module's parameters and buffers start with this (the adapter's attribute).
@@ -65,7 +66,7 @@ class Adapter(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = _tree.unflatten(self._in_spec, flat)
-        with autocast_contexts(self._autocast):
+        with autocast_contexts(self._autocast), no_grad_boundaries():
             out = self.module(*args, **kwargs)
         leaves: list[torch.Tensor] = []
         holding: list[str] = []  # opaque outputs that hold tensors

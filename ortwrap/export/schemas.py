@@ -20,7 +20,9 @@ _registered = False
 
 
 def _identity_inference(ctx) -> None:
-    ctx.set_output_type(0, ctx.get_input_type(0))
+    t = ctx.get_input_type(0)
+    if t is not None:  # unknown (an ATen node's output): left unknown
+        ctx.set_output_type(0, t)
 
 
 def register_schemas() -> None:

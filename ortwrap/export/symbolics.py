@@ -78,7 +78,9 @@ def _detach(g, self):
     from .schemas import register_schemas
 
     register_schemas()
-    return g.op(f"{ORTWRAP_DOMAIN}::StopGradient", self)
+    out = g.op(f"{ORTWRAP_DOMAIN}::StopGradient", self)
+    out.setType(self.type())  # the input's type: torch's shape inference does not know the op
+    return out
 
 
 def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, label_smoothing):

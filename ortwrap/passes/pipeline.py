@@ -37,6 +37,7 @@ from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
 from .torch_gradients import TorchGradientsPass
+from .vector_matmul import VectorMatMulPass
 from .where_broadcast import WhereBroadcastPass
 
 
@@ -103,6 +104,7 @@ def default_passes(
             DecomposeNLLLossPass(),
             DecomposeInstanceNormPass(),
             EinsumToMatMulPass(),
+            VectorMatMulPass(),  # after EinsumToMatMulPass, which may write vector products
             AveragePoolToConvPass(),
             ResizeToMatMulPass(),
             BidirectionalRNNPass(),
