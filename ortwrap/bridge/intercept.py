@@ -119,13 +119,27 @@ def function_classes() -> list[type]:
     return list(seen)
 
 
+#: how many intercepted Function forwards are running now (in this context)
+_forwards: contextvars.ContextVar[int] = contextvars.ContextVar("ortwrap_function_forwards", default=0)
+
+
+def inside_function_forward() -> bool:
+    """Whether an (intercepted) ``autograd.Function``'s forward is running now, during an export,
+    whatever the handler does with it (autograd runs forwards with grad mode off)."""
+    return _forwards.get() > 0
+
+
 def _wrap(cls: type, forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def intercepted(*args: Any, **kwargs: Any) -> Any:
-        handler = _handler.get()
-        if handler is None:
-            return forward(*args, **kwargs)
-        return handler(cls, forward, args, kwargs)
+        token = _forwards.set(_forwards.get() + 1)
+        try:
+            handler = _handler.get()
+            if handler is None:
+                return forward(*args, **kwargs)
+            return handler(cls, forward, args, kwargs)
+        finally:
+            _forwards.reset(token)
 
     intercepted.__ortwrap_intercepted__ = True  # type: ignore[attr-defined]
     return intercepted

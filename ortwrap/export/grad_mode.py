@@ -18,18 +18,38 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
-from ..bridge.intercept import current_function
+from ..bridge.intercept import inside_function_forward
 
 
-def _needs_grad(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
+def _needs_grad(value: Any, depth: int = 4) -> bool:
+    """Whether ``value`` (a call's argument: a tensor, or a list, tuple or dict of them) holds a
+    tensor that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if depth and isinstance(value, (list, tuple)):
+        return any(_needs_grad(v, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return any(_needs_grad(v, depth - 1) for v in value.values())
+    return False
 
 
 def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
-        return value.detach()
+    """``value`` (a call's result) with its floating tensors that need no grad detached; tuples
+    (named ones and torch's return types included) and lists rebuilt only where something changed."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.is_floating_point() and not value.requires_grad else value
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, tuple):
+        items = [_detached(v) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        if hasattr(type(value), "n_fields"):  # torch.return_types (structseq)
+            return type(value)(items)
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return tuple(items)
     return value
 
 
@@ -39,11 +59,11 @@ class NoGradBoundaries(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() or current_function() is not None:
+        if torch.is_grad_enabled() or inside_function_forward():
             return out
-        if not any(_needs_grad(v) for v in pytree.tree_leaves((args, kwargs))):
+        if not (_needs_grad(args) or _needs_grad(kwargs)):
             return out
-        return pytree.tree_map(_detached, out)
+        return _detached(out)
 
 
 @contextlib.contextmanager

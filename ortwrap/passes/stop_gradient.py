@@ -24,6 +24,11 @@ from ..export.symbolics import ORTWRAP_DOMAIN
 STOP_GRADIENT_SUFFIX = "::stop_gradient"
 
 
+#: graph names of parameters and buffers (``export.adapter.STATE_PREFIX``): fed by ortwrap, so a frozen
+#: duplicate can be fed the same tensor. A user input goes the ATen route like a computed value.
+_STATE_PREFIX = "module."
+
+
 class ResolveStopGradientPass(ir.passes.InPlacePass):
     """Resolve every ``ortwrap::StopGradient`` (see the module docstring)."""
 
@@ -39,13 +44,13 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
             if node.domain != ORTWRAP_DOMAIN or node.op_type != "StopGradient":
                 continue
             src = node.inputs[0]
-            if src is not None and src.is_graph_input():
+            if src is not None and src.is_graph_input() and src.name.startswith(_STATE_PREFIX):
                 dup = frozen.get(src.name)
                 if dup is None:
                     dup = ir.Value(name=f"{src.name}{STOP_GRADIENT_SUFFIX}", type=src.type, shape=src.shape)
                     graph.inputs.append(dup)
                     frozen[src.name] = dup
-                node.outputs[0].replace_all_uses_with(dup)
+                _replace(graph, node, dup)
             elif self.with_backward and _reads_graph_inputs(src):
                 detach = ir.node(
                     "ATen",
@@ -56,17 +61,58 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
                 )
                 detach.outputs[0].dtype, detach.outputs[0].shape = src.dtype, src.shape
                 graph.insert_before(node, detach)
-                node.outputs[0].replace_all_uses_with(detach.outputs[0])
+                _replace(graph, node, detach.outputs[0])
                 model.opset_imports.setdefault(ATEN_DOMAIN, 1)
                 graph.opset_imports.setdefault(ATEN_DOMAIN, 1)
             else:
-                node.outputs[0].replace_all_uses_with(src)
+                _replace(graph, node, src)
             graph.remove(node, safe=True)
             modified = True
         if modified and not any(n.domain == ORTWRAP_DOMAIN for n in graph.all_nodes()):
             model.opset_imports.pop(ORTWRAP_DOMAIN, None)
             graph.opset_imports.pop(ORTWRAP_DOMAIN, None)
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _replace(graph: ir.Graph, node: ir.Node, new: ir.Value) -> None:
+    """Point the uses of the marker's output at ``new``. A graph output (``return x.detach()``) keeps
+    its name, through an ``Identity`` of ``new`` (which may be a graph input itself)."""
+    old = node.outputs[0]
+    _unify_dims(graph, old.shape, new.shape)
+    if not old.is_graph_output():
+        old.replace_all_uses_with(new)
+        return
+    ident = ir.node("Identity", [new], name=f"{node.name or old.name}/ortwrap_output")
+    out = ident.outputs[0]
+    out.dtype, out.shape = old.dtype, old.shape
+    graph.insert_before(node, ident)
+    name, old.name = old.name, None
+    old.replace_all_uses_with(out, replace_graph_outputs=True)
+    out.name = name
+
+
+def _unify_dims(graph: ir.Graph, old: ir.Shape | None, new: ir.Shape | None) -> None:
+    """The marker's output is its input: a symbolic dim the exporter named after the marker's output
+    (TorchScript names each op's unknown dims afresh) is the input's dim everywhere in the graph.
+    Left distinct, ORT's gradient builder could not match the broadcast dims of a later op."""
+    if old is None or new is None or len(old) != len(new):
+        return
+    rename = {
+        a.value: b
+        for a, b in zip(old, new)
+        if isinstance(a, ir.SymbolicDim)
+        and a.value is not None
+        and (not isinstance(b, ir.SymbolicDim) or b.value != a.value)
+    }
+    if not rename:
+        return
+    for node in graph:
+        for value in node.outputs:
+            shape = value.shape
+            if shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in rename for d in shape):
+                value.shape = ir.Shape(
+                    [rename[d.value] if isinstance(d, ir.SymbolicDim) and d.value in rename else d for d in shape]
+                )
 
 
 def _reads_graph_inputs(value: ir.Value | None) -> bool:
