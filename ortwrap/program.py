@@ -834,7 +834,8 @@ def _build_gc() -> Iterator[None]:
     hold no tensor data.
     Thresholds are restored afterwards. Left alone when the collector is off or something else
     froze objects (``gc.get_freeze_count()``: the user's own ``gc.freeze()``, or a build within a
-    build), whose ``unfreeze`` is not ours to call.
+    build), whose ``unfreeze`` is not ours to call. (A ``gc.freeze()`` that another thread makes
+    during a build is undone with the build's: the collector has one permanent generation.)
     """
     thresholds = gc.get_threshold()
     if gc.get_freeze_count() or not gc.isenabled() or thresholds[0] <= 0:
