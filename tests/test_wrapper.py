@@ -4,8 +4,10 @@ options and build artifacts."""
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import warnings
+import weakref
 
 import onnx
 import pytest
@@ -485,3 +487,49 @@ def test_module_hooks_still_run():
         handle.remove()
     assert any(m is w for m in seen)
     torch.testing.assert_close(w(x), plain)  # and the fast path again
+
+
+_freeze_counts: list[int] = []
+
+
+class _FreezeProbe(nn.Module):
+    """An MLP that records the collector's freeze count each time its forward runs (the capture runs it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = mlp()
+
+    def forward(self, x):
+        _freeze_counts.append(gc.get_freeze_count())
+        return self.mlp(x)
+
+
+class _Cycle:
+    pass
+
+
+def test_a_build_leaves_the_garbage_collector_as_it_found_it():
+    """During a build the collector skips the objects that existed before it (program._build_gc):
+    afterwards thresholds and freeze count are back, and garbage older than the build is collected."""
+    x = torch.randn(4, 8)
+    old = _Cycle()
+    old.self = old
+    older_garbage = weakref.ref(old)
+    del old
+    thresholds = gc.get_threshold()
+    probe = _FreezeProbe()
+    w = ORTWrap(probe, fallback=False, build_cache=False)
+    _freeze_counts.clear()
+    out = w(x)
+    assert _freeze_counts and all(n > 0 for n in _freeze_counts)  # the capture ran with older objects frozen
+    assert gc.get_threshold() == thresholds and gc.get_freeze_count() == 0
+    assert_close(out.detach(), probe.mlp(x).detach(), "output")
+    gc.collect()
+    assert older_garbage() is None
+    # A freeze of the user's own is left alone: not undone by the build.
+    gc.freeze()
+    try:
+        ORTWrap(_FreezeProbe(), fallback=False, build_cache=False)(x)
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == thresholds  # (frozen objects that died left it)
+    finally:
+        gc.unfreeze()
