@@ -424,6 +424,26 @@ def _grid_sample(node: Any, value: Callable[[int], Any], b: Any = None) -> list 
     return [value(0), value(1), mode, padding, bool(_attr(node, "align_corners", 0))]
 
 
+def _col2im(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Col2Im (block shape constant) -> ``col2im(x, output_size, kernel_size, dilation, padding, stride)``."""
+    from .passes._build import constant_value
+
+    image, block = constant_value(node.inputs[1]), constant_value(node.inputs[2])
+    if block is None:
+        return None
+    nd = int(block.size)
+    pads = _symmetric_pads(node, nd, "Col2Im")
+    return [
+        value(0),
+        # the image size may be read at run time (F.fold to a computed size): the ATen node takes it as a tensor
+        value(1) if image is None else [int(v) for v in image.reshape(-1)],
+        [int(v) for v in block.reshape(-1)],
+        list(_attr(node, "dilations", [1] * nd)),
+        pads,
+        list(_attr(node, "strides", [1] * nd)),
+    ]
+
+
 def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     from .errors import PassError
 
@@ -587,6 +607,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         # After ResizeToMatMulPass (4-D, static H and W, constant scales or sizes: a faster form).
         OnnxViaTorch("Resize", "upsample", _resize, devices=("cpu",), why="no ResizeGrad kernel on CPU in ORT 1.19.2"),
         OnnxViaTorch("GridSample", "grid_sampler", _grid_sample),
+        OnnxViaTorch("Col2Im", "col2im", _col2im),  # F.fold under dynamo
         # After AveragePoolToConvPass (what it leaves: ceil_mode, a channel count not static).
         OnnxViaTorch(
             "AveragePool",

@@ -179,6 +179,24 @@ def test_grid_sample(name, exporter):
     check_parity(lambda: Warp(**GRID_SAMPLE[name]), img(2, hw=5), lr=1e-3)
 
 
+class FoldBack(nn.Module):
+    """F.unfold then F.fold to the map's own size (read at run time): overlapping patches summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c(x)
+        patches = F.unfold(y, 2, padding=1, stride=1) * 0.5
+        return F.fold(patches, y.shape[-2:], 2, padding=1, stride=1)
+
+
+def test_fold(exporter):
+    # dynamo writes Col2Im, which ORT 1.19.2 cannot differentiate: PyTorch's col2im runs it
+    check_parity(FoldBack, img(2, hw=5))
+
+
 @pytest.mark.slow
 def test_diagonal():
     check_parity(
