@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import onnx_ir as ir
 import parity
 import pytest
 import torch
@@ -100,19 +101,12 @@ def test_masked_gpt_torch_gemm():
     assert counts.get("ortwrap_ops::linear_f32") == 9, counts
     assert counts.get("ortwrap_ops::linear_backward") == 9, counts
     assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
-    if w.last_artifacts.exporter == "torchscript":  # (its SDPA: matmuls through the float32 matmul op)
-        assert counts.get("ortwrap_ops::matmul_f32", 0) >= 4, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the dynamo exporter's SDPA of MaskedGPT (causal + padding mask from an input) does not match "
-    "HalfMatMulOnCPUPass's attention pattern, so it runs as matmuls and keeps the T x T probabilities "
-    "(this assertion was dead code until 2026-11-25: it compared a stale module-level EXPORTER)",
-)
-def test_masked_gpt_attention_is_flash_attention_under_dynamo():
-    if parity.EXPORTER != "dynamo":
-        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
+def test_masked_gpt_attention_is_flash_attention():
+    """SDPA under a causal and padding mask built from an input, which both exporters write as
+    ``Where(IsNaN(p), 0, p)`` after the softmax (rows masked everywhere give 0): PyTorch's flash
+    attention with the mask, no matmuls, no T x T probabilities kept."""
     _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01))
 
 
@@ -163,3 +157,46 @@ def test_auto_gemm_follows_the_cpu_vendor():
         intel = "GenuineIntel" in f.read()
     assert cpu_is_intel() == intel
     assert Options(gemm="auto").torch_gemm == intel
+
+
+NAN_GUARDED_SDPA = """
+    agraph (float[2, 3, 5, 8] q, float[2, 3, 8, 5] kt, float[2, 3, 5, 8] v, bool[2, 1, 5, 5] keep)
+            => (float[2, 3, 5, 8] y) {
+        zero = Constant <value = float {0.0}> ()
+        minus = Constant <value = float {-inf}> ()
+        mask = Where (keep, zero, minus)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        nan = IsNaN (p)
+        fill = Constant <value = float {FILL}> ()
+        safe = Where (nan, fill, p)
+        y = MatMul (safe, v)
+    }
+"""
+
+
+@pytest.mark.parametrize("fill, rewritten", [("0.0", 1), ("0.5", 0)], ids=["nan-to-zero", "nan-to-half"])
+def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
+    """The exporters' SDPA with ``attn_mask`` zeroes fully masked rows with ``Where(IsNaN(p), 0, p)``
+    (as flash attention's output is there): one attention_f32 node with the mask; any other fill is
+    not SDPA and stays."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
+    assert p.rewritten["attention"] == rewritten
+    ops = [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Where")]
+    if rewritten:
+        assert ops == ["ATen"], ops
+        node = next(n for n in after.graph.node if n.op_type == "ATen")
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_f32"
+        assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 3
+    else:
+        assert "Softmax" in ops and "IsNaN" in ops, ops

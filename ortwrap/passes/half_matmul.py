@@ -10,8 +10,9 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
   Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
   ``Gemm(A, B, C, transB=1)``: ``ortwrap_ops::linear(a, W, bias)``, no transposed copy of W;
 - ``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)``, the dynamo exporter's decomposed
-  ``scaled_dot_product_attention``, all bf16 of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask,
-  scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
+  ``scaled_dot_product_attention`` (with an ``attn_mask`` the exporters write ``Where(IsNaN(p), 0, p)``
+  after the Softmax, zero for rows masked everywhere, as flash attention's output is there), all bf16
+  of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask, scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
   T x T tensor for the backward (its scale is SDPA's own ``1/sqrt(head dim)`` when ``c1 * c2`` is
   that up to bf16 rounding);
 - any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
@@ -152,8 +153,10 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         p = softmax.outputs[0]
         if not self._is(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
             return
-        pv = _single_user(p)
-        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not p:
+        isnan, where = _nan_guard(p)  # (SDPA with a mask: fully masked rows give 0, as flash attention's do)
+        probs = p if where is None else where.outputs[0]
+        pv = _single_user(probs)
+        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not probs:
             return
         v, scores, mask, add = pv.inputs[1], softmax.inputs[0], None, None
         producer = scores.producer()
@@ -191,7 +194,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
             node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
-        for dead in (pv, softmax, add, qk, mul_q, mul_k):
+        for dead in (pv, where, isnan, softmax, add, qk, mul_q, mul_k):
             if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
                 graph.remove(dead, safe=True)
         self.rewritten["attention"] += 1
@@ -254,6 +257,21 @@ def _has_half_values(graph: ir.Graph) -> bool:
 def _single_user(value: ir.Value) -> ir.Node | None:
     users = list(value.uses())
     return users[0][0] if len(users) == 1 and not value.is_graph_output() else None
+
+
+def _nan_guard(p: ir.Value) -> tuple[ir.Node | None, ir.Node | None]:
+    """``(IsNaN, Where)`` where ``p`` (softmax probabilities) is read only by ``Where(IsNaN(p), 0, p)``
+    (the dynamo exporter's SDPA with ``attn_mask``: the rows masked everywhere become 0), else Nones."""
+    users = {n.op_type: n for n, _ in p.uses()}
+    isnan, where = users.get("IsNaN"), users.get("Where")
+    if len(users) != 2 or len(list(p.uses())) != 2 or p.is_graph_output() or isnan is None or where is None:
+        return None, None
+    if isnan.domain not in _ONNX or where.domain not in _ONNX or _single_user(isnan.outputs[0]) is not where:
+        return None, None
+    zero = constant_value(where.inputs[1])
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p or zero is None or zero.size != 1:
+        return None, None
+    return (isnan, where) if float(zero.reshape(())) == 0.0 else (None, None)
 
 
 def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
