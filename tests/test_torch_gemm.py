@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 
 import onnx_ir as ir
-import parity
 import pytest
 import torch
 from parity import check_parity, gemm_op_counts, seq_len
@@ -87,10 +86,11 @@ def gpt_inputs(b, g):
     return (ids, keep), {}
 
 
-def _attention_is_flash(w: ORTWrap) -> None:
+def _attention_is_flash(w: ORTWrap, causal: bool = False) -> None:
     counts = gemm_op_counts(w)
-    assert counts.get("ortwrap_ops::attention_f32") == 2, counts
-    assert counts.get("ortwrap_ops::attention_backward") == 2, counts
+    op = "attention_causal" if causal else "attention"
+    assert counts.get(f"ortwrap_ops::{op}_f32") == 2, counts
+    assert counts.get(f"ortwrap_ops::{op}_backward") == 2, counts
     assert matmuls(w) == 0
 
 
@@ -110,10 +110,9 @@ def test_masked_gpt_attention_is_flash_attention():
     _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01))
 
 
-def test_causal_gpt_attention_is_flash_attention_under_dynamo():
-    """A causal-only SDPA (examples/tiny_gpt.py) under dynamo: PyTorch's flash attention, no matmuls."""
-    if parity.EXPORTER != "dynamo":
-        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
+def test_causal_gpt_attention_is_causal_flash_attention():
+    """A causal-only SDPA (examples/tiny_gpt.py, ``is_causal=True``): PyTorch's flash attention in its
+    causal mode (no mask tensor: the blocks above the diagonal are skipped), no matmuls."""
     from tiny_gpt import GPTConfig, TinyGPT
 
     def inputs(b, g):
@@ -124,7 +123,7 @@ def test_causal_gpt_attention_is_flash_attention_under_dynamo():
         lambda: TinyGPT(GPTConfig(vocab=64, d=32, heads=4, layers=2)), inputs,
         wrap_options={"gemm": "torch"}, loss_fn=lambda out: out[0], lr=0.01,
     )  # fmt: skip
-    _attention_is_flash(w)
+    _attention_is_flash(w, causal=True)
 
 
 def test_masked_gpt_inference_torch_gemm():
@@ -200,3 +199,49 @@ def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
         assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 3
     else:
         assert "Softmax" in ops and "IsNaN" in ops, ops
+
+
+CAUSAL_SDPA = """
+    agraph (float[2, 3, 5, 8] q, float[2, 3, 8, 5] kt, float[2, 3, 5, 8] v) => (float[2, 3, 5, 8] y) {
+        one = Constant <value = float {1.0}> ()
+        shape = Constant <value = int64[2] {ROWS, 5}> ()
+        ones = Expand (one, shape)
+        tril = Trilu <upper = UPPER> (ones)
+        zero = Constant <value = float {0.0}> ()
+        above = Equal (tril, zero)
+        lowest = Constant <value = float {-3.4028234663852886e+38}> ()
+        mask = Where (above, lowest, zero)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+"""
+
+
+@pytest.mark.parametrize(
+    "upper, rows, causal", [(0, 5, True), (1, 5, False), (0, 1, False)], ids=["causal", "upper", "one-row"]
+)
+def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
+    """The exporters' ``is_causal`` mask (``Where(Trilu(ones(L, S)) == 0, lowest, 0)``, as large as the
+    scores) becomes flash attention's causal mode, without the mask; another triangle, or a mask that
+    broadcasts one row, stays a mask input."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
+    assert p.rewritten["attention"] == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    if causal:
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_causal_f32"
+        assert list(node.input[:3]) == ["q", "kt", "v"] and len(node.input) == 4
+        assert not {"Trilu", "Where", "Expand"} & {n.op_type for n in after.graph.node}  # the mask's nodes, gone
+    else:
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_f32"
+        assert list(node.input[:4]) == ["q", "kt", "v", "mask"]

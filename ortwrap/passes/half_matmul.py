@@ -59,6 +59,8 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.Data
 _TORCH_BFLOAT16 = 15
 LINEAR = f"{OPS_NAMESPACE}::linear"
 ATTENTION = f"{OPS_NAMESPACE}::attention"
+#: float32 only (``attention_causal_f32``): SDPA whose mask is the causal one, as flash attention's ``is_causal``
+CAUSAL_ATTENTION = f"{OPS_NAMESPACE}::attention_causal"
 MATMUL = f"{OPS_NAMESPACE}::matmul"
 
 
@@ -186,7 +188,11 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
         b = _Builder(graph, pv, self.with_backward, self.dtype)
         scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
-        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
+        causal = _causal_mask(mask, scores) if mask is not None and self.dtype != _BF16 else None
+        if causal is not None:  # flash attention's own causal mode: it skips the masked blocks
+            node = b.aten(CAUSAL_ATTENTION, [q, kt, v, scale_value], pv.outputs[0], 3)
+        else:
+            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
         if self.with_backward and self.dtype != _BF16:  # (out, k, lse)
             node.outputs[1].shape = None
             node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
@@ -194,7 +200,7 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
             node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
-        for dead in (pv, where, isnan, softmax, add, qk, mul_q, mul_k):
+        for dead in (pv, where, isnan, softmax, add, qk, mul_q, mul_k, *(causal or ())):
             if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
                 graph.remove(dead, safe=True)
         self.rewritten["attention"] += 1
@@ -274,6 +280,45 @@ def _nan_guard(p: ir.Value) -> tuple[ir.Node | None, ir.Node | None]:
     return (isnan, where) if float(zero.reshape(())) == 0.0 else (None, None)
 
 
+def _causal_mask(mask: ir.Value, scores: ir.Value) -> list[ir.Node] | None:
+    """The nodes computing ``mask`` where it is SDPA's ``is_causal`` mask of ``scores`` [..., L, S], as
+    both exporters write it: ``Where(Equal(Trilu(Expand(1.0, [L, S]), upper=0), 0.0), -inf, 0.0)`` (dynamo:
+    float32's lowest for -inf; top-left
+    aligned, as flash attention's causal mode), its shape ``scores``'s last two dims; else None."""
+    where = _producer(mask, "Where")
+    equal = _producer(where.inputs[0], "Equal") if where is not None else None
+    lowest = _const(where.inputs[1]) if equal is not None else None  # -inf, or float32's lowest (dynamo)
+    if lowest is None or lowest > np.finfo(np.float32).min or _const(where.inputs[2]) != 0.0:
+        return None
+    tril_value, zero = equal.inputs
+    if _const(zero) != 0.0:
+        tril_value, zero = zero, tril_value
+    trilu = _producer(tril_value, "Trilu")
+    if trilu is None or _const(zero) != 0.0 or _int_attr(trilu, "upper", 1) != 0 or len(trilu.inputs) > 1:
+        return None
+    expand = _producer(trilu.inputs[0], "Expand")
+    if expand is None or _const(expand.inputs[0]) != 1.0:
+        return None
+    if mask.shape is None or scores.shape is None or len(mask.shape) != 2 or len(scores.shape) < 2:
+        return None
+    if any(not _same_dim(a, b) for a, b in zip(mask.shape, list(scores.shape)[-2:])):
+        return None
+    return [where, equal, trilu, expand]
+
+
+def _const(value: ir.Value | None) -> float | None:
+    """The float of a one-element constant, else None."""
+    c = constant_value(value) if value is not None else None
+    return float(c.reshape(())) if c is not None and c.size == 1 else None
+
+
+def _same_dim(a: object, b: object) -> bool:
+    """Whether two dims are the same: equal ints, or symbolic dims of the same name."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return getattr(a, "value", None) is not None and getattr(a, "value", None) == getattr(b, "value", None)
+
+
 def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
     """Whether no float graph input reaches ``value`` through float values (a causal or padding
     mask: constants, shapes, integer inputs), so nothing takes a gradient through it; False past
@@ -330,7 +375,7 @@ class _Builder:
         else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
             # in a linear or matmul (the backward reads the inputs)
             op, args = f"{op}_f32", inputs
-            n_outputs = n_outputs if op == f"{ATTENTION}_f32" else 1
+            n_outputs = n_outputs if op in (f"{ATTENTION}_f32", f"{CAUSAL_ATTENTION}_f32") else 1
         aten = ir.node(
             "ATen",
             args,
