@@ -86,12 +86,19 @@ def gpt_inputs(b, g):
     return (ids, keep), {}
 
 
-def _attention_is_flash(w: ORTWrap, causal: bool = False) -> None:
+def _attention_is_flash(w: ORTWrap, causal: bool) -> None:
+    """Both SDPAs as one flash attention op on q, k, v in the projections' [B, T, H, D] layout: no
+    matmuls, no Transposes into heads and back (TorchScript keeps one of k, read for its shape only)."""
     counts = gemm_op_counts(w)
-    op = "attention_causal" if causal else "attention"
-    assert counts.get(f"ortwrap_ops::{op}_f32") == 2, counts
-    assert counts.get(f"ortwrap_ops::{op}_backward") == 2, counts
+    assert counts.get("ortwrap_ops::attention_bthd_f32") == 2, counts
+    assert counts.get("ortwrap_ops::attention_bthd_backward") == 2, counts
     assert matmuls(w) == 0
+    nodes = [n for p in w.programs() for n in p.graph.model().graph.node]
+    assert sum(n.op_type == "Transpose" for n in nodes) <= (2 if w.last_artifacts.exporter == "torchscript" else 0)
+    forwards = [
+        n for n in nodes if {a.name: a.s for a in n.attribute}.get("operator") == b"ortwrap_ops::attention_bthd_f32"
+    ]
+    assert [n.input[3] == "" for n in forwards] == [causal] * 2  # the causal mode reads no mask tensor
 
 
 def test_masked_gpt_torch_gemm():
@@ -107,7 +114,7 @@ def test_masked_gpt_attention_is_flash_attention():
     """SDPA under a causal and padding mask built from an input, which both exporters write as
     ``Where(IsNaN(p), 0, p)`` after the softmax (rows masked everywhere give 0): PyTorch's flash
     attention with the mask, no matmuls, no T x T probabilities kept."""
-    _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01))
+    _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01), causal=False)
 
 
 def test_causal_gpt_attention_is_causal_flash_attention():
