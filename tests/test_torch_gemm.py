@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 import torch
@@ -252,3 +254,60 @@ def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     else:
         assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_f32"
         assert list(node.input[:4]) == ["q", "kt", "v", "mask"]
+
+
+HEADS_SDPA = """
+    agraph (float[2, 5, 3, 8] q4, float[2, 5, 3, 8] k4, float[2, 5, 3, 8] v4) => (float[2, 5, 3, 8] y, int64[1] n) {
+        q = Transpose <perm = [0, 2, 1, 3]> (q4)
+        KT_CHAIN
+        v = Transpose <perm = [0, 2, 1, 3]> (v4)
+        n = Shape <start = -2, end = -1> (q)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        p = Softmax <axis = -1> (s)
+        o = MatMul (p, v)
+        y = Transpose <perm = [0, 2, 1, 3]> (o)
+    }
+"""
+TORCHSCRIPT_KT = "kt = Transpose <perm = [0, 2, 3, 1]> (k4)"
+DYNAMO_KT = """k = Transpose <perm = [0, 2, 1, 3]> (k4)
+        flat = Constant <value = int64[3] {-1, 5, 8}> ()
+        k3 = Reshape (k, flat)
+        kt3 = Transpose <perm = [0, 2, 1]> (k3)
+        four = Constant <value = int64[4] {2, 3, 8, 5}> ()
+        kt = Reshape (kt3, four)"""
+
+
+@pytest.mark.parametrize("kt_chain", [TORCHSCRIPT_KT, DYNAMO_KT], ids=["torchscript-kt", "dynamo-kt"])
+def test_attention_pattern_reads_the_heads_layout(kt_chain):
+    """q, k, v moved into heads by Transposes (k^T as either exporter writes it) and the output moved
+    back: one attention_bthd_f32 on the [B, T, H, D] tensors, every Transpose gone; a Shape of the
+    transposed q reads q4's shape, permuted."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))
+    assert p.rewritten["attention"] == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    assert {a.name: a.s for a in node.attribute}["operator"].decode() == f"{OPS_NAMESPACE}::attention_bthd_f32"
+    assert list(node.input[:4]) == ["q4", "k4", "v4", ""] and list(node.output) == ["y", node.output[1]]
+    assert not any(n.op_type in ("Transpose", "MatMul", "Softmax", "Reshape") for n in after.graph.node)
+    # n = Shape(q)[-2:-1] = q's T: now Slice(Gather(Shape(q4), perm), -2, -1), evaluated here
+    nodes = {o: n for n in after.graph.node for o in n.output}
+    value = {}
+    for n in after.graph.node:
+        if n.op_type == "Constant":
+            value[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
+        elif n.op_type == "Shape":
+            assert list(n.input) == ["q4"] and not n.attribute
+            value[n.output[0]] = np.array([2, 5, 3, 8])
+        elif n.op_type == "Gather":
+            value[n.output[0]] = value[n.input[0]][value[n.input[1]]]
+        elif n.op_type == "Slice":
+            value[n.output[0]] = value[n.input[0]][int(value[n.input[1]][0]) : int(value[n.input[2]][0])]
+    assert nodes["n"].op_type == "Slice" and list(value["n"]) == [5]

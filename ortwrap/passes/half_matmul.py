@@ -377,7 +377,9 @@ def _shapes_from_source(graph: ir.Graph, transpose: ir.Node) -> None:
         result.dtype, result.shape = ir.DataType.INT64, user.outputs[0].shape
         for n in new:
             graph.insert_before(user, n)
-        user.outputs[0].replace_all_uses_with(result, replace_graph_outputs=True)
+        name, old = user.outputs[0].name, user.outputs[0]
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
+        old.name, result.name = None, name
         graph.remove(user, safe=True)
 
 
