@@ -90,13 +90,13 @@ def gpt_inputs(b, g):
 
 def _attention_is_flash(w: ORTWrap, causal: bool) -> None:
     """Both SDPAs as one flash attention op on q, k, v in the projections' [B, T, H, D] layout: no
-    matmuls, no Transposes into heads and back (TorchScript keeps one of k, read for its shape only)."""
+    matmuls, no Transposes into heads and back."""
     counts = gemm_op_counts(w)
     assert counts.get("ortwrap_ops::attention_bthd_f32") == 2, counts
     assert counts.get("ortwrap_ops::attention_bthd_backward") == 2, counts
     assert matmuls(w) == 0
     nodes = [n for p in w.programs() for n in p.graph.model().graph.node]
-    assert sum(n.op_type == "Transpose" for n in nodes) <= (2 if w.last_artifacts.exporter == "torchscript" else 0)
+    assert not any(n.op_type == "Transpose" for n in nodes)
     forwards = [
         n for n in nodes if {a.name: a.s for a in n.attribute}.get("operator") == b"ortwrap_ops::attention_bthd_f32"
     ]

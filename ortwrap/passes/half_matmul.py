@@ -350,6 +350,8 @@ def _heads_layout(
         if not all(_same_dim(a, b) for a, b in zip(kt.shape, expected)):
             return None
         moves += [outer, mid, inner, k.producer()]
+    for x4 in (q4, k4, v4):  # (TorchScript moves k into heads once more, read for its shape only)
+        moves += [n for n, _ in x4.uses() if n not in moves and _is_transpose(n, [0, 2, 1, 3])]
     return q4, k4, v4, back.outputs[0], moves
 
 
