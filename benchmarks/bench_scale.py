@@ -6,11 +6,13 @@
     python benchmarks/bench_scale.py --no-compile --iters 5
     python benchmarks/bench_scale.py --batch 16      # a larger batch: activations dominate memory
     python benchmarks/bench_scale.py --no-recompute  # skip the ortwrap recompute="layers" variant
+    python benchmarks/bench_scale.py --threads 1 --cpu-time --only "ortwrap,ortwrap torch-gemm" --no-compile
 
 Prints, from one interleaved run (each step: forward, loss.backward, AdamW step, zero_grad):
 
-- the median step of eager, torch.compile (default mode), ortwrap and ortwrap with
-  ``recompute="layers"`` (activation recompute), and the ratios to eager;
+- the median step of eager, torch.compile (default mode), ortwrap, ortwrap with ``gemm="torch"``
+  (PyTorch's float32 GEMMs and flash attention inside the graph) and with ``recompute`` (activation
+  recompute), and the ratios to eager;
 - the GEMM limit: the time 6 * N * tokens FLOPs take at the best float32 GEMM rate this machine
   reaches on the model's own matmul shapes (each shape of the forward and both backward GEMMs,
   through torch and through ONNX Runtime's MatMul, measured in the same run), and each variant's
@@ -28,6 +30,7 @@ import argparse
 import copy
 import os
 import time
+from collections.abc import Callable
 
 import _harness  # noqa: F401  (puts examples/ on sys.path)
 import numpy as np
@@ -54,7 +57,8 @@ def cpu_name() -> str:
 
 #: ORTWrap options of the ortwrap variants.
 ORTWRAP_VARIANTS = {
-    "ortwrap": {},  # the default (recompute="none")
+    "ortwrap": {},  # the default (recompute="none", gemm="ort")
+    "ortwrap torch-gemm": {"gemm": "torch"},  # float32 GEMMs and attention as PyTorch's (MKL/oneDNN)
     "ortwrap cheap": {"recompute": "cheap"},
     "ortwrap recompute": {"recompute": "layers"},
 }
@@ -95,9 +99,11 @@ def matmul_shapes(size: str, batch_size: int | None = None) -> list[tuple[int, i
     return shapes
 
 
-def _best_rate(shapes: list[tuple[int, int, int]], reps: int = 3) -> tuple[float, float]:
+def _best_rate(
+    shapes: list[tuple[int, int, int]], reps: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> tuple[float, float]:
     """FLOP/s of the whole list of GEMMs (one after the other, as a step runs them), best of
-    ``reps``, through torch and through ONNX Runtime."""
+    ``reps``, through torch and through ONNX Runtime, timed with ``clock`` (the steps' clock)."""
     from ortwrap._ort import ort
 
     flops = sum(2 * m * k * n for m, k, n in shapes)
@@ -105,11 +111,11 @@ def _best_rate(shapes: list[tuple[int, int, int]], reps: int = 3) -> tuple[float
     mats = {s: (torch.randn(s[0], s[1]), torch.randn(s[1], s[2])) for s in unique}
     best_torch = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         for s in shapes:
             a, b = mats[s]
             torch.mm(a, b)
-        best_torch = min(best_torch, time.perf_counter() - t0)
+        best_torch = min(best_torch, clock() - t0)
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
@@ -130,11 +136,11 @@ def _best_rate(shapes: list[tuple[int, int, int]], reps: int = 3) -> tuple[float
     np_mats = {s: (a.numpy(), b.numpy()) for s, (a, b) in mats.items()}
     best_ort = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         for s in shapes:
             a, b = np_mats[s]
             sess.run(None, {"a": a, "b": b})
-        best_ort = min(best_ort, time.perf_counter() - t0)
+        best_ort = min(best_ort, clock() - t0)
     return flops / best_torch, flops / best_ort
 
 
@@ -165,12 +171,14 @@ def main(
     rss: bool = True,
     batch_size: int | None = None,
     recompute: bool = True,
+    cpu_time: bool = False,
+    only: list[str] | None = None,
 ) -> None:
     from ortwrap import ORTWrap
 
     s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     print(f"\n== scale: {size} {s}, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"   CPU: {cpu_name()}")
+    print(f"   CPU: {cpu_name()}; {'CPU seconds of this process' if cpu_time else 'wall time'}")
     eager, ids, tgt = make(size, batch_size)
     n_params = sum(p.numel() for p in eager.parameters())
     tokens = s["batch"] * s["seq"]
@@ -182,6 +190,7 @@ def main(
         steps["torch.compile"]()
         print(f"   torch.compile first step {time.perf_counter() - t0:.1f} s")
     variants = {k: v for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")}
+    variants = {k: v for k, v in variants.items() if not only or k in only}
     for name, options in variants.items():
         ours = ORTWrap(copy.deepcopy(eager), fallback=False, **options)
         steps[name] = step_fn(ours, ids, tgt)
@@ -192,8 +201,9 @@ def main(
         print(f"   {name} first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
         if ours.last_artifacts.recompute is not None:
             print(f"   {name}: {ours.last_artifacts.recompute.summary()}")
-    times = interleaved(steps, warmup=1, iters=iters)
-    rate_torch, rate_ort = _best_rate(matmul_shapes(size, batch_size))
+    clock = time.process_time if cpu_time else time.perf_counter
+    times = interleaved(steps, warmup=1, iters=iters, clock=clock)
+    rate_torch, rate_ort = _best_rate(matmul_shapes(size, batch_size), clock=clock)
     rate = max(rate_torch, rate_ort)
     limit = 6 * n_params * tokens / rate
     report(f"scale {size}: {n_params / 1e6:.1f}M parameters, {tokens} tokens/step", times)
@@ -204,15 +214,18 @@ def main(
     for name, ts in times.items():
         print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the GEMM limit")
     if rss:
-        rss_report(size, batch_size, compile_, recompute)
+        rss_report(size, batch_size, compile_, recompute, only)
     np.set_printoptions()  # (numpy imported for ORT's inputs)
 
 
-def rss_report(size: str, batch_size: int | None, compile_: bool, recompute: bool) -> dict[str, dict]:
+def rss_report(
+    size: str, batch_size: int | None, compile_: bool, recompute: bool, only: list[str] | None = None
+) -> dict[str, dict]:
     """Peak RSS of each variant, each in its own fresh process (3 steps); printed and returned."""
     s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     print(f"\n== peak RSS (VmHWM), each variant in its own process (3 steps): {size} {s}")
     variants = [k for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")]
+    variants = [k for k in variants if not only or k in only]
     names = ["eager", *variants] + (["compile"] if compile_ else [])
     results = {r["variant"]: r for r in (_rss_child(size, v, 3, batch_size) for v in names)}
     base = results["eager"].get("peak_rss_mib")
@@ -236,8 +249,16 @@ if __name__ == "__main__":
     parser.add_argument(
         "--rss-only", action="store_true", help="only the peak RSS of each variant (no timing, no GEMM limit)"
     )
+    parser.add_argument(
+        "--cpu-time", action="store_true", help="time CPU seconds, not wall time (steadier on a shared machine)"
+    )
+    parser.add_argument("--only", default="", help="comma-separated ortwrap variants to run (default: all)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (and ORT's); 0: torch's default")
     a = parser.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    only = [v.strip() for v in a.only.split(",") if v.strip()] or None
     if a.rss_only:
-        rss_report(a.size, a.batch, not a.no_compile, not a.no_recompute)
+        rss_report(a.size, a.batch, not a.no_compile, not a.no_recompute, only)
     else:
-        main(a.size, a.iters, not a.no_compile, not a.no_rss, a.batch, not a.no_recompute)
+        main(a.size, a.iters, not a.no_compile, not a.no_rss, a.batch, not a.no_recompute, a.cpu_time, only)

@@ -1,6 +1,6 @@
 """Where the time of a (b) GPT LM training step goes: ORT kernels by op type next to eager's ATen ops.
 
-    python benchmarks/profile_lm.py [steps] [rows] [--size lm|small|gpt2] [--bf16 [--half-compute float32]]
+    python benchmarks/profile_lm.py [steps] [rows] [--size lm|small|gpt2] [--gemm torch] [--bf16 [--half-compute float32]]
 
 ORT's profiler (enabled for this script's session only) gives each kernel's time; torch.profiler
 gives eager's self CPU time per ATen op. Both are per step, over ``steps`` steady-state steps after
@@ -31,7 +31,9 @@ def _autocast(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def _ort_profile(model, ids, tgt, steps: int, bf16: bool = False, half_compute: str = "auto") -> dict[str, float]:
+def _ort_profile(
+    model, ids, tgt, steps: int, bf16: bool = False, half_compute: str = "auto", gemm: str = "ort"
+) -> dict[str, float]:
     prefix = os.path.join(tempfile.mkdtemp(), "ortwrap_profile")
     plain = ort_session.session_options
 
@@ -43,7 +45,7 @@ def _ort_profile(model, ids, tgt, steps: int, bf16: bool = False, half_compute: 
 
     ort_session.session_options = profiled
     try:
-        wrapped = ORTWrap(copy.deepcopy(model), fallback=False, half_compute=half_compute)
+        wrapped = ORTWrap(copy.deepcopy(model), fallback=False, half_compute=half_compute, gemm=gemm)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.01)
         warmup = 3
         for _ in range(warmup + steps):
@@ -90,7 +92,9 @@ def _eager_profile(model, ids, tgt, steps: int, bf16: bool = False) -> dict[str,
     return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key.startswith("aten::")}
 
 
-def main(steps: int = 10, rows: int = 16, size: str = "lm", bf16: bool = False, half_compute: str = "auto") -> None:
+def main(
+    steps: int = 10, rows: int = 16, size: str = "lm", bf16: bool = False, half_compute: str = "auto", gemm: str = "ort"
+) -> None:
     if size == "lm":
         torch.manual_seed(0)
         cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
@@ -100,9 +104,9 @@ def main(steps: int = 10, rows: int = 16, size: str = "lm", bf16: bool = False, 
         import bench_scale
 
         model, ids, tgt = bench_scale.make(size)
-    ours = sorted(_ort_profile(model, ids, tgt, steps, bf16, half_compute).items(), key=lambda kv: -kv[1])
+    ours = sorted(_ort_profile(model, ids, tgt, steps, bf16, half_compute, gemm).items(), key=lambda kv: -kv[1])
     eager = sorted(_eager_profile(copy.deepcopy(model), ids, tgt, steps, bf16).items(), key=lambda kv: -kv[1])
-    what = f", bf16 autocast (half_compute={half_compute})" if bf16 else ""
+    what = f", bf16 autocast (half_compute={half_compute})" if bf16 else f", gemm={gemm}"
     print(
         f"\n== GPT LM {size}{what}, ms per step over {steps} steps: ORT kernels by op type | eager ATen ops (self CPU)"
     )
@@ -124,8 +128,9 @@ if __name__ == "__main__":
     )
     parser.add_argument("--bf16", action="store_true", help="both under torch.autocast(cpu, bfloat16)")
     parser.add_argument("--half-compute", default="auto", help="ortwrap's half_compute option (with --bf16)")
+    parser.add_argument("--gemm", default="ort", help="ortwrap's gemm option (float32 GEMMs: ort, torch, auto)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (and ORT's); 0: torch's default")
     a = parser.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    main(a.steps, a.rows, a.size, a.bf16, a.half_compute)
+    main(a.steps, a.rows, a.size, a.bf16, a.half_compute, a.gemm)

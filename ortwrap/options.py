@@ -123,8 +123,9 @@ class Options:
         f"On CPU, which library runs the float32 MatMul/Gemm (Linear layers) and attention of a graph, one of "
         f"{', '.join(_GEMM)}. 'ort': ONNX Runtime's MLAS. 'torch': PyTorch's GEMMs and CPU flash attention inside "
         "the graph (ATen nodes with explicit backward ops; attention then keeps no T x T probabilities). 'auto': "
-        "'torch' on Intel CPUs (MKL/oneDNN beat MLAS there: GPT-2-small fp32 step 1.24x -> 1.01x eager, but peak RSS "
-        "+250 MiB, unexplained), else 'ort'. The default is 'ort' until that memory is understood (docs/performance.md).",
+        "'torch' on Intel CPUs (MKL/oneDNN beat MLAS there: GPT-2-small fp32 step 1.18x -> 1.01x eager, but peak RSS "
+        "~+300 MiB: glibc heap slack from PyTorch's tensors next to ORT's arena), else 'ort'. The default is 'ort' "
+        "for that memory (docs/performance.md).",
     )
     build_cache: bool = _opt(
         True,

@@ -914,14 +914,14 @@ def _attention(q, kt, v, mask, scale: float, dtype):
     return out.to(q.dtype), qc, kc, vc, out, lse
 
 
-def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool]):
+def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool], causal=False):
     """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
     import torch
 
     from ._compat.torch import flash_attention_cpu
 
     dq, dk, dv = flash_attention_cpu()[1](
-        grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, False, attn_mask=mask, scale=scale
+        grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, causal, attn_mask=mask, scale=scale
     )
     empty = torch.empty(0, dtype=grad.dtype)
     return (
@@ -953,6 +953,45 @@ def _attention_f32(q, kt, v, mask, scale: float):
     k = kt.transpose(-1, -2).contiguous()
     out, lse = flash_attention_cpu()[0](q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out, k, lse
+
+
+def _attention_causal_f32(q, kt, v, scale: float):
+    """:func:`_attention_f32` with flash attention's causal mask (top-left aligned) instead of a mask
+    tensor: the blocks above the diagonal are skipped, not computed and masked."""
+    from ._compat.torch import flash_attention_cpu
+
+    k = kt.transpose(-1, -2).contiguous()
+    out, lse = flash_attention_cpu()[0](q, k, v, 0.0, True, attn_mask=None, scale=scale)
+    return out, k, lse
+
+
+def _attention_causal_backward(grad, q, k, v, out, lse, scale: float, output_mask: list[bool]):
+    """dq, d(k^T), dv of :func:`_attention_causal_f32`."""
+    return _attention_backward(grad, q, k, v, out, lse, None, scale, output_mask, causal=True)
+
+
+def _attention_bthd_f32(q, k, v, mask, scale: float, causal: bool):
+    """Flash attention on q, k, v in the projections' [B, T, H, D] layout (the kernel reads the
+    [B, H, T, D] views, strided; nothing copied): the output in [B, T, H, D] (flash attention writes
+    it so) and the log-sum-exp, which the backward reads with q, k, v and the output."""
+    from ._compat.torch import flash_attention_cpu
+
+    out, lse = flash_attention_cpu()[0](
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def _attention_bthd_backward(grad, q, k, v, out, lse, mask, scale: float, causal: bool, output_mask: list[bool]):
+    """dq, dk, dv of :func:`_attention_bthd_f32`, in [B, T, H, D]."""
+    import torch
+
+    from ._compat.torch import flash_attention_cpu
+
+    t = [x.transpose(1, 2) for x in (grad, q, k, v, out)]
+    grads = flash_attention_cpu()[1](*t, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    empty = torch.empty(0, dtype=grad.dtype)
+    return tuple(d.transpose(1, 2).contiguous() if m else empty for d, m in zip(grads, output_mask))
 
 
 def _sum_to(t, shape):
@@ -1024,6 +1063,24 @@ _OPS = {
         "attention_f32(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)",
         _attention_f32,
     ),
+    "attention_causal_f32": (
+        "attention_causal_f32(Tensor q, Tensor kt, Tensor v, float scale) -> (Tensor, Tensor, Tensor)",
+        _attention_causal_f32,
+    ),
+    "attention_causal_backward": (
+        "attention_causal_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_causal_backward,
+    ),
+    "attention_bthd_f32": (
+        "attention_bthd_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal) -> (Tensor, Tensor)",
+        _attention_bthd_f32,
+    ),
+    "attention_bthd_backward": (
+        "attention_bthd_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+        "float scale, bool causal, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_bthd_backward,
+    ),
     "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
     "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
     "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
@@ -1068,6 +1125,18 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
         ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)"],
         ["GI(0)", "GI(1)", "GI(2)"],
         stop=[3, 4],
+    ),
+    f"{OPS_NAMESPACE}::attention_causal_f32": _grad(
+        f"{OPS_NAMESPACE}::attention_causal_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3],
+    ),
+    f"{OPS_NAMESPACE}::attention_bthd_f32": _grad(
+        f"{OPS_NAMESPACE}::attention_bthd_backward",
+        ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)", "I(5)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4, 5],
     ),
 }
 

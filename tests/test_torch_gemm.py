@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import copy
 
-import parity
+import numpy as np
+import onnx
+import onnx_ir as ir
 import pytest
 import torch
 from parity import check_parity, gemm_op_counts, seq_len
@@ -86,11 +88,19 @@ def gpt_inputs(b, g):
     return (ids, keep), {}
 
 
-def _attention_is_flash(w: ORTWrap) -> None:
+def _attention_is_flash(w: ORTWrap, causal: bool) -> None:
+    """Both SDPAs as one flash attention op on q, k, v in the projections' [B, T, H, D] layout: no
+    matmuls, no Transposes into heads and back."""
     counts = gemm_op_counts(w)
-    assert counts.get("ortwrap_ops::attention_f32") == 2, counts
-    assert counts.get("ortwrap_ops::attention_backward") == 2, counts
+    assert counts.get("ortwrap_ops::attention_bthd_f32") == 2, counts
+    assert counts.get("ortwrap_ops::attention_bthd_backward") == 2, counts
     assert matmuls(w) == 0
+    nodes = [n for p in w.programs() for n in p.graph.model().graph.node]
+    assert not any(n.op_type == "Transpose" for n in nodes)
+    forwards = [
+        n for n in nodes if {a.name: a.s for a in n.attribute}.get("operator") == b"ortwrap_ops::attention_bthd_f32"
+    ]
+    assert [n.input[3] == "" for n in forwards] == [causal] * 2  # the causal mode reads no mask tensor
 
 
 def test_masked_gpt_torch_gemm():
@@ -100,26 +110,18 @@ def test_masked_gpt_torch_gemm():
     assert counts.get("ortwrap_ops::linear_f32") == 9, counts
     assert counts.get("ortwrap_ops::linear_backward") == 9, counts
     assert not any(k.startswith("ortwrap_vjp::") for k in counts), counts
-    if w.last_artifacts.exporter == "torchscript":  # (its SDPA: matmuls through the float32 matmul op)
-        assert counts.get("ortwrap_ops::matmul_f32", 0) >= 4, counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the dynamo exporter's SDPA of MaskedGPT (causal + padding mask from an input) does not match "
-    "HalfMatMulOnCPUPass's attention pattern, so it runs as matmuls and keeps the T x T probabilities "
-    "(this assertion was dead code until 2026-11-25: it compared a stale module-level EXPORTER)",
-)
-def test_masked_gpt_attention_is_flash_attention_under_dynamo():
-    if parity.EXPORTER != "dynamo":
-        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
-    _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01))
+def test_masked_gpt_attention_is_flash_attention():
+    """SDPA under a causal and padding mask built from an input, which both exporters write as
+    ``Where(IsNaN(p), 0, p)`` after the softmax (rows masked everywhere give 0): PyTorch's flash
+    attention with the mask, no matmuls, no T x T probabilities kept."""
+    _attention_is_flash(check_parity(MaskedGPT, gpt_inputs, wrap_options={"gemm": "torch"}, lr=0.01), causal=False)
 
 
-def test_causal_gpt_attention_is_flash_attention_under_dynamo():
-    """A causal-only SDPA (examples/tiny_gpt.py) under dynamo: PyTorch's flash attention, no matmuls."""
-    if parity.EXPORTER != "dynamo":
-        pytest.skip("the TorchScript exporter writes SDPA as matmuls")
+def test_causal_gpt_attention_is_causal_flash_attention():
+    """A causal-only SDPA (examples/tiny_gpt.py, ``is_causal=True``): PyTorch's flash attention in its
+    causal mode (no mask tensor: the blocks above the diagonal are skipped), no matmuls."""
     from tiny_gpt import GPTConfig, TinyGPT
 
     def inputs(b, g):
@@ -130,7 +132,7 @@ def test_causal_gpt_attention_is_flash_attention_under_dynamo():
         lambda: TinyGPT(GPTConfig(vocab=64, d=32, heads=4, layers=2)), inputs,
         wrap_options={"gemm": "torch"}, loss_fn=lambda out: out[0], lr=0.01,
     )  # fmt: skip
-    _attention_is_flash(w)
+    _attention_is_flash(w, causal=True)
 
 
 def test_masked_gpt_inference_torch_gemm():
@@ -163,3 +165,149 @@ def test_auto_gemm_follows_the_cpu_vendor():
         intel = "GenuineIntel" in f.read()
     assert cpu_is_intel() == intel
     assert Options(gemm="auto").torch_gemm == intel
+
+
+NAN_GUARDED_SDPA = """
+    agraph (float[2, 3, 5, 8] q, float[2, 3, 8, 5] kt, float[2, 3, 5, 8] v, bool[2, 1, 5, 5] keep)
+            => (float[2, 3, 5, 8] y) {
+        zero = Constant <value = float {0.0}> ()
+        minus = Constant <value = float {-inf}> ()
+        mask = Where (keep, zero, minus)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        nan = IsNaN (p)
+        fill = Constant <value = float {FILL}> ()
+        safe = Where (nan, fill, p)
+        y = MatMul (safe, v)
+    }
+"""
+
+
+@pytest.mark.parametrize("fill, rewritten", [("0.0", 1), ("0.5", 0)], ids=["nan-to-zero", "nan-to-half"])
+def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
+    """The exporters' SDPA with ``attn_mask`` zeroes fully masked rows with ``Where(IsNaN(p), 0, p)``
+    (as flash attention's output is there): one attention_f32 node with the mask; any other fill is
+    not SDPA and stays."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
+    assert p.rewritten["attention"] == rewritten
+    ops = [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Where")]
+    if rewritten:
+        assert ops == ["ATen"], ops
+        node = next(n for n in after.graph.node if n.op_type == "ATen")
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_f32"
+        assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 3
+    else:
+        assert "Softmax" in ops and "IsNaN" in ops, ops
+
+
+CAUSAL_SDPA = """
+    agraph (float[2, 3, 5, 8] q, float[2, 3, 8, 5] kt, float[2, 3, 5, 8] v) => (float[2, 3, 5, 8] y) {
+        one = Constant <value = float {1.0}> ()
+        shape = Constant <value = int64[2] {ROWS, 5}> ()
+        ones = Expand (one, shape)
+        tril = Trilu <upper = UPPER> (ones)
+        zero = Constant <value = float {0.0}> ()
+        above = Equal (tril, zero)
+        lowest = Constant <value = float {-3.4028234663852886e+38}> ()
+        mask = Where (above, lowest, zero)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        m = Add (s, mask)
+        p = Softmax <axis = -1> (m)
+        y = MatMul (p, v)
+    }
+"""
+
+
+@pytest.mark.parametrize(
+    "upper, rows, causal", [(0, 5, True), (1, 5, False), (0, 1, False)], ids=["causal", "upper", "one-row"]
+)
+def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
+    """The exporters' ``is_causal`` mask (``Where(Trilu(ones(L, S)) == 0, lowest, 0)``, as large as the
+    scores) becomes flash attention's causal mode, without the mask; another triangle, or a mask that
+    broadcasts one row, stays a mask input."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
+    assert p.rewritten["attention"] == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    if causal:
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_causal_f32"
+        assert list(node.input[:3]) == ["q", "kt", "v"] and len(node.input) == 4
+        assert not {"Trilu", "Where", "Expand"} & {n.op_type for n in after.graph.node}  # the mask's nodes, gone
+    else:
+        assert node.attribute[0].s.decode() == f"{OPS_NAMESPACE}::attention_f32"
+        assert list(node.input[:4]) == ["q", "kt", "v", "mask"]
+
+
+HEADS_SDPA = """
+    agraph (float[2, 5, 3, 8] q4, float[2, 5, 3, 8] k4, float[2, 5, 3, 8] v4) => (float[2, 5, 3, 8] y, int64[1] n) {
+        q = Transpose <perm = [0, 2, 1, 3]> (q4)
+        KT_CHAIN
+        v = Transpose <perm = [0, 2, 1, 3]> (v4)
+        n = Shape <start = -2, end = -1> (q)
+        c = Constant <value = float {0.59460355}> ()
+        qs = Mul (q, c)
+        ks = Mul (kt, c)
+        s = MatMul (qs, ks)
+        p = Softmax <axis = -1> (s)
+        o = MatMul (p, v)
+        y = Transpose <perm = [0, 2, 1, 3]> (o)
+    }
+"""
+TORCHSCRIPT_KT = "kt = Transpose <perm = [0, 2, 3, 1]> (k4)"
+DYNAMO_KT = """k = Transpose <perm = [0, 2, 1, 3]> (k4)
+        flat = Constant <value = int64[3] {-1, 5, 8}> ()
+        k3 = Reshape (k, flat)
+        kt3 = Transpose <perm = [0, 2, 1]> (k3)
+        four = Constant <value = int64[4] {2, 3, 8, 5}> ()
+        kt = Reshape (kt3, four)"""
+
+
+@pytest.mark.parametrize("kt_chain", [TORCHSCRIPT_KT, DYNAMO_KT], ids=["torchscript-kt", "dynamo-kt"])
+def test_attention_pattern_reads_the_heads_layout(kt_chain):
+    """q, k, v moved into heads by Transposes (k^T as either exporter writes it) and the output moved
+    back: one attention_bthd_f32 on the [B, T, H, D] tensors, every Transpose gone; a Shape of the
+    transposed q reads q4's shape, permuted."""
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.registry import OPS_NAMESPACE
+
+    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))
+    assert p.rewritten["attention"] == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    assert {a.name: a.s for a in node.attribute}["operator"].decode() == f"{OPS_NAMESPACE}::attention_bthd_f32"
+    assert list(node.input[:4]) == ["q4", "k4", "v4", ""] and list(node.output) == ["y", node.output[1]]
+    assert not any(n.op_type in ("Transpose", "MatMul", "Softmax", "Reshape") for n in after.graph.node)
+    # n = Shape(q)[-2:-1] = q's T: now Slice(Gather(Shape(q4), perm), -2, -1), evaluated here
+    nodes = {o: n for n in after.graph.node for o in n.output}
+    value = {}
+    for n in after.graph.node:
+        if n.op_type == "Constant":
+            value[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
+        elif n.op_type == "Shape":
+            assert list(n.input) == ["q4"] and not n.attribute
+            value[n.output[0]] = np.array([2, 5, 3, 8])
+        elif n.op_type == "Gather":
+            value[n.output[0]] = value[n.input[0]][value[n.input[1]]]
+        elif n.op_type == "Slice":
+            value[n.output[0]] = value[n.input[0]][int(value[n.input[1]][0]) : int(value[n.input[2]][0])]
+    assert nodes["n"].op_type == "Slice" and list(value["n"]) == [5]

@@ -10,8 +10,9 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
   Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
   ``Gemm(A, B, C, transB=1)``: ``ortwrap_ops::linear(a, W, bias)``, no transposed copy of W;
 - ``MatMul(Softmax(MatMul(q * c1, k^T * c2) + mask), v)``, the dynamo exporter's decomposed
-  ``scaled_dot_product_attention``, all bf16 of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask,
-  scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
+  ``scaled_dot_product_attention`` (with an ``attn_mask`` the exporters write ``Where(IsNaN(p), 0, p)``
+  after the Softmax, zero for rows masked everywhere, as flash attention's output is there), all bf16
+  of rank 4: ``ortwrap_ops::attention(q, k^T, v, mask, scale)``, PyTorch's CPU flash attention in bf16 (as eager autocast's SDPA), which keeps no
   T x T tensor for the backward (its scale is SDPA's own ``1/sqrt(head dim)`` when ``c1 * c2`` is
   that up to bf16 rounding);
 - any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
@@ -58,6 +59,10 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.Data
 _TORCH_BFLOAT16 = 15
 LINEAR = f"{OPS_NAMESPACE}::linear"
 ATTENTION = f"{OPS_NAMESPACE}::attention"
+#: float32 only (``attention_causal_f32``): SDPA whose mask is the causal one, as flash attention's ``is_causal``
+CAUSAL_ATTENTION = f"{OPS_NAMESPACE}::attention_causal"
+#: float32 only (``attention_bthd_f32``): SDPA on q, k, v and output in the projections' [B, T, H, D] layout
+HEADS_ATTENTION = f"{OPS_NAMESPACE}::attention_bthd"
 MATMUL = f"{OPS_NAMESPACE}::matmul"
 
 
@@ -152,8 +157,10 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         p = softmax.outputs[0]
         if not self._is(p) or _rank(p) != 4 or _int_attr(softmax, "axis", -1) not in (-1, 3):
             return
-        pv = _single_user(p)
-        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not p:
+        isnan, where = _nan_guard(p)  # (SDPA with a mask: fully masked rows give 0, as flash attention's do)
+        probs = p if where is None else where.outputs[0]
+        pv = _single_user(probs)
+        if pv is None or pv.op_type != "MatMul" or pv.domain not in _ONNX or pv.inputs[0] is not probs:
             return
         v, scores, mask, add = pv.inputs[1], softmax.inputs[0], None, None
         producer = scores.producer()
@@ -183,15 +190,31 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
         b = _Builder(graph, pv, self.with_backward, self.dtype)
         scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
-        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
-        if self.with_backward and self.dtype != _BF16:  # (out, k, lse)
+        causal = _causal_mask(mask, scores) if mask is not None and self.dtype != _BF16 else None
+        heads = _heads_layout(q, kt, v, pv.outputs[0]) if self.dtype != _BF16 else None
+        if heads is not None:  # q, k, v and the output in the projections' [B, T, H, D]: no Transposes
+            q4, k4, v4, out4, _ = heads
+            flag = b.constant(np.array(causal is not None), "causal")
+            inputs = [q4, k4, v4, None if causal is not None else mask, scale_value, flag]
+            node = b.aten(HEADS_ATTENTION, inputs, out4, 2)
+            if self.with_backward:
+                node.outputs[1].dtype, node.outputs[1].shape = ir.DataType.FLOAT, None  # the log-sum-exp
+        elif causal is not None:  # flash attention's own causal mode: it skips the masked blocks
+            node = b.aten(CAUSAL_ATTENTION, [q, kt, v, scale_value], pv.outputs[0], 3)
+        else:
+            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
+        if heads is None and self.with_backward and self.dtype != _BF16:  # (out, k, lse)
             node.outputs[1].shape = None
             node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
-        elif self.with_backward:
+        elif heads is None and self.with_backward:
             node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
             node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
-        for dead in (pv, softmax, add, qk, mul_q, mul_k):
+        moved = heads[4] if heads is not None else []
+        for move in moved[1:]:  # the moves' Shape readers (sizes for reshapes and masks) read the sources'
+            if move is not None and move.op_type == "Transpose" and move.graph is graph:
+                _shapes_from_source(graph, move)
+        for dead in (*moved[:1], pv, where, isnan, softmax, add, qk, mul_q, mul_k, *moved[1:], *(causal or ())):
             if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
                 graph.remove(dead, safe=True)
         self.rewritten["attention"] += 1
@@ -256,6 +279,138 @@ def _single_user(value: ir.Value) -> ir.Node | None:
     return users[0][0] if len(users) == 1 and not value.is_graph_output() else None
 
 
+def _nan_guard(p: ir.Value) -> tuple[ir.Node | None, ir.Node | None]:
+    """``(IsNaN, Where)`` where ``p`` (softmax probabilities) is read only by ``Where(IsNaN(p), 0, p)``
+    (the dynamo exporter's SDPA with ``attn_mask``: the rows masked everywhere become 0), else Nones."""
+    users = {n.op_type: n for n, _ in p.uses()}
+    isnan, where = users.get("IsNaN"), users.get("Where")
+    if len(users) != 2 or len(list(p.uses())) != 2 or p.is_graph_output() or isnan is None or where is None:
+        return None, None
+    if isnan.domain not in _ONNX or where.domain not in _ONNX or _single_user(isnan.outputs[0]) is not where:
+        return None, None
+    zero = constant_value(where.inputs[1])
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p or zero is None or zero.size != 1:
+        return None, None
+    return (isnan, where) if float(zero.reshape(())) == 0.0 else (None, None)
+
+
+def _causal_mask(mask: ir.Value, scores: ir.Value) -> list[ir.Node] | None:
+    """The nodes computing ``mask`` where it is SDPA's ``is_causal`` mask of ``scores`` [..., L, S], as
+    both exporters write it: ``Where(Equal(Trilu(Expand(1.0, [L, S]), upper=0), 0.0), -inf, 0.0)`` (dynamo:
+    float32's lowest for -inf; top-left
+    aligned, as flash attention's causal mode), its shape ``scores``'s last two dims; else None."""
+    where = _producer(mask, "Where")
+    equal = _producer(where.inputs[0], "Equal") if where is not None else None
+    lowest = _const(where.inputs[1]) if equal is not None else None  # -inf, or float32's lowest (dynamo)
+    if lowest is None or lowest > np.finfo(np.float32).min or _const(where.inputs[2]) != 0.0:
+        return None
+    tril_value, zero = equal.inputs
+    if _const(zero) != 0.0:
+        tril_value, zero = zero, tril_value
+    trilu = _producer(tril_value, "Trilu")
+    if trilu is None or _const(zero) != 0.0 or _int_attr(trilu, "upper", 1) != 0 or len(trilu.inputs) > 1:
+        return None
+    expand = _producer(trilu.inputs[0], "Expand")
+    if expand is None or _const(expand.inputs[0]) != 1.0:
+        return None
+    if mask.shape is None or scores.shape is None or len(mask.shape) != 2 or len(scores.shape) < 2:
+        return None
+    if any(not _same_dim(a, b) for a, b in zip(mask.shape, list(scores.shape)[-2:])):
+        return None
+    return [where, equal, trilu, expand]
+
+
+def _heads_layout(
+    q: ir.Value, kt: ir.Value, v: ir.Value, out: ir.Value
+) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, list[ir.Node]] | None:
+    """``(q4, k4, v4, out4, nodes)`` where q, k^T and v are [B, T, H, D] tensors moved into heads by
+    Transposes (k^T: ``Transpose(k4, [0, 2, 3, 1])``, TorchScript, or dynamo's ``Reshape(Transpose(
+    Reshape(Transpose(k4, [0, 2, 1, 3]), [BH, T, D]), [0, 2, 1]), [B, H, D, T])``) and the output's
+    only reader moves it back (``out4 = Transpose(out, [0, 2, 1, 3])``): flash attention reads the
+    strided views and writes that layout, so these copies (and their gradients' copies) go. ``nodes``:
+    the output's Transpose first, then the moves that may become dead."""
+    q4, v4 = _from_heads(q), _from_heads(v)
+    back = _single_user(out)
+    if q4 is None or v4 is None or back is None or not _is_transpose(back, [0, 2, 1, 3]):
+        return None
+    moves = [back, q.producer(), v.producer()]
+    transpose = _producer(kt, "Transpose")
+    if transpose is not None and _is_transpose(transpose, [0, 2, 3, 1]) and _rank(transpose.inputs[0]) == 4:
+        k4 = transpose.inputs[0]
+        moves.append(transpose)
+    else:  # dynamo: through rank 3
+        outer = _producer(kt, "Reshape")
+        mid = _producer(outer.inputs[0], "Transpose") if outer is not None else None
+        inner = _producer(mid.inputs[0], "Reshape") if mid is not None and _is_transpose(mid, [0, 2, 1]) else None
+        k = inner.inputs[0] if inner is not None else None
+        k4 = _from_heads(k) if k is not None else None
+        if k4 is None or k.shape is None or kt.shape is None or len(k.shape) != 4 or len(kt.shape) != 4:
+            return None
+        expected = [k.shape[0], k.shape[1], k.shape[3], k.shape[2]]
+        if not all(_same_dim(a, b) for a, b in zip(kt.shape, expected)):
+            return None
+        moves += [outer, mid, inner, k.producer()]
+    for x4 in (q4, k4, v4):  # (TorchScript moves k into heads once more, read for its shape only)
+        moves += [n for n, _ in x4.uses() if n not in moves and _is_transpose(n, [0, 2, 1, 3])]
+    return q4, k4, v4, back.outputs[0], moves
+
+
+def _shapes_from_source(graph: ir.Graph, transpose: ir.Node) -> None:
+    """Every ``Shape(Transpose(x, perm), start, end)`` becomes ``Slice(Gather(Shape(x), perm), start,
+    end)``, so that the Transpose, read for its shape only, can go."""
+    perm = list(transpose.attributes["perm"].as_ints())
+    for user, _ in list(transpose.outputs[0].uses()):
+        if user.op_type != "Shape" or user.domain not in _ONNX:
+            continue
+        name = user.name or "shape"
+        indices = ir.node("Constant", [], {"value": ir.tensor(np.array(perm, dtype=np.int64))}, name=f"{name}/perm")
+        shape = ir.node("Shape", [transpose.inputs[0]], name=f"{name}/source")
+        gather = ir.node("Gather", [shape.outputs[0], indices.outputs[0]], {"axis": 0}, name=f"{name}/permuted")
+        new = [indices, shape, gather]
+        start, end = _int_attr(user, "start", 0), user.attributes.get("end")
+        if start != 0 or end is not None:
+            bounds = [start, end.as_int() if end is not None else len(perm)]
+            starts, ends = (
+                ir.node("Constant", [], {"value": ir.tensor(np.array([b], dtype=np.int64))}, name=f"{name}/{w}")
+                for b, w in zip(bounds, ("start", "end"))
+            )
+            new += [starts, ends, ir.node("Slice", [gather.outputs[0], starts.outputs[0], ends.outputs[0]], name=name)]
+        result = new[-1].outputs[0]
+        result.dtype, result.shape = ir.DataType.INT64, user.outputs[0].shape
+        for n in new:
+            graph.insert_before(user, n)
+        name, old = user.outputs[0].name, user.outputs[0]
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
+        old.name, result.name = None, name
+        graph.remove(user, safe=True)
+
+
+def _from_heads(x: ir.Value) -> ir.Value | None:
+    """``x4`` where ``x`` is ``Transpose(x4, [0, 2, 1, 3])`` ([B, T, H, D] -> [B, H, T, D]), else None."""
+    transpose = _producer(x, "Transpose")
+    if transpose is None or not _is_transpose(transpose, [0, 2, 1, 3]) or _rank(transpose.inputs[0]) != 4:
+        return None
+    return transpose.inputs[0]
+
+
+def _is_transpose(node: ir.Node, perm: list[int]) -> bool:
+    attr = node.attributes.get("perm")
+    return node.op_type == "Transpose" and node.domain in _ONNX and attr is not None and list(attr.as_ints()) == perm
+
+
+def _const(value: ir.Value | None) -> float | None:
+    """The float of a one-element constant, else None."""
+    c = constant_value(value) if value is not None else None
+    return float(c.reshape(())) if c is not None and c.size == 1 else None
+
+
+def _same_dim(a: object, b: object) -> bool:
+    """Whether two dims are the same: equal ints, or symbolic dims of the same name."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return getattr(a, "value", None) is not None and getattr(a, "value", None) == getattr(b, "value", None)
+
+
 def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> bool:
     """Whether no float graph input reaches ``value`` through float values (a causal or padding
     mask: constants, shapes, integer inputs), so nothing takes a gradient through it; False past
@@ -279,12 +434,15 @@ def _without_gradient(graph: ir.Graph, value: ir.Value, limit: int = 256) -> boo
 
 
 def _scaled(value: ir.Value) -> tuple[ir.Value, float, ir.Node | None]:
-    """``(x, c, Mul)`` where ``value`` is ``Mul(x, c)`` (read only there) of a scalar constant c,
-    else ``(value, 1.0, None)``."""
+    """``(x, c, Mul)`` where ``value`` is ``Mul(x, c)`` (read only there) of a scalar constant c (or
+    the Sqrt of one), else ``(value, 1.0, None)``."""
     mul = value.producer()
     if mul is not None and mul.op_type == "Mul" and mul.domain in _ONNX and _single_user(value) is not None:
         for i in (0, 1):
             c = constant_value(mul.inputs[1 - i])
+            root = _producer(mul.inputs[1 - i], "Sqrt")  # (TorchScript: q * sqrt(scale), k^T * sqrt(scale))
+            if c is None and root is not None and (c := constant_value(root.inputs[0])) is not None:
+                c = np.sqrt(c)
             if c is not None and c.size == 1:
                 return mul.inputs[i], float(c.reshape(())), mul
     return value, 1.0, None
@@ -312,7 +470,9 @@ class _Builder:
         else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
             # in a linear or matmul (the backward reads the inputs)
             op, args = f"{op}_f32", inputs
-            n_outputs = n_outputs if op == f"{ATTENTION}_f32" else 1
+            n_outputs = (
+                n_outputs if op in (f"{ATTENTION}_f32", f"{CAUSAL_ATTENTION}_f32", f"{HEADS_ATTENTION}_f32") else 1
+            )
         aten = ir.node(
             "ATen",
             args,
