@@ -56,6 +56,7 @@ _BF16 = ir.DataType.BFLOAT16
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 #: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
 _TORCH_BFLOAT16 = 15
+_TORCH_FLOAT = 6
 LINEAR = f"{OPS_NAMESPACE}::linear"
 ATTENTION = f"{OPS_NAMESPACE}::attention"
 MATMUL = f"{OPS_NAMESPACE}::matmul"
@@ -183,13 +184,12 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             scale = 1 / math.sqrt(head)  # SDPA's default scale, split in two half-rounded factors
         b = _Builder(graph, pv, self.with_backward, self.dtype)
         scale_value = b.constant(np.array(scale, dtype=np.float32), "scale")
-        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
+        node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 5 if self.dtype == _BF16 else 3)
         if self.with_backward and self.dtype != _BF16:  # (out, k, lse)
             node.outputs[1].shape = None
             node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
-        elif self.with_backward:
-            node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
-            node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
+        elif self.with_backward:  # (out, q, k, v, lse)
+            node.outputs[4].dtype, node.outputs[4].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
         for dead in (pv, softmax, add, qk, mul_q, mul_k):
             if dead is not None and not any(o.uses() or o.is_graph_output() for o in dead.outputs):
@@ -308,7 +308,10 @@ class _Builder:
         operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
         name = out.name
         if self.dtype == _BF16:
-            args = [*inputs, self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")]
+            # [compute, result, each float input]: float32 but the compute dtype, as
+            # ``HalfPrecisionOnCPUPass`` leaves them (``HalfValuesPass`` may make some bf16)
+            codes = [_TORCH_BFLOAT16, _TORCH_FLOAT] + [_TORCH_FLOAT] * (2 if op == MATMUL else 3)
+            args = [*inputs, self.constant(np.array(codes, dtype=np.int64), "dtypes")]
         else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
             # in a linear or matmul (the backward reads the inputs)
             op, args = f"{op}_f32", inputs
