@@ -891,6 +891,20 @@ def _attention(q, kt, v, mask, scale: float, dtypes: list[int]):
     return out.to(result), qc, kc, vc, lse
 
 
+def _linear_keep_input(x, w, b, dtypes: list[int]):
+    """:func:`_linear` of an ``x`` already in the compute dtype (``passes/half_values.py``): the
+    result and w's copy; the backward reads x itself (a returned x would be copied: see ``_saved``)."""
+    y, _, wc = _linear(x, w, b, dtypes)
+    return y, wc
+
+
+def _attention_keep_inputs(q, kt, v, mask, scale: float, dtypes: list[int]):
+    """:func:`_attention` of q, k^T and v already in the compute dtype: the result, k (contiguous)
+    and the log-sum-exp; the backward reads q and v themselves."""
+    out, _, kc, _, lse = _attention(q, kt, v, mask, scale, dtypes)
+    return out, kc, lse
+
+
 def _attention_bf16_backward(
     grad, qc, kc, vc, out, lse, mask, scale: float, dtypes: list[int], output_mask: list[bool]
 ):
@@ -1029,6 +1043,15 @@ _OPS = {
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         _attention,
     ),
+    "linear_keep_input": (
+        "linear_keep_input(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor)",
+        _linear_keep_input,
+    ),
+    "attention_keep_inputs": (
+        "attention_keep_inputs(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
+        "-> (Tensor, Tensor, Tensor)",
+        _attention_keep_inputs,
+    ),
     "attention_bf16_backward": (
         "attention_bf16_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
         "float scale, int[] dtypes, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
@@ -1082,7 +1105,9 @@ _library: list = []
 #: ScalarType codes: [compute, result, each float input]), on inputs of any float dtype: their first
 #: output has the result dtype, the others are what the backward reads (the inputs' copies in the
 #: compute dtype), and the backward returns each input's gradient in that input's dtype.
-DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention")})
+DTYPE_ARGUMENT_OPS = frozenset(
+    f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention", "linear_keep_input", "attention_keep_inputs")
+)
 #: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
 #: last argument, ``output_mask``, is filled from the gradients the graph uses
@@ -1096,6 +1121,18 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
         ["GO(0)", "O(1)", "O(2)", "I(3)"],
         ["GI(0)", "GI(1)", "GI(2)"],
         stop=[3],
+    ),
+    f"{OPS_NAMESPACE}::linear_keep_input": _grad(
+        f"{OPS_NAMESPACE}::linear_bf16_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(3)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3],
+    ),
+    f"{OPS_NAMESPACE}::attention_keep_inputs": _grad(
+        f"{OPS_NAMESPACE}::attention_bf16_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)", "I(5)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4, 5],
     ),
     f"{OPS_NAMESPACE}::matmul": _grad(
         f"{OPS_NAMESPACE}::matmul_bf16_backward", ["GO(0)", "O(1)", "O(2)", "I(2)"], ["GI(0)", "GI(1)"], stop=[2]

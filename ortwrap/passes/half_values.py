@@ -17,7 +17,9 @@ graph eager's dtypes back on such chains:
   ``aten::gelu_backward`` as its gradient;
 - each GEMM's ``dtypes`` argument then names the dtypes of its result and inputs, so that it
   returns its result in bf16 where the graph keeps it, and its backward each input's gradient in
-  that input's dtype.
+  that input's dtype; a linear whose x (an attention whose q, k^T, v) is now bf16 becomes the
+  variant whose backward reads that input itself (``linear_keep_input``, ``attention_keep_inputs``)
+  instead of a bf16 copy, which would be the input and which the ATen bridge would copy.
 
 Numerics are unchanged: a bf16-exact value is stored exactly in bf16, the GEMMs narrowed their
 inputs to bf16 before, and gradients flow through the same roundings (a GEMM's backward rounds its
@@ -52,7 +54,13 @@ _LAYOUT = {
     "Concat": None,
 }
 #: GEMM op -> how many of its first inputs are float operands (the rest: mask, scale, dtypes)
-_OPERANDS = {f"{OPS_NAMESPACE}::linear": 3, f"{OPS_NAMESPACE}::matmul": 2, f"{OPS_NAMESPACE}::attention": 3}
+_OPERANDS = {
+    f"{OPS_NAMESPACE}::linear": 3,
+    f"{OPS_NAMESPACE}::matmul": 2,
+    f"{OPS_NAMESPACE}::attention": 3,
+    f"{OPS_NAMESPACE}::linear_keep_input": 3,
+    f"{OPS_NAMESPACE}::attention_keep_inputs": 3,
+}
 #: ortwrap's float32 GELU kernels -> ``ortwrap_ops::gelu``'s ``approximate`` (0: erf, 1: tanh)
 _GELU = {"ortwrap_cpu::gelu": 0, "ortwrap_cpu::gelu_tanh": 1}
 
@@ -103,6 +111,7 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         for node in list(graph):
             if _gemm(node):
                 self._retype(graph, node, keep)
+                self._keep_inputs(graph, node, keep)
         for node in list(graph):
             if _operator(node) in _GELU and node.outputs[0] in keep:
                 self._gelu(graph, node)
@@ -174,6 +183,36 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         const = ir.node("Constant", [], {"value": ir.tensor(new.astype(np.int64))}, name=f"{node.name}/dtypes_bf16")
         graph.insert_before(node, const)
         node.replace_input_with(len(node.inputs) - 1, const.outputs[0])
+
+    @staticmethod
+    def _keep_inputs(graph: ir.Graph, node: ir.Node, keep: set[ir.Value]) -> None:
+        """A training graph's linear whose x, or attention whose q, k^T and v, are now bf16: the
+        variant whose backward reads those inputs themselves, not copies (a copy of an input in
+        the compute dtype would be the input, which the ATen bridge copies)."""
+        op = _operator(node)
+        if op == f"{OPS_NAMESPACE}::linear" and len(node.outputs) == 3 and node.inputs[0] in keep:
+            variant, drop = "linear_keep_input", {1}
+        elif op == f"{OPS_NAMESPACE}::attention" and len(node.outputs) == 5 and all(v in keep for v in node.inputs[:3]):
+            variant, drop = "attention_keep_inputs", {1, 3}
+        else:
+            return
+        new = ir.node(
+            "ATen",
+            list(node.inputs),
+            attributes={"operator": f"{OPS_NAMESPACE}::{variant}", "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=len(node.outputs) - len(drop),
+            name=node.name,
+        )
+        graph.insert_before(node, new)
+        kept = [o for i, o in enumerate(node.outputs) if i not in drop]
+        for old, value in zip(kept, new.outputs):
+            value.dtype, value.shape = old.dtype, old.shape
+            name = old.name
+            old.replace_all_uses_with(value, replace_graph_outputs=True)
+            old.name = None
+            value.name = name
+        graph.remove(node, safe=True)
 
     def _gelu(self, graph: ir.Graph, node: ir.Node) -> None:
         approximate = _GELU[_operator(node)]
