@@ -13,7 +13,7 @@ from, or checked against, these declarations:
 * ``NativeCPUKernelsPass`` dispatches on :attr:`Kernel.replaces`, counts per declared kernel, and
   types the outputs from the signature.
 
-Signature characters: ``f`` float32 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
+Signature characters: ``f`` float32 tensor, ``h`` bfloat16 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
 ``I`` int64 scalar (0-d); ``?`` after a character makes that input optional (it may be absent);
 inputs and outputs are separated by ``>``.
 
@@ -67,7 +67,7 @@ class KernelTableError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ kernels
-_TENSOR_CHARS = {"f": "float32", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
+_TENSOR_CHARS = {"f": "float32", "h": "bfloat16", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
 
 
 def parse_signature(signature: str) -> tuple[list[tuple[str, bool]], list[str]]:
@@ -114,6 +114,8 @@ class Kernel:
         gradient: its gradient, or None for a backward kernel.
         replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
         rewrite: the pass's method that performs that rewrite.
+        variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
+            pass: ``passes/half_values.py``) instead of a rewrite of its own.
     """
 
     name: str
@@ -122,6 +124,7 @@ class Kernel:
     gradient: KernelGradient | None = None
     replaces: tuple[str, ...] = ()
     rewrite: str | None = None
+    variant_of: str | None = None
 
     @property
     def inputs(self) -> list[tuple[str, bool]]:
@@ -133,8 +136,8 @@ class Kernel:
 
     @property
     def dtypes(self) -> tuple[str, ...]:
-        """The float dtypes it computes in (float32 only, for every kernel so far)."""
-        return ("float32",)
+        """The float dtypes it reads or writes (it computes in float32; ``h``: bfloat16 tensors)."""
+        return ("float32", "bfloat16") if "h" in self.signature else ("float32",)
 
 
 def _grad(backward: str, inputs: Sequence[str], outputs: Sequence[str], stop: Sequence[int] = ()) -> KernelGradient:
@@ -175,6 +178,19 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_layer_norm",
     ),
     Kernel("layer_norm_backward", "fffffI>fff", "dy, x, weight, mean, rstd, axis -> dx, dweight, dbias"),
+    Kernel(
+        "layer_norm_bf16",
+        "fff?FI>hff",
+        "layer_norm with y rounded to bfloat16 (read only by bf16 GEMMs, which round it anyway)",
+        _grad(
+            "layer_norm_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        variant_of="layer_norm",
+    ),
+    Kernel("layer_norm_bf16_backward", "hffffI>fff", "layer_norm_backward with dy in bfloat16"),
     Kernel(
         "embedding",
         "fi>f",

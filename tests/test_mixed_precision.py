@@ -39,15 +39,16 @@ def autocast(dtype: torch.dtype):
 
 def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool = True) -> None:
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
-    recompute); the float32 route has none."""
+    recompute); the float32 route has none. (A linear whose input is bf16 in the graph is the
+    ``linear_keep_input`` variant: passes/half_values.py.)"""
     counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
         assert not counts and "HalfMatMulOnCPUPass" not in modified, counts
         return
     assert "HalfMatMulOnCPUPass" in modified
-    for name in (op, f"{op}_bf16_backward") if backward else (op,):
-        assert counts.get(f"ortwrap_ops::{name}", 0) > 0, counts
+    forward = counts.get(f"ortwrap_ops::{op}", 0) + counts.get(f"ortwrap_ops::{op}_keep_input", 0)
+    assert forward > 0 and (not backward or counts.get(f"ortwrap_ops::{op}_bf16_backward", 0) > 0), counts
     assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
 
 

@@ -15,6 +15,9 @@ graph eager's dtypes back on such chains:
 - ortwrap's GELU kernel (float32) on such a value, whose result only GEMMs read (through layout
   ops), becomes PyTorch's bf16 GELU (``ortwrap_ops::gelu``, as eager's), with
   ``aten::gelu_backward`` as its gradient;
+- ortwrap's LayerNorm kernel whose result only GEMMs read becomes ``layer_norm_bf16``: the same
+  float32 computation, its result written rounded to bf16 (the GEMM rounded it so before), and
+  its backward reads the incoming gradient in bf16 (``registry.KERNELS``);
 - each GEMM's ``dtypes`` argument then names the dtypes of its result and inputs, so that it
   returns its result in bf16 where the graph keeps it, and its backward each input's gradient in
   that input's dtype; a linear whose x (an attention whose q, k^T, v) is now bf16 becomes the
@@ -63,6 +66,8 @@ _OPERANDS = {
 }
 #: ortwrap's float32 GELU kernels -> ``ortwrap_ops::gelu``'s ``approximate`` (0: erf, 1: tanh)
 _GELU = {"ortwrap_cpu::gelu": 0, "ortwrap_cpu::gelu_tanh": 1}
+#: ortwrap's LayerNorm kernel, and its variant whose y is bf16 (``registry.KERNELS``)
+_LAYER_NORM, _LAYER_NORM_BF16 = "ortwrap_cpu::layer_norm", "ortwrap_cpu::layer_norm_bf16"
 
 
 def _operator(node: ir.Node) -> str | None:
@@ -88,16 +93,16 @@ def _layout_inputs(node: ir.Node) -> list[ir.Value] | None:
 class HalfValuesOnCPUPass(ir.passes.InPlacePass):
     """Keep bf16 the values between ortwrap's bf16 GEMMs (see the module docstring).
 
-    ``narrowed`` counts the values made bf16, ``gelus`` the GELUs moved to PyTorch's bf16 kernel.
+    ``narrowed`` counts the values made bf16, ``gelus`` the GELUs moved to PyTorch's bf16 kernel,
+    ``layer_norms`` the LayerNorms whose result is written in bf16.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.narrowed = 0
-        self.gelus = 0
+        self.narrowed = self.gelus = self.layer_norms = 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.narrowed = self.gelus = 0
+        self.narrowed = self.gelus = self.layer_norms = 0
         graph = model.graph
         if not any(_gemm(n) for n in graph):
             return ir.passes.PassResult(model, modified=False)
@@ -115,6 +120,9 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         for node in list(graph):
             if _operator(node) in _GELU and node.outputs[0] in keep:
                 self._gelu(graph, node)
+            elif _operator(node) == _LAYER_NORM and node.outputs[0] in keep:
+                node.attributes["operator"] = ir.AttrString("operator", _LAYER_NORM_BF16)
+                self.layer_norms += 1
         return ir.passes.PassResult(model, modified=True)
 
     @staticmethod
@@ -134,6 +142,8 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
                         exact[out] = all(exact[v] for v in inputs)
                 continue
             if _operator(node) in _GELU and exact.get(node.inputs[0]) is True:
+                exact[node.outputs[0]] = False
+            elif _operator(node) == _LAYER_NORM and node.outputs[0].dtype == ir.DataType.FLOAT:
                 exact[node.outputs[0]] = False
         return exact
 
