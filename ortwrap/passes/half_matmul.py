@@ -17,8 +17,10 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
 - any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
   ``ortwrap_ops::matmul(a, b)``.
 
-Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
-``HalfPrecisionOnCPUPass`` then makes its inputs and first output float32 like everything else's.
+Each op's last input, ``dtypes``, names its compute dtype (bfloat16), its result's dtype and each
+float input's (float32 here: ``HalfPrecisionOnCPUPass`` then makes its inputs and first output
+float32 like everything else's; ``HalfValuesOnCPUPass``, later, makes those bf16 again where eager
+has bf16 values between bf16 ops, ``passes/half_values.py``).
 The op casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the
 bf16 GEMM and returns the result rounded to bf16, as eager autocast's is, widened to float32 for
 the elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32). In a training graph
@@ -302,14 +304,14 @@ class _Builder:
         return const.outputs[0]
 
     def aten(self, op: str, inputs: list[ir.Value | None], out: ir.Value, n_outputs: int) -> ir.Node:
-        """The node computing ``op`` on ``inputs`` in bf16 (the dtype is its last input, as the
-        ATen bridge encodes a ScalarType: torch's code); its first output replaces ``out``. In a
+        """The node computing ``op`` on ``inputs`` in bf16 (its last input, ``dtypes``, holds torch's
+        ScalarType codes: compute, result, each float input); its first output replaces ``out``. In a
         training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
         operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
         name = out.name
         if self.dtype == _BF16:
             # [compute, result, each float input]: float32 but the compute dtype, as
-            # ``HalfPrecisionOnCPUPass`` leaves them (``HalfValuesPass`` may make some bf16)
+            # ``HalfPrecisionOnCPUPass`` leaves them (``HalfValuesOnCPUPass`` may make some bf16)
             codes = [_TORCH_BFLOAT16, _TORCH_FLOAT] + [_TORCH_FLOAT] * (2 if op == MATMUL else 3)
             args = [*inputs, self.constant(np.array(codes, dtype=np.int64), "dtypes")]
         else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
