@@ -13,7 +13,7 @@ from, or checked against, these declarations:
 * ``NativeCPUKernelsPass`` dispatches on :attr:`Kernel.replaces`, counts per declared kernel, and
   types the outputs from the signature.
 
-Signature characters: ``f`` float32 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
+Signature characters: ``f`` float32 tensor, ``h`` bfloat16 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
 ``I`` int64 scalar (0-d); ``?`` after a character makes that input optional (it may be absent);
 inputs and outputs are separated by ``>``.
 
@@ -67,7 +67,7 @@ class KernelTableError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ kernels
-_TENSOR_CHARS = {"f": "float32", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
+_TENSOR_CHARS = {"f": "float32", "h": "bfloat16", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
 
 
 def parse_signature(signature: str) -> tuple[list[tuple[str, bool]], list[str]]:
@@ -114,6 +114,8 @@ class Kernel:
         gradient: its gradient, or None for a backward kernel.
         replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
         rewrite: the pass's method that performs that rewrite.
+        variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
+            pass: ``passes/half_values.py``) instead of a rewrite of its own.
     """
 
     name: str
@@ -122,6 +124,7 @@ class Kernel:
     gradient: KernelGradient | None = None
     replaces: tuple[str, ...] = ()
     rewrite: str | None = None
+    variant_of: str | None = None
 
     @property
     def inputs(self) -> list[tuple[str, bool]]:
@@ -133,8 +136,8 @@ class Kernel:
 
     @property
     def dtypes(self) -> tuple[str, ...]:
-        """The float dtypes it computes in (float32 only, for every kernel so far)."""
-        return ("float32",)
+        """The float dtypes it reads or writes (it computes in float32; ``h``: bfloat16 tensors)."""
+        return ("float32", "bfloat16") if "h" in self.signature else ("float32",)
 
 
 def _grad(backward: str, inputs: Sequence[str], outputs: Sequence[str], stop: Sequence[int] = ()) -> KernelGradient:
@@ -175,6 +178,19 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_layer_norm",
     ),
     Kernel("layer_norm_backward", "fffffI>fff", "dy, x, weight, mean, rstd, axis -> dx, dweight, dbias"),
+    Kernel(
+        "layer_norm_bf16",
+        "fff?FI>hff",
+        "layer_norm with y rounded to bfloat16 (read only by bf16 GEMMs, which round it anyway)",
+        _grad(
+            "layer_norm_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        variant_of="layer_norm",
+    ),
+    Kernel("layer_norm_bf16_backward", "hffffI>fff", "layer_norm_backward with dy in bfloat16"),
     Kernel(
         "embedding",
         "fi>f",
@@ -886,32 +902,89 @@ def _squeeze_ones(x, dims: list[int]):
     return x.squeeze(dims)
 
 
-def _linear(x, w, b, dtype):
-    """``F.linear`` computed in ``dtype`` (a bf16 GEMM): the result, rounded to ``dtype`` and returned
-    in x's dtype, then the copies of x and w in ``dtype`` (what the backward reads)."""
-    import torch.nn.functional as F
-
-    xc, wc = x.to(dtype), w.to(dtype)
-    return F.linear(xc, wc, None if b is None else b.to(dtype)).to(x.dtype), xc, wc
+#: torch's ScalarType codes of the float dtypes (``bridge/aten.py`` ``_SCALAR_TYPES``)
+_FLOAT_CODES = {5: "float16", 6: "float32", 7: "float64", 15: "bfloat16"}
 
 
-def _matmul(a, b, dtype):
-    """``torch.matmul`` computed in ``dtype``: the result in a's dtype, then the copies of a and b."""
+def _dtypes(codes) -> list:
+    """The torch dtypes named by a ``dtypes`` argument (torch's ScalarType codes)."""
     import torch
 
-    ac, bc = a.to(dtype), b.to(dtype)
-    return torch.matmul(ac, bc).to(a.dtype), ac, bc
+    return [getattr(torch, _FLOAT_CODES[int(c)]) for c in codes]
 
 
-def _attention(q, kt, v, mask, scale: float, dtype):
-    """Softmax attention (PyTorch's CPU flash attention) computed in ``dtype`` from q, k^T and v:
-    the output in q's dtype, then what the backward reads: the operands in ``dtype`` (k, not k^T),
-    the output in ``dtype`` and the log-sum-exp."""
+def _saved(x, dtype):
+    """``x`` in ``dtype`` for the backward. A tensor already in it is returned as it is: the ATen
+    bridge copies a result that shares an input's memory (ORT owns the input)."""
+    return x.to(dtype)
+
+
+def _linear(x, w, b, dtypes: list[int]):
+    """``F.linear`` computed in ``dtypes[0]`` (a bf16 GEMM): the result, rounded to that dtype and
+    returned in ``dtypes[1]``, then the copies of x and w in the compute dtype (what the backward
+    reads). ``dtypes``: torch's ScalarType codes of [compute, result, x, w, b]; the backward returns
+    each input's gradient in its dtype (``passes/half_values.py`` keeps some of them bf16)."""
+    import torch.nn.functional as F
+
+    compute, result = _dtypes(dtypes[:2])
+    xc, wc = _saved(x, compute), _saved(w, compute)
+    return F.linear(xc, wc, None if b is None else b.to(compute)).to(result), xc, wc
+
+
+def _matmul(a, b, dtypes: list[int]):
+    """``torch.matmul`` computed in ``dtypes[0]``: the result in ``dtypes[1]``, then the copies of a
+    and b. ``dtypes``: [compute, result, a, b] (torch's codes)."""
+    import torch
+
+    compute, result = _dtypes(dtypes[:2])
+    ac, bc = _saved(a, compute), _saved(b, compute)
+    return torch.matmul(ac, bc).to(result), ac, bc
+
+
+def _attention(q, kt, v, mask, scale: float, dtypes: list[int]):
+    """Softmax attention (PyTorch's CPU flash attention) computed in ``dtypes[0]`` from q, k^T and
+    v: the output in ``dtypes[1]``, then what the backward reads with it: the operands in the
+    compute dtype (k, not k^T) and the log-sum-exp. ``dtypes``: [compute, result, q, kt, v]."""
     from ._compat.torch import flash_attention_cpu
 
-    qc, kc, vc = q.to(dtype), kt.to(dtype).transpose(-1, -2).contiguous(), v.to(dtype)
+    compute, result = _dtypes(dtypes[:2])
+    qc, kc, vc = _saved(q, compute), kt.to(compute).transpose(-1, -2).contiguous(), _saved(v, compute)
     out, lse = flash_attention_cpu()[0](qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale)
-    return out.to(q.dtype), qc, kc, vc, out, lse
+    return out.to(result), qc, kc, vc, lse
+
+
+def _linear_keep_input(x, w, b, dtypes: list[int]):
+    """:func:`_linear` of an ``x`` already in the compute dtype (``passes/half_values.py``): the
+    result and w's copy; the backward reads x itself (a returned x would be copied: see ``_saved``)."""
+    y, _, wc = _linear(x, w, b, dtypes)
+    return y, wc
+
+
+def _attention_keep_inputs(q, kt, v, mask, scale: float, dtypes: list[int]):
+    """:func:`_attention` of q, k^T and v already in the compute dtype: the result, k (contiguous)
+    and the log-sum-exp; the backward reads q and v themselves."""
+    out, _, kc, _, lse = _attention(q, kt, v, mask, scale, dtypes)
+    return out, kc, lse
+
+
+def _attention_bf16_backward(
+    grad, qc, kc, vc, out, lse, mask, scale: float, dtypes: list[int], output_mask: list[bool]
+):
+    """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward) in the inputs'
+    dtypes; ``out`` is the forward's result (in the compute dtype exactly, whatever its dtype)."""
+    import torch
+
+    from ._compat.torch import flash_attention_cpu
+
+    types = _dtypes(dtypes[2:5])
+    dq, dk, dv = flash_attention_cpu()[1](
+        grad.to(qc.dtype), qc, kc, vc, out.to(qc.dtype), lse, 0.0, False, attn_mask=mask, scale=scale
+    )
+    return (
+        dq.to(types[0]) if output_mask[0] else torch.empty(0, dtype=types[0]),
+        dk.transpose(-1, -2).to(types[1]).contiguous() if output_mask[1] else torch.empty(0, dtype=types[1]),
+        dv.to(types[2]) if output_mask[2] else torch.empty(0, dtype=types[2]),
+    )
 
 
 def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool], causal=False):
@@ -929,6 +1002,20 @@ def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_m
         dk.transpose(-1, -2).to(grad.dtype).contiguous() if output_mask[1] else empty,
         dv.to(grad.dtype) if output_mask[2] else empty,
     )
+
+
+def _gelu(x, approximate: int):
+    """``F.gelu`` in x's dtype (PyTorch's bf16 kernel for the bf16 values of ``passes/half_values.py``)."""
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh" if approximate else "none")
+
+
+def _gelu_backward(grad, x, approximate: int, output_mask: list[bool]):
+    """dx of :func:`_gelu` (PyTorch's ``gelu_backward``), in x's dtype."""
+    import torch
+
+    return [torch.ops.aten.gelu_backward(grad.to(x.dtype), x, approximate="tanh" if approximate else "none")]
 
 
 def _linear_f32(x, w, b):
@@ -1034,15 +1121,56 @@ def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
     return da, db
 
 
+def _linear_bf16_backward(grad, xc, wc, dtypes: list[int], output_mask: list[bool]):
+    """:func:`_linear_backward` of :func:`_linear`: each gradient in its input's dtype (``dtypes``
+    [compute, result, x, w, b])."""
+    types = _dtypes(dtypes[2:5])
+    return tuple(g.to(t) for g, t in zip(_linear_backward(grad, xc, wc, output_mask), types))
+
+
+def _matmul_bf16_backward(grad, ac, bc, dtypes: list[int], output_mask: list[bool]):
+    """:func:`_matmul_backward` of :func:`_matmul`: each gradient in its input's dtype."""
+    types = _dtypes(dtypes[2:4])
+    return tuple(g.to(t) for g, t in zip(_matmul_backward(grad, ac, bc, output_mask), types))
+
+
 _OPS = {
     "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
     "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
-    "linear": ("linear(Tensor x, Tensor w, Tensor? b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _linear),
-    "matmul": ("matmul(Tensor a, Tensor b, ScalarType dtype) -> (Tensor, Tensor, Tensor)", _matmul),
+    "linear": ("linear(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _linear),
+    "matmul": ("matmul(Tensor a, Tensor b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _matmul),
     "attention": (
-        "attention(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, ScalarType dtype) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "attention(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         _attention,
+    ),
+    "linear_keep_input": (
+        "linear_keep_input(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor)",
+        _linear_keep_input,
+    ),
+    "attention_keep_inputs": (
+        "attention_keep_inputs(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
+        "-> (Tensor, Tensor, Tensor)",
+        _attention_keep_inputs,
+    ),
+    "attention_bf16_backward": (
+        "attention_bf16_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
+        "float scale, int[] dtypes, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_bf16_backward,
+    ),
+    "linear_bf16_backward": (
+        "linear_bf16_backward(Tensor grad, Tensor xc, Tensor wc, int[] dtypes, bool[3] output_mask) "
+        "-> (Tensor, Tensor, Tensor)",
+        _linear_bf16_backward,
+    ),
+    "matmul_bf16_backward": (
+        "matmul_bf16_backward(Tensor grad, Tensor ac, Tensor bc, int[] dtypes, bool[2] output_mask) -> (Tensor, Tensor)",
+        _matmul_bf16_backward,
+    ),
+    "gelu": ("gelu(Tensor x, int approximate) -> Tensor", _gelu),
+    "gelu_backward": (
+        "gelu_backward(Tensor grad, Tensor x, int approximate, bool[1] output_mask) -> Tensor[]",
+        _gelu_backward,
     ),
     "attention_backward": (
         "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
@@ -1092,28 +1220,49 @@ _OPS = {
 OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
 
-#: ortwrap ops that compute in the dtype their last argument names, on inputs of one float dtype
-#: (their first output has it too; the others are the inputs' copies in the compute dtype).
-DTYPE_ARGUMENT_OPS = frozenset({f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention")})
+#: ortwrap ops that compute in the dtype their last argument, ``dtypes``, names first (torch's
+#: ScalarType codes: [compute, result, each float input]), on inputs of any float dtype: their first
+#: output has the result dtype, the others are what the backward reads (the inputs' copies in the
+#: compute dtype), and the backward returns each input's gradient in that input's dtype.
+DTYPE_ARGUMENT_OPS = frozenset(
+    f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention", "linear_keep_input", "attention_keep_inputs")
+)
 #: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
 #: last argument, ``output_mask``, is filled from the gradients the graph uses
 #: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops; their backward
-#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``);
+#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``)
+#: and the forward's ``dtypes``; ``passes/half_values.py`` writes ``ortwrap_ops::gelu`` (bf16);
 #: that of the ``*_f32`` ops (float32, ``Options.gemm``) reads the forward's inputs (``I(0)``, ``I(1)``).
 TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
     f"{OPS_NAMESPACE}::linear": _grad(
-        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]
+        f"{OPS_NAMESPACE}::linear_bf16_backward",
+        ["GO(0)", "O(1)", "O(2)", "I(3)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3],
     ),
-    f"{OPS_NAMESPACE}::matmul": _grad(
-        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "O(1)", "O(2)"], ["GI(0)", "GI(1)"], stop=[2]
+    f"{OPS_NAMESPACE}::linear_keep_input": _grad(
+        f"{OPS_NAMESPACE}::linear_bf16_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(3)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3],
     ),
-    f"{OPS_NAMESPACE}::attention": _grad(
-        f"{OPS_NAMESPACE}::attention_backward",
-        ["GO(0)", "O(1)", "O(2)", "O(3)", "O(4)", "O(5)", "I(3)", "I(4)"],
+    f"{OPS_NAMESPACE}::attention_keep_inputs": _grad(
+        f"{OPS_NAMESPACE}::attention_bf16_backward",
+        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)", "I(5)"],
         ["GI(0)", "GI(1)", "GI(2)"],
         stop=[3, 4, 5],
     ),
+    f"{OPS_NAMESPACE}::matmul": _grad(
+        f"{OPS_NAMESPACE}::matmul_bf16_backward", ["GO(0)", "O(1)", "O(2)", "I(2)"], ["GI(0)", "GI(1)"], stop=[2]
+    ),
+    f"{OPS_NAMESPACE}::attention": _grad(
+        f"{OPS_NAMESPACE}::attention_bf16_backward",
+        ["GO(0)", "O(1)", "O(2)", "O(3)", "O(0)", "O(4)", "I(3)", "I(4)", "I(5)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3, 4, 5],
+    ),
+    f"{OPS_NAMESPACE}::gelu": _grad(f"{OPS_NAMESPACE}::gelu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
     f"{OPS_NAMESPACE}::linear_f32": _grad(
         f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[]
     ),

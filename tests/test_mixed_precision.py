@@ -39,15 +39,16 @@ def autocast(dtype: torch.dtype):
 
 def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool = True) -> None:
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
-    recompute); the float32 route has none."""
+    recompute); the float32 route has none. (A linear whose input is bf16 in the graph is the
+    ``linear_keep_input`` variant: passes/half_values.py.)"""
     counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
         assert not counts and "HalfMatMulOnCPUPass" not in modified, counts
         return
     assert "HalfMatMulOnCPUPass" in modified
-    for name in (op, f"{op}_backward") if backward else (op,):
-        assert counts.get(f"ortwrap_ops::{name}", 0) > 0, counts
+    forward = counts.get(f"ortwrap_ops::{op}", 0) + counts.get(f"ortwrap_ops::{op}_keep_input", 0)
+    assert forward > 0 and (not backward or counts.get(f"ortwrap_ops::{op}_bf16_backward", 0) > 0), counts
     assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
 
 
@@ -183,15 +184,23 @@ def test_tiny_gpt_under_autocast(route, recompute):
         wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
-    # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants)
+    # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants);
+    # on the native route, between two bf16 GEMMs, it is PyTorch's bf16 GELU (passes/half_values.py)
     graph = next(iter(w.programs())).graph.model().graph
     operators = {a.s.decode() for n in graph.node for a in n.attribute if a.name == "operator"}
-    assert "ortwrap_cpu::gelu" in operators, sorted(operators)
-    if route == "native":
-        from parity import EXPORTER
+    gelu = "ortwrap_ops::gelu" if route == "native" else "ortwrap_cpu::gelu"
+    assert gelu in operators and f"{gelu}_backward" in operators, sorted(operators)
+    from parity import EXPORTER
 
+    if route == "native" and EXPORTER == "dynamo":  # the head reshapes read and write bf16, as in eager
+        bf16 = {v.name for v in graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16}
+        layout = [n for n in graph.node if n.op_type in ("Transpose", "Split", "Concat") and n.output[0] in bf16]
+        assert len(layout) >= 4, sorted(bf16)
+    if route == "native":
         if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
-            assert_route(w, route, op="attention")
+            # q, k^T, v reach attention in bf16: the variant whose backward reads them, not copies
+            assert_route(w, route, op="attention_keep_inputs", backward=False)
+            assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
 
 
 class BatchedMatMuls(nn.Module):
@@ -379,8 +388,8 @@ def test_fuse_initializers_remakes_a_copy_when_the_weight_changes():
 
 # ------------------------------------------------------------------ the native route's rewrite, as ONNX text
 def _aten_ops(model) -> list[tuple[str, list[str], int]]:
-    """(operator, tensor inputs, compute dtype) of each ATen node; the dtype is the last input, a
-    Constant holding torch's ScalarType code."""
+    """(operator, tensor inputs, compute dtype) of each ATen node; the dtypes are the last input, a
+    Constant holding torch's ScalarType codes (compute, result, each float input)."""
     constants = {
         n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"
     }
@@ -388,7 +397,7 @@ def _aten_ops(model) -> list[tuple[str, list[str], int]]:
         (
             next(a.s.decode() for a in n.attribute if a.name == "operator"),
             list(n.input[:-1]),
-            int(constants[n.input[-1]]),
+            int(constants[n.input[-1]][0]),
         )
         for n in model.graph.node
         if n.op_type == "ATen"
@@ -456,7 +465,7 @@ def test_half_matmul_pass_writes_attention():
     assert result.modified and p.rewritten == {"linear": 0, "matmul": 0, "attention": 1}
     assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast", "Where")] == ["ATen"]
     node = next(n for n in after.graph.node if n.op_type == "ATen")
-    assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 6
+    assert list(node.input[:4]) == ["q", "kt", "v", "mask"] and len(node.output) == 5
     constants = {
         n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
     }
@@ -511,6 +520,74 @@ def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
     assert ops == ["ATen", "Relu", "Cast"], ops
     assert _aten_ops(after) == [("ortwrap_ops::linear", ["x", "w", ""], 15)]
     assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+
+
+_TWO_LINEARS = """
+    agraph (float[4, 8] x, float[16, 8] w1, float[16] b1, float[8, 16] w2) => (float[4, 8] y{extra_out}) {{
+        xh = Cast <to = 16> (x)
+        w1h = Cast <to = 16> (w1)
+        w1t = Transpose <perm = [1, 0]> (w1h)
+        b1h = Cast <to = 16> (b1)
+        m1 = MatMul (xh, w1t)
+        h = Add (m1, b1h)
+        shape = Constant <value = int64[2] {{4, 16}}> ()
+        hr = Reshape (h, shape)
+        w2h = Cast <to = 16> (w2)
+        w2t = Transpose <perm = [1, 0]> (w2h)
+        m2 = MatMul (hr, w2t)
+        y = Cast <to = 1> (m2){extra}
+    }}
+"""
+
+
+@pytest.mark.parametrize("read_twice", [False, True], ids=["chain", "read-twice"])
+def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
+    """After the native route's passes, the first GEMM's result and its Reshape are bf16 (the
+    second GEMM narrows them anyway) and the GEMMs' dtypes say so; a result that two nodes read
+    (their gradients would be summed in bf16) stays float32."""
+    import onnx_ir as ir
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
+    from ortwrap.passes.half_values import HalfValuesOnCPUPass
+
+    extra = "\n        r = Relu (h)" if read_twice else ""
+    body = _TWO_LINEARS.format(extra=extra, extra_out=", bfloat16[4, 16] r" if read_twice else "")
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
+    last = HalfValuesOnCPUPass()
+    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass(), last):
+        model = p(model).model
+    after = ir.serde.serialize_model(model)
+    constants = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
+    }
+    gemms = [n for n in after.graph.node if n.op_type == "ATen"]
+    dtypes = [constants[n.input[-1]].tolist() for n in gemms]
+    types = {v.name: v.type.tensor_type.elem_type for v in after.graph.value_info}
+    if read_twice:
+        assert last.narrowed == 0 and dtypes == [[15, 6, 6, 6, 6]] * 2, dtypes
+        return
+    # [compute, result, x, w, b]: bf16 = 15, float32 = 6
+    assert last.narrowed == 2 and dtypes == [[15, 15, 6, 6, 6], [15, 6, 15, 6, 6]], dtypes
+    reshape = next(n for n in after.graph.node if n.op_type == "Reshape")
+    assert types[reshape.input[0]] == types[reshape.output[0]] == onnx.TensorProto.BFLOAT16
+
+
+@pytest.mark.parametrize("route", ["native"])
+def test_half_values_match_eager_on_a_gelu_mlp(route):
+    """Linear -> GELU -> Linear under autocast: GELU runs as PyTorch's bf16 GELU between the two bf16
+    GEMMs (its input and output bf16, as in eager); loss and every gradient match eager autocast."""
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 48), nn.GELU(), nn.Linear(48, 12), nn.LayerNorm(12), nn.Linear(12, 3))
+
+    w = check_parity(make, mlp_inputs, autocast=autocast(torch.bfloat16), wrap_options={"half_compute": route}, **BF16)
+    assert_route(w, route)
+    graph = next(iter(w.programs())).graph.model().graph
+    operators = {a.s.decode() for n in graph.node for a in n.attribute if a.name == "operator"}
+    assert {"ortwrap_ops::gelu", "ortwrap_ops::gelu_backward"} <= operators, sorted(operators)
 
 
 def test_half_compute_option():

@@ -453,6 +453,56 @@ def test_layer_norm_kernels_match_pytorch(shape, axis):
     torch.testing.assert_close(torch.from_numpy(db), rdb, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(5, 7, 256), (3, 1000), (6, 3)], ids=str)
+def test_layer_norm_bf16_kernels_round_the_float32_ones(shape):
+    """layer_norm_bf16 writes the float32 kernel's y rounded to bf16 (nearest even; NaN stays NaN), and
+    layer_norm_bf16_backward from a bf16 dy gives exactly the float32 backward of that dy widened."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 4 + 2
+    x[0, 0] = float("nan")  # a NaN row: NaN out, in both
+    norm = shape[-1:]
+    w, b = torch.randn(norm, generator=g), torch.randn(norm, generator=g)
+    dy = torch.randn(shape, generator=g) * 3
+    stat = [*shape[:-1], 1]
+    dims = [f"d{i}" for i in range(len(shape))]
+    BF16 = onnx.TensorProto.BFLOAT16
+    consts = [("eps", np.array(1e-5, dtype=np.float32)), ("axis", np.array(-1, dtype=np.int64))]
+    ins = [("x", F32, dims), ("w", F32, list(norm)), ("b", F32, list(norm))]
+    feeds = {"x": x.numpy(), "w": w.numpy(), "b": b.numpy()}
+    y32, mean, rstd = aten_session(
+        "layer_norm", ins, [("y", F32, dims), ("m", F32, None), ("r", F32, None)], consts
+    ).run(None, feeds)
+    sess = aten_session("layer_norm_bf16", ins, [("y", BF16, dims), ("m", F32, None), ("r", F32, None)], consts)
+    y16 = torch.from_dlpack(
+        sess.run_with_ort_values(["y"], {k: ort_value(v) for k, v in feeds.items()})[0]._ortvalue.to_dlpack()
+    )
+    torch.testing.assert_close(y16, torch.from_numpy(y32).bfloat16(), atol=0, rtol=0, equal_nan=True)
+    bins = [("dy", F32, dims), ("x", F32, dims), ("w", F32, list(norm)), ("mean", F32, stat), ("rstd", F32, stat)]
+    bouts = [("dx", F32, dims), ("dw", F32, list(norm)), ("db", F32, list(norm))]
+    bfeeds = {"x": x.numpy(), "w": w.numpy(), "mean": mean, "rstd": rstd}
+    ref = aten_session("layer_norm_backward", bins, bouts, consts[1:]).run(
+        None, {**bfeeds, "dy": dy.bfloat16().float().numpy()}
+    )
+    got = aten_session(
+        "layer_norm_bf16_backward", [("dy", BF16, dims), *bins[1:]], bouts, consts[1:]
+    ).run_with_ort_values(None, {**{k: ort_value(v) for k, v in bfeeds.items()}, "dy": ort_value(dy.bfloat16())})
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(
+            torch.from_dlpack(o._ortvalue.to_dlpack()), torch.from_numpy(r), atol=0, rtol=0, equal_nan=True
+        )
+
+
+def ort_value(t):
+    """An OrtValue of a numpy array or a torch tensor (bf16 included, through DLPack)."""
+    import onnxruntime as ort
+
+    if isinstance(t, np.ndarray):
+        return ort.OrtValue.ortvalue_from_numpy(t)
+    from onnxruntime.capi import _pybind_state as C
+
+    return ort.OrtValue(C.OrtValue.from_dlpack(t.contiguous().__dlpack__(), False))
+
+
 def test_embedding_kernels_match_gather_semantics():
     table = torch.randn(50, 3, 4)
     ids = torch.tensor([[0, 49, -1, -50], [7, 7, 7, 3]])

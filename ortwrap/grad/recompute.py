@@ -150,6 +150,20 @@ class RecomputeReport:
         )
 
 
+_HALF_ELEMS = frozenset({onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16})
+
+
+def _size(src: str, out: str, name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
+    """``Size(src)``; ``ReduceProd(Shape(src))`` for a bf16/fp16 value (the bf16 values between the
+    native route's GEMMs, ``passes/half_values.py``): ORT 1.19.2's CPU ``Size`` has no kernel for them."""
+    if elem.get(src) not in _HALF_ELEMS:
+        return [onnx.helper.make_node("Size", [src], [out], name=name)]
+    return [
+        onnx.helper.make_node("Shape", [src], [f"{out}/shape"], name=f"{name}/Shape"),
+        onnx.helper.make_node("ReduceProd", [f"{out}/shape"], [out], name=name, keepdims=0),
+    ]
+
+
 def _yield_index(nodes: list[onnx.NodeProto]) -> int | None:
     return next((i for i, n in enumerate(nodes) if n.op_type == "YieldOp"), None)
 
@@ -221,6 +235,7 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
     alive until then. Returns the new nodes and ``(node, input index, old, new)`` of each rewiring.
     """
     make = onnx.helper.make_node
+    elem = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
     outputs = {o.name for o in graph.output}
     users: dict[str, set[int]] = {}
     for i, n in enumerate(forward):
@@ -264,7 +279,7 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
         tag = f"ortwrap_order_{seg}"
         total = None
         for k, leaf in enumerate(sorted(leaves)):
-            nodes.append(make("Size", [leaf], [f"{tag}/size_{k}"], name=f"{tag}/Size_{k}"))
+            nodes += _size(leaf, f"{tag}/size_{k}", f"{tag}/Size_{k}", elem)
             if total is None:
                 total = f"{tag}/size_{k}"
             else:
@@ -445,7 +460,7 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
             tag = f"ortwrap_recompute_gate_{seg}"
             total = None
             for k, src in enumerate(sources):
-                nodes.append(make("Size", [src], [f"{tag}/size_{k}"], name=f"{tag}/Size_{k}"))
+                nodes += _size(src, f"{tag}/size_{k}", f"{tag}/Size_{k}", elem)
                 if total is None:
                     total = f"{tag}/size_{k}"
                 else:

@@ -58,7 +58,7 @@ typedef struct DLManagedTensor {
   void (*deleter)(struct DLManagedTensor* self);
 } DLManagedTensor;
 
-enum { kDLCPU = 1, kDLInt = 0, kDLFloat = 2 };
+enum { kDLCPU = 1, kDLInt = 0, kDLFloat = 2, kDLBfloat = 4 };
 #define MAX_DIMS 16
 
 /* ------------------------------------------------------------------------------------------ memory */
@@ -583,10 +583,27 @@ static inline float row_max(const float* restrict v, int64_t m) {
   return mx;
 }
 
+/* bfloat16 <-> float32: round to nearest even, NaN kept a (quiet) NaN, as PyTorch converts. Plain integer
+ * operations, which GCC vectorizes. */
+static inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+static inline float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 typedef struct {
   const float *x, *w, *b, *dy, *mean_in, *rstd_in;
+  const uint16_t* dy16; /* layer_norm_bf16_backward: dy in bfloat16 (dy is then NULL) */
   float *y, *mean, *rstd, *dx;
-  float* partial; /* backward: per part, dw then db (2*m floats) */
+  uint16_t* y16;  /* layer_norm_bf16: y in bfloat16 (y is then NULL) */
+  float* partial; /* backward: per part, dw then db (2*m floats), then a row of dy (m floats) for dy16 */
   int64_t rows, m;
   float eps;
 } LayerNorm;
@@ -606,6 +623,15 @@ static void layer_norm_part(void* p, int part, int parts) {
     float rstd = 1.0f / sqrtf(var + L->eps);
     L->mean[r] = mean;
     L->rstd[r] = rstd;
+    if (L->y16 != NULL) {
+      uint16_t* restrict y16 = L->y16 + r * m;
+      if (bias != NULL) {
+        for (int64_t i = 0; i < m; ++i) y16[i] = to_bf16((x[i] - mean) * rstd * w[i] + bias[i]);
+      } else {
+        for (int64_t i = 0; i < m; ++i) y16[i] = to_bf16((x[i] - mean) * rstd * w[i]);
+      }
+      continue;
+    }
     if (bias != NULL) {
       for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * rstd * w[i] + bias[i];
     } else {
@@ -620,13 +646,19 @@ static void layer_norm_backward_part(void* p, int part, int parts) {
   split(L->rows, part, parts, &b, &end);
   const int64_t m = L->m;
   const float* restrict w = L->w;
-  float* restrict dw = L->partial + (int64_t)part * 2 * m;
+  const int64_t stride = L->dy16 != NULL ? 3 * m : 2 * m;
+  float* restrict dw = L->partial + (int64_t)part * stride;
   float* restrict db = dw + m;
+  float* restrict row = db + m; /* dy16's row in float32 */
   memset(dw, 0, sizeof(float) * 2 * (size_t)m);
   const float inv_m = 1.0f / (float)m;
   for (int64_t r = b; r < end; ++r) {
     const float* restrict x = L->x + r * m;
-    const float* restrict dy = L->dy + r * m;
+    if (L->dy16 != NULL) {
+      const uint16_t* restrict h = L->dy16 + r * m;
+      for (int64_t i = 0; i < m; ++i) row[i] = from_bf16(h[i]);
+    }
+    const float* restrict dy = L->dy16 != NULL ? row : L->dy + r * m;
     float* restrict dx = L->dx + r * m;
     const float mean = L->mean_in[r], rstd = L->rstd_in[r];
     float s1[LANES] = {0}, s2[LANES] = {0};
@@ -688,8 +720,9 @@ static int scalar_i64(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, co
   return 0;
 }
 
-/* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s) */
-static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+/* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s);
+ * layer_norm_bf16: the same with y rounded to bfloat16 (the native bf16 route, passes/half_values.py) */
+static int layer_norm_op(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out, int bf16) {
   FLOAT_IN(0, "x", x);
   FLOAT_IN(1, "weight", w);
   DLTensor* b = NULL;
@@ -704,7 +737,7 @@ static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_ou
   int64_t stat_shape[MAX_DIMS];
   if (axis < 0) axis += x->ndim;
   for (int i = 0; i < x->ndim; ++i) stat_shape[i] = i < axis ? x->shape[i] : 1;
-  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  DLManagedTensor* y = bf16 ? new_tensor(x->ndim, x->shape, kDLBfloat, 16) : new_tensor(x->ndim, x->shape, kDLFloat, 32);
   DLManagedTensor* mean = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
   DLManagedTensor* rstd = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
   if (y == NULL || mean == NULL || rstd == NULL) {
@@ -717,7 +750,8 @@ static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_ou
   L.x = data_of(x);
   L.w = data_of(w);
   L.b = b ? data_of(b) : NULL;
-  L.y = y->dl_tensor.data;
+  if (bf16) L.y16 = y->dl_tensor.data;
+  else L.y = y->dl_tensor.data;
   L.mean = mean->dl_tensor.data;
   L.rstd = rstd->dl_tensor.data;
   L.rows = rows;
@@ -730,9 +764,19 @@ static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_ou
   return 0;
 }
 
-/* layer_norm_backward(dy, x, weight, mean, rstd, axis) -> dx, dweight, dbias */
-static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
-  FLOAT_IN(0, "dy", dy);
+static int op_layer_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return layer_norm_op(c, n_in, in, n_out, out, 0);
+}
+static int op_layer_norm_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return layer_norm_op(c, n_in, in, n_out, out, 1);
+}
+
+/* layer_norm_backward(dy, x, weight, mean, rstd, axis) -> dx, dweight, dbias; layer_norm_bf16_backward: dy in
+ * bfloat16 */
+static int layer_norm_backward_op(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out,
+                                  int bf16) {
+  DLTensor* dy;
+  if (check(c, 0 < n_in ? in[0] : NULL, "dy", bf16 ? kDLBfloat : kDLFloat, bf16 ? 16 : 32, &dy)) return -1;
   FLOAT_IN(1, "x", x);
   FLOAT_IN(2, "weight", w);
   FLOAT_IN(3, "mean", mean);
@@ -748,7 +792,8 @@ static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, si
   DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   DLManagedTensor* dw = new_tensor(w->ndim, w->shape, kDLFloat, 32);
   DLManagedTensor* db = new_tensor(w->ndim, w->shape, kDLFloat, 32);
-  float* partial = (float*)malloc(sizeof(float) * 2 * (size_t)m * (size_t)parts + 64);
+  const size_t stride = (bf16 ? 3 : 2) * (size_t)m;
+  float* partial = (float*)malloc(sizeof(float) * stride * (size_t)parts + 64);
   if (dx == NULL || dw == NULL || db == NULL || partial == NULL) {
     owned_deleter(dx);
     owned_deleter(dw);
@@ -759,7 +804,8 @@ static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, si
   LayerNorm L = {0};
   L.x = data_of(x);
   L.w = data_of(w);
-  L.dy = data_of(dy);
+  if (bf16) L.dy16 = data_of(dy);
+  else L.dy = data_of(dy);
   L.mean_in = data_of(mean);
   L.rstd_in = data_of(rstd);
   L.dx = dx->dl_tensor.data;
@@ -772,7 +818,7 @@ static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, si
   memcpy(dwp, partial, sizeof(float) * (size_t)m);
   memcpy(dbp, partial + m, sizeof(float) * (size_t)m);
   for (int p = 1; p < parts; ++p) {
-    const float* pw = partial + (int64_t)p * 2 * m;
+    const float* pw = partial + (int64_t)p * (int64_t)stride;
     for (int64_t i = 0; i < m; ++i) {
       dwp[i] += pw[i];
       dbp[i] += pw[m + i];
@@ -783,6 +829,13 @@ static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, si
   out[1] = dw;
   out[2] = db;
   return 0;
+}
+static int op_layer_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return layer_norm_backward_op(c, n_in, in, n_out, out, 0);
+}
+static int op_layer_norm_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                       DLManagedTensor** out) {
+  return layer_norm_backward_op(c, n_in, in, n_out, out, 1);
 }
 
 /* ------------------------------------------------------------------------------------------ embedding */
@@ -1086,8 +1139,8 @@ static int op_cross_entropy_backward(Call* c, size_t n_in, DLManagedTensor** in,
 /* ------------------------------------------------------------------------------------------ dispatch */
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
 /* Each kernel's signature, as ortwrap/registry.py declares it (kernels.install compares the two when the library
- * loads): one character per input, then '>' and one per output; f float32 tensor, i int64 tensor, F float32 scalar,
- * I int64 scalar, '?' after an input: it may be absent. */
+ * loads): one character per input, then '>' and one per output; f float32 tensor, h bfloat16 tensor, i int64
+ * tensor, F float32 scalar, I int64 scalar, '?' after an input: it may be absent. */
 static const struct {
   const char* name;
   op_fn fn;
@@ -1099,6 +1152,8 @@ static const struct {
     {"gelu_tanh_backward", op_gelu_tanh_backward, "ff>f"},
     {"layer_norm", op_layer_norm, "fff?FI>fff"},
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
+    {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},
+    {"layer_norm_bf16_backward", op_layer_norm_bf16_backward, "hffffI>fff"},
     {"embedding", op_embedding, "fi>f"},
     {"embedding_backward", op_embedding_backward, "fif>f"},
     {"softmax", op_softmax, "f>f"},

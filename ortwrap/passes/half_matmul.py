@@ -18,8 +18,10 @@ into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
 - any other MatMul of two bf16 tensors of rank >= 2, and ``Gemm(transB=0)`` without a bias:
   ``ortwrap_ops::matmul(a, b)``.
 
-Each op names its compute dtype (bfloat16) as its last input and takes inputs of any float dtype:
-``HalfPrecisionOnCPUPass`` then makes its inputs and first output float32 like everything else's.
+Each op's last input, ``dtypes``, names its compute dtype (bfloat16), its result's dtype and each
+float input's (float32 here: ``HalfPrecisionOnCPUPass`` then makes its inputs and first output
+float32 like everything else's; ``HalfValuesOnCPUPass``, later, makes those bf16 again where eager
+has bf16 values between bf16 ops, ``passes/half_values.py``).
 The op casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``Cast``), runs the
 bf16 GEMM and returns the result rounded to bf16, as eager autocast's is, widened to float32 for
 the elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32). In a training graph
@@ -57,6 +59,7 @@ _BF16 = ir.DataType.BFLOAT16
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
 #: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
 _TORCH_BFLOAT16 = 15
+_TORCH_FLOAT = 6
 LINEAR = f"{OPS_NAMESPACE}::linear"
 ATTENTION = f"{OPS_NAMESPACE}::attention"
 #: float32 only (``attention_causal_f32``): SDPA whose mask is the causal one, as flash attention's ``is_causal``
@@ -202,13 +205,12 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         elif causal is not None:  # flash attention's own causal mode: it skips the masked blocks
             node = b.aten(CAUSAL_ATTENTION, [q, kt, v, scale_value], pv.outputs[0], 3)
         else:
-            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 6 if self.dtype == _BF16 else 3)
+            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 5 if self.dtype == _BF16 else 3)
         if heads is None and self.with_backward and self.dtype != _BF16:  # (out, k, lse)
             node.outputs[1].shape = None
             node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
-        elif heads is None and self.with_backward:
-            node.outputs[4].dtype, node.outputs[4].shape = _BF16, pv.outputs[0].shape
-            node.outputs[5].dtype, node.outputs[5].shape = ir.DataType.FLOAT, None  # the log-sum-exp
+        elif heads is None and self.with_backward:  # (out, q, k, v, lse)
+            node.outputs[4].dtype, node.outputs[4].shape = ir.DataType.FLOAT, None  # the log-sum-exp
             node.outputs[2].shape = None  # k, not k^T
         moved = heads[4] if heads is not None else []
         for move in moved[1:]:  # the moves' Shape readers (sizes for reshapes and masks) read the sources'
@@ -460,13 +462,16 @@ class _Builder:
         return const.outputs[0]
 
     def aten(self, op: str, inputs: list[ir.Value | None], out: ir.Value, n_outputs: int) -> ir.Node:
-        """The node computing ``op`` on ``inputs`` in bf16 (the dtype is its last input, as the
-        ATen bridge encodes a ScalarType: torch's code); its first output replaces ``out``. In a
+        """The node computing ``op`` on ``inputs`` in bf16 (its last input, ``dtypes``, holds torch's
+        ScalarType codes: compute, result, each float input); its first output replaces ``out``. In a
         training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
         operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
         name = out.name
         if self.dtype == _BF16:
-            args = [*inputs, self.constant(np.array(_TORCH_BFLOAT16, dtype=np.int64), "dtype")]
+            # [compute, result, each float input]: float32 but the compute dtype, as
+            # ``HalfPrecisionOnCPUPass`` leaves them (``HalfValuesOnCPUPass`` may make some bf16)
+            codes = [_TORCH_BFLOAT16, _TORCH_FLOAT] + [_TORCH_FLOAT] * (2 if op == MATMUL else 3)
+            args = [*inputs, self.constant(np.array(codes, dtype=np.int64), "dtypes")]
         else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
             # in a linear or matmul (the backward reads the inputs)
             op, args = f"{op}_f32", inputs

@@ -114,7 +114,13 @@ def _is(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in _ONNX and len(node.inputs) == 2
 
 
-_OUTPUT_TYPES = {"f": ir.DataType.FLOAT, "F": ir.DataType.FLOAT, "i": ir.DataType.INT64, "I": ir.DataType.INT64}
+_OUTPUT_TYPES = {
+    "f": ir.DataType.FLOAT,
+    "h": ir.DataType.BFLOAT16,
+    "F": ir.DataType.FLOAT,
+    "i": ir.DataType.INT64,
+    "I": ir.DataType.INT64,
+}
 
 
 def _aten(b: NodeBuilder, name: str, inputs: list[ir.Value | None], outputs: int) -> ir.Node:
@@ -136,7 +142,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None}  # per forward kernel
+        self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None and k.replaces}  # per rewrite
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite

@@ -25,6 +25,7 @@ from .gelu_unfuse import UnfuseErfGeluPass
 from .grouped_conv import GroupedConvGradPass
 from .half_matmul import HalfMatMulOnCPUPass
 from .half_precision import HalfPrecisionOnCPUPass
+from .half_values import HalfValuesOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
 from .native_cpu_kernels import NativeCPUKernelsPass
@@ -122,6 +123,9 @@ def default_passes(
             if native_kernels:
                 passes.append(NativeCPUKernelsPass())
             passes += [GatherToGatherNDPass(), LinearToGemmPass()]
+    if device_type == "cpu" and native_bf16:
+        # bf16 values between the bf16 GEMMs, as eager keeps them (after ortwrap's GELU kernel is in).
+        passes.append(HalfValuesOnCPUPass())
     if device_type == "cpu":
         # Last of the rewrites: the float64 ops ORT's CPU provider cannot run or differentiate
         # (of the graph as the rewrites above leave it) run as PyTorch ops.
