@@ -97,7 +97,7 @@ def test_recompute_with_dropout_keeps_random_ops():
 def test_recompute_option_validation(monkeypatch):
     with pytest.raises(ValueError, match=r"recompute='all' is invalid; allowed: none, cheap, layers"):
         ORTWrap(torch.nn.Linear(2, 2), recompute="all")
-    assert Options.resolve().recompute == "none"
+    assert Options.resolve().recompute == "cheap"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "layers")
     assert Options.resolve().recompute == "layers"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "yes")
