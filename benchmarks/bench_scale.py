@@ -10,16 +10,17 @@
 
 Prints, from one interleaved run (each step: forward, loss.backward, AdamW step, zero_grad):
 
-- the median step of eager, torch.compile (default mode), ortwrap, ortwrap with ``gemm="torch"``
-  (PyTorch's float32 GEMMs and flash attention inside the graph) and with ``recompute`` (activation
-  recompute), and the ratios to eager;
+- the median step of eager, torch.compile (default mode), ortwrap (its default,
+  ``recompute="cheap"``, ``gemm="ort"``), ortwrap with ``gemm="torch"`` (PyTorch's float32 GEMMs and
+  flash attention inside the graph), with ``recompute="none"`` and with ``recompute="layers"``
+  (activation recompute), and the ratios to eager;
 - the GEMM limit: the time 6 * N * tokens FLOPs take at the best float32 GEMM rate this machine
   reaches on the model's own matmul shapes (each shape of the forward and both backward GEMMs,
   through torch and through ONNX Runtime's MatMul, measured in the same run), and each variant's
   fraction of it (limit / step);
 - the first ortwrap step (build + run) and ortwrap's stage times;
-- the peak RSS (VmHWM) of each variant over three steps, each in its own fresh process
-  (``--no-rss`` skips), and the ratio to eager's.
+- the peak RSS (VmHWM) of each variant over three steps, each in its own fresh process with a
+  cold build (no build cache; ``--no-rss`` skips), and the ratio to eager's.
 
 Run on an otherwise idle machine, and name the CPU (printed from /proc/cpuinfo) with the numbers.
 """
@@ -57,9 +58,9 @@ def cpu_name() -> str:
 
 #: ORTWrap options of the ortwrap variants.
 ORTWRAP_VARIANTS = {
-    "ortwrap": {},  # the default (recompute="none", gemm="ort")
+    "ortwrap": {},  # the default (recompute="cheap", gemm="ort")
     "ortwrap torch-gemm": {"gemm": "torch"},  # float32 GEMMs and attention as PyTorch's (MKL/oneDNN)
-    "ortwrap cheap": {"recompute": "cheap"},
+    "ortwrap none": {"recompute": "none"},
     "ortwrap recompute": {"recompute": "layers"},
 }
 
@@ -156,7 +157,8 @@ if {variant!r} == "compile":
     model = torch.compile(model)
 elif {variant!r} in b.ORTWRAP_VARIANTS:
     from ortwrap import ORTWrap
-    model = ORTWrap(model, fallback=False, **b.ORTWRAP_VARIANTS[{variant!r}])
+    # A cold build (no build cache): a cache hit skips the export and never loads its modules.
+    model = ORTWrap(model, fallback=False, build_cache=False, **b.ORTWRAP_VARIANTS[{variant!r}])
 step = b.step_fn(model, ids, tgt)
 for _ in range({steps}):
     step()
@@ -189,7 +191,7 @@ def main(
         steps["torch.compile"] = step_fn(compiled, ids, tgt)
         steps["torch.compile"]()
         print(f"   torch.compile first step {time.perf_counter() - t0:.1f} s")
-    variants = {k: v for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")}
+    variants = {k: v for k, v in ORTWRAP_VARIANTS.items() if recompute or v.get("recompute") != "layers"}
     variants = {k: v for k, v in variants.items() if not only or k in only}
     for name, options in variants.items():
         ours = ORTWrap(copy.deepcopy(eager), fallback=False, **options)
@@ -224,7 +226,7 @@ def rss_report(
     """Peak RSS of each variant, each in its own fresh process (3 steps); printed and returned."""
     s = dict(SIZES[size], **({"batch": batch_size} if batch_size else {}))
     print(f"\n== peak RSS (VmHWM), each variant in its own process (3 steps): {size} {s}")
-    variants = [k for k, v in ORTWRAP_VARIANTS.items() if recompute or not v.get("recompute")]
+    variants = [k for k, v in ORTWRAP_VARIANTS.items() if recompute or v.get("recompute") != "layers"]
     variants = [k for k in variants if not only or k in only]
     names = ["eager", *variants] + (["compile"] if compile_ else [])
     results = {r["variant"]: r for r in (_rss_child(size, v, 3, batch_size) for v in names)}

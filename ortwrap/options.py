@@ -135,9 +135,9 @@ class Options:
         "the versions: a second process skips export, passes and the gradient build (docs/user-guide.md).",
     )
     recompute: str = _opt(
-        "none",
+        "cheap",
         "ORTWRAP_RECOMPUTE",
-        "Activation recompute, one of none, cheap, layers. 'cheap' (opt-in: a known bug gives wrong gradients for LocalResponseNorm under the TorchScript exporter, see docs/user-guide.md) recomputes in the backward the "
+        "Activation recompute, one of none, cheap, layers. 'cheap' (the default) recomputes in the backward the "
         "stashed activations that a few cheap forward nodes compute from values the backward keeps anyway: the "
         "attention probabilities (from the scaled q and k^T and the mask), the GELU and LayerNorm outputs; about "
         "1% more work, a transformer's activation memory down by ~40%. 'layers' keeps only the residual stream "

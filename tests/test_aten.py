@@ -173,3 +173,38 @@ def test_type_inference_keeps_types_ahead_of_refined_slices():
     typed = {v.name: v.type.tensor_type for v in infer_types(model).graph.value_info}
     assert typed["p"].elem_type == onnx.TensorProto.FLOAT and len(typed["p"].shape.dim) == 3
     assert typed["s"].elem_type == onnx.TensorProto.FLOAT
+
+
+# NOTE: ORT owns the buffers of an ATen node's inputs; its memory planner reuses an input's buffer
+# for a later value once the node has run. A result that is a view of an input (the vjp of a
+# reshape, an unsqueeze, ``squeeze_ones``, a clone's identity gradient) would be overwritten while
+# a later node still reads it: recompute="cheap" gave LocalResponseNorm gradients off by tens that
+# way (tests/test_recompute.py::test_recompute_pooled_normalization_torchscript).
+_VJP_CASES = {
+    "squeeze_ones": ("ortwrap_vjp::used=10|ortwrap_ops::squeeze_ones", "", [(2, 4, 3), (2, 1, 4, 3), [1]], 2),
+    "unsqueeze": ("ortwrap_vjp::used=10|unsqueeze", "", [(2, 1, 4), (2, 4), 1], 2),
+    "reshape": ("ortwrap_vjp::used=10|reshape", "", [(8,), (2, 4), [8]], 2),
+    "clone": ("ortwrap_vjp::used=1|clone", "", [(4, 2), (4, 2)], 1),
+    "transpose": ("ortwrap_vjp::used=100|transpose", "int", [(4, 2), (2, 4), 0, 1], 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_VJP_CASES))
+def test_aten_vjp_results_never_share_an_input_buffer(case):
+    """The ATen executor, called as ORT calls it (DLPack in, DLPack out), returns gradients in memory
+    of their own, with PyTorch's values."""
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    from ortwrap.bridge import aten
+
+    op, overload, specs, n_out = _VJP_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=gen) if isinstance(s, tuple) else torch.tensor(s) for s in specs]
+    out = aten._execute(op, overload, tuple(to_dlpack(t) for t in tensors), n_out)
+    assert out is not None
+    grads = [from_dlpack(c) for c in out if c is not None]
+    assert len(grads) == 1
+    inputs = {t.untyped_storage().data_ptr() for t in tensors}
+    assert grads[0].untyped_storage().data_ptr() not in inputs
+    # The values are PyTorch's: the output gradient brought back to the input's shape.
+    torch.testing.assert_close(grads[0], tensors[0].reshape(grads[0].shape) if case != "transpose" else tensors[0].t())

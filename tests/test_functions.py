@@ -190,6 +190,36 @@ def test_apex_scaled_masked_softmax_with_bool_mask_input():
     run_parity(MaskedSelfAttention, inputs, {ScaledMaskedSoftmax: 1})
 
 
+class MaskedSelfAttentionFlat(MaskedSelfAttention):
+    """The attention output flattened to rows before the projection: a ``Reshape`` of a value
+    computed from the Function's output."""
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        probs = ScaledMaskedSoftmax.apply((q @ k.transpose(-1, -2)).unsqueeze(1), mask, self.scale)
+        h = probs.squeeze(1) @ v
+        return self.out(h.reshape(-1, h.shape[-1]))
+
+
+@pytest.mark.usefixtures("exporter")
+@pytest.mark.parametrize("recompute", ["none", "cheap"])
+def test_function_output_shapes_follow_the_inputs(recompute):
+    """The TorchScript exporter records the traced sizes of a PythonOp's outputs, and every value
+    computed from them inherited those numbers. ORT folded the ``Shape`` that the ``Reshape``'s
+    gradient reads into the first step's shape, and the second step (other batch and sequence
+    sizes) failed: 'The input tensor cannot be reshaped to the requested shape. Input shape:{63,8},
+    requested shape:{4,6,8}' (``export.torchscript.forget_traced_shapes``)."""
+
+    def inputs(b, g):
+        s = b + 2
+        x = torch.randn(b, s, 8, generator=g)
+        lengths = torch.randint(1, s + 1, (b,), generator=g)
+        padding = torch.arange(s)[None, None, None, :] >= lengths[:, None, None, None]
+        return (x, padding | torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]), {}
+
+    run_parity(MaskedSelfAttentionFlat, inputs, {ScaledMaskedSoftmax: 1}, wrap_options={"recompute": recompute})
+
+
 # Megatron-LM mpu/mappings.py with a tensor-parallel group of one process: the all-reduces are
 # identities. The all-reduce of the copy's backward is stood in for by a scale (a Python float
 # attribute) so that calling it is visible in the numbers.

@@ -187,7 +187,9 @@ def _encode(result, n_out: int, op: str, inputs: list | None = None) -> tuple:
     if not isinstance(result, (tuple, list)):
         result = (result,)
     # NOTE: a result that shares an input's memory (a view: diagonal, a transpose, an in-place op's
-    # result) is copied: ORT owns the input's buffer and may reuse or free it while the result lives.
+    # result; a vjp's gradient that is a view of its output gradient: reshape, unsqueeze,
+    # squeeze_ones, clone) is copied: ORT owns the input's buffer and may reuse or free it while the
+    # result lives (a vjp's view was overwritten before the next node read it: wrong gradients).
     shared = {t.untyped_storage().data_ptr() for t in inputs or () if isinstance(t, torch.Tensor) and t.numel()}
     if len(result) < n_out:
         raise RuntimeError(f"{op} returned {len(result)} values, the ATen node has {n_out} outputs")
@@ -328,7 +330,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             grads = _vjp(name, overload, tensors, n_out, used)
             if used is not None:  # gradients the graph does not take (see mark_used_outputs)
                 grads = [g if i < len(used) and used[i] == "1" else None for i, g in enumerate(grads)]
-            return _encode(grads, n_out, op)
+            return _encode(grads, n_out, op, tensors)
         if overload.startswith(USED_MARK):  # a backward op with an output mask (mark_used_outputs)
             used = overload[len(USED_MARK) :]
             plan = resolve(op, "")

@@ -148,6 +148,47 @@ def capture_torchscript(
     return TorchScriptCapture(model, adapter, input_names, bridge, list(symbolic_reasons), static_spatial)
 
 
+def forget_traced_shapes(model: onnx.ModelProto) -> bool:
+    """Forget the sizes the exporter traced for PythonOp outputs and every value computed from them.
+
+    The exporter's shape inference cannot see into a ``PythonOp`` (an ``autograd.Function``): it
+    records the traced sizes of its outputs, and every value computed from them inherits those
+    numbers (``[4, 6, 8]`` for a batch of 4 and a sequence of 6) although they change with the
+    inputs. ORT trusts a fully static type: it folds ``Shape`` of such a value into a constant, so
+    the ``Shape`` that a ``Reshape``'s gradient reads came out as the first step's shape and a later
+    step with other input sizes failed (or, where the sizes still fit, reshaped wrongly). The
+    outputs get symbolic dims (``<node>/out<j>_dim<d>``, as ``passes/pythonop_context.py`` names
+    them) and the values downstream lose their shapes: type inference infers them again from the
+    symbolic ones. Returns whether anything changed.
+    """
+    graph = model.graph
+    symbolic: dict[str, str] = {}  # PythonOp output -> the pattern of its dims' names
+    tainted: set[str] = set()
+    for i, node in enumerate(graph.node):
+        if node.domain == "com.microsoft" and node.op_type == "PythonOp":
+            name = node.name or f"PythonOp_{i}"
+            # The context output comes later (AddPythonOpContextPass): output j here is its tensor j.
+            for j, o in enumerate(node.output):
+                if o:
+                    symbolic[o] = f"{name}/out{j}_dim{{}}"
+            tainted.update(o for o in node.output if o)
+        elif any(x in tainted for x in node.input):
+            tainted.update(o for o in node.output if o)
+    changed = False
+    for v in (*graph.value_info, *graph.output):
+        if v.name not in tainted or not v.type.tensor_type.HasField("shape"):
+            continue
+        dims = v.type.tensor_type.shape.dim
+        if v.name in symbolic:
+            for d, dim in enumerate(dims):
+                dim.Clear()
+                dim.dim_param = symbolic[v.name].format(d)
+        else:
+            v.type.tensor_type.ClearField("shape")
+        changed = True
+    return changed
+
+
 def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """The capture as an :class:`ExportedModel`: inputs mapped to the module's parameters and buffers,
     outputs named (the TorchScript exporter already wrote ONNX).
@@ -156,6 +197,7 @@ def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
         ExportError: a graph input is neither a forward input nor a parameter or buffer.
     """
     adapter, model, input_names = capture.adapter, capture.model, capture.input_names
+    forget_traced_shapes(model)
     named_state = state_tensors(adapter)
     state_inputs: dict[str, torch.Tensor] = {}
     for name in [i.name for i in model.graph.input]:

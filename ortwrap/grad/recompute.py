@@ -287,8 +287,10 @@ def _order_backward(graph, forward, backward, producer, data, cut_positions, cut
                 total = f"{tag}/sum_{k}"
         gated = f"{grad}/ortwrap_after_segment_{seg}"
         nodes.append(make("Mul", [total, zero], [f"{tag}/zero"], name=f"{tag}/Mul"))
-        # NOTE: the shape is all zeros ("keep this dimension"), not Shape(grad) + 0: a Shape of a
-        # backward value came out stale when the input shapes changed between steps.
+        # NOTE: the shape is all zeros ("keep this dimension"), not Shape(grad) + 0: one node fewer,
+        # and no Shape that ORT may fold into a constant where a value's type claims static sizes
+        # (how the stale traced sizes downstream of a PythonOp showed up first, before
+        # export.torchscript.forget_traced_shapes).
         nodes.append(
             make(
                 "Constant",
