@@ -155,9 +155,12 @@ _HALF_ELEMS = frozenset({onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT16})
 
 def _size(src: str, out: str, name: str, elem: dict[str, int]) -> list[onnx.NodeProto]:
     """``Size(src)``; ``ReduceProd(Shape(src))`` for a bf16/fp16 value (the bf16 values between the
-    native route's GEMMs, ``passes/half_values.py``): ORT 1.19.2's CPU ``Size`` has no kernel for them."""
-    if elem.get(src) not in _HALF_ELEMS:
+    native route's GEMMs, ``passes/half_values.py``) or one of unknown type: ORT 1.19.2's CPU ``Size``
+    has no kernel for half-precision values."""
+    kind = elem.get(src)
+    if kind is not None and kind not in _HALF_ELEMS:
         return [onnx.helper.make_node("Size", [src], [out], name=name)]
+    # a half-precision value, or one whose type the graph does not record (an output gradient)
     return [
         onnx.helper.make_node("Shape", [src], [f"{out}/shape"], name=f"{name}/Shape"),
         onnx.helper.make_node("ReduceProd", [f"{out}/shape"], [out], name=name, keepdims=0),
