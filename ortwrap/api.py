@@ -335,10 +335,18 @@ class ORTWrap(nn.Module):
             # as a broadcast or shape error: the user gets eager's own exception, on every call,
             # and the program stays for the next good batch.
             self._raise_if_eager_raises(args, kwargs)
-            raise RuntimeRunError(
+            error = RuntimeRunError(
                 f"ONNX Runtime failed to run the {program} on an input PyTorch accepts: {e}. "
-                "Report it with ORTWrap(..., debug_dir=...)'s artifacts; fallback=True does not apply to run errors"
-            ) from e
+                "Report it with ORTWrap(..., debug_dir=...)'s artifacts"
+            )
+            if program.runs == 0 and self._options.fallback:
+                # A program that never ran, on an input eager accepts: the build is what failed (an
+                # ATen node ORT cannot feed, a kernel ORT lacks at run time), not the batch.
+                error.__cause__ = e
+                self._fall_back(error)
+                return self.module(*args, **kwargs)
+            raise RuntimeRunError(f"{error} (fallback=True applies only to a program's first run)") from e
+        program.runs += 1
         n = program.n_outputs
         if program.buffer_outputs:
             with torch.no_grad():

@@ -129,6 +129,9 @@ _dict_item = dict.__getitem__
 class Program:
     """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
 
+    def __str__(self) -> str:
+        return self._name
+
     def __init__(self, exported: ExportedModel, graph: TrainingGraph, runner, module: nn.Module) -> None:
         self.graph = graph
         self.runner = runner
@@ -152,6 +155,9 @@ class Program:
                 self._plan.append((-2 if name in graph.float_feeds else -1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
         self.n_outputs = len(exported.output_names)
+        self._name = f"{'training' if self.with_backward else 'inference'} program for {type(module).__name__}"
+        #: forward runs that succeeded (the first failure of a program that never ran falls back)
+        self.runs = 0
         if outputs[: self.n_outputs] != exported.output_names:
             raise AssertionError(f"graph outputs {outputs} do not start with {exported.output_names}")
         rest = outputs[self.n_outputs :]
