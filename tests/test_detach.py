@@ -170,3 +170,40 @@ def test_detached_outputs_like_eager(exporter, module):
         for p, q in zip(ours.parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad)
     assert ours.fallback_reason is None
+
+
+class WritesParameter(nn.Module):
+    """Changes a parameter in place inside forward: eager changes the parameter; a graph cannot."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.e = nn.Embedding(10, 4, max_norm=1.0 if how == "max_norm" else None)
+        self.l = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        if self.how == "clamp":
+            with torch.no_grad():
+                self.l.weight.clamp_(-0.1, 0.1)
+        return self.l(self.e(ids))
+
+
+@pytest.mark.parametrize("how", ["max_norm", "clamp"])
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_a_parameter_changed_in_place_in_forward_is_refused_clearly(exporter, how):
+    from ortwrap import FallbackWarning
+    from ortwrap.errors import ExportError
+
+    ids = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    with pytest.raises(ExportError, match="changes a parameter in place"):
+        ORTWrap(WritesParameter(how), exporter=exporter, fallback=False)(ids)
+    # with fallback (the default) it trains in PyTorch, the parameter changed as eager changes it
+    torch.manual_seed(0)
+    eager = WritesParameter(how)
+    ours = ORTWrap(copy.deepcopy(eager), exporter=exporter, build_cache=False)
+    with pytest.warns(FallbackWarning, match="changes a parameter in place"):
+        ours(ids).sum().backward()
+    eager(ids).sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -17,9 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..bridge.intercept import inside_function_forward
+from ..errors import ExportError
 
 
 def _needs_grad(value: Any, depth: int = 4) -> bool:
@@ -53,11 +55,38 @@ def _detached(value: Any) -> Any:
     return value
 
 
+def _refuse_parameter_write(func: Any, args: tuple) -> None:
+    """An in-place op on a parameter under no_grad (``nn.Embedding(max_norm=...)``'s renormalization):
+    eager changes the parameter itself; the graph would change a copy inside ORT, and the parameter
+    never (later steps silently differ). Raised during the export, so the build fails clearly."""
+    name = getattr(func, "__name__", "")
+    if not name.endswith("_") or name.endswith("__") or not args:
+        return
+    _refuse(f"{name} under torch.no_grad()", args[0])
+
+
+def _refuse(what: str, target: Any) -> None:
+    if isinstance(target, torch.Tensor) and target.is_leaf and target.requires_grad:
+        raise ExportError(
+            f"forward() changes a parameter in place ({what}, shape {'x'.join(str(int(d)) for d in target.shape)}): "
+            "ORT would change a copy "
+            "inside the graph, never the parameter, and later steps would differ from eager. Renormalize or clip "
+            "the weight outside forward (e.g. after optimizer.step()), or run the module without ORTWrap"
+        )
+
+
 class NoGradBoundaries(TorchFunctionMode):
     """Detach floating results of torch calls made with grad mode off from inputs that need grad."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.embedding and (kwargs.get("max_norm") is not None or (len(args) > 3 and args[3] is not None)):
+            # it renormalizes rows of the weight in place, through a detached alias (not seen below)
+            _refuse(
+                "nn.Embedding(max_norm=...) renormalizes its weight", args[1] if len(args) > 1 else kwargs["weight"]
+            )
+        if not torch.is_grad_enabled() and not inside_function_forward():
+            _refuse_parameter_write(func, args)
         out = func(*args, **kwargs)
         if torch.is_grad_enabled() or inside_function_forward():
             return out
