@@ -130,7 +130,7 @@ class Program:
     """One compiled input schema: the runner, and how flat inputs map to graph feeds."""
 
     def __str__(self) -> str:
-        return self._name
+        return self._label
 
     def __init__(self, exported: ExportedModel, graph: TrainingGraph, runner, module: nn.Module) -> None:
         self.graph = graph
@@ -155,7 +155,7 @@ class Program:
                 self._plan.append((-2 if name in graph.float_feeds else -1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
         self.n_outputs = len(exported.output_names)
-        self._name = f"{'training' if self.with_backward else 'inference'} program for {type(module).__name__}"
+        self._label = f"{'training' if self.with_backward else 'inference'} program for {type(module).__name__}"
         #: forward runs that succeeded (the first failure of a program that never ran falls back)
         self.runs = 0
         if outputs[: self.n_outputs] != exported.output_names:
