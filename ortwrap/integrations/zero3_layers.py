@@ -353,7 +353,10 @@ def install_export_hooks(root: nn.Module, table: LayerTable) -> Callable[[], Non
             )
         called.add(id(m))
         params_table = compat.parameter_table(m)
-        names, params = table.names[layer], table.layers[layer]
+        names = table.names[layer]
+        # NOTE: the tensors the module holds now, not ``table.layers``: torch.export swaps the
+        # parameters for its own (fake) ones while it traces, and reads any other tensor as a constant.
+        params = [params_table[k] for k in names]
         register_gradient(len(names))
         anchor = _first_tensor(args, kwargs)
         if anchor is None:

@@ -167,6 +167,8 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **opt
         result["deepspeed_hooks"] = [hooks_before, deepspeed_hooks(ortwrap.module)]
         result["export_count"] = ortwrap.export_count  # one graph for every training step
         result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
+        artifacts = ortwrap.last_artifacts
+        result["exporter"] = artifacts.exporter if artifacts is not None else None
     if stage == 3:
         with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
             engine.eval()
@@ -281,11 +283,11 @@ def main() -> None:
                 result.update(case_deepspeed_comm())
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
-            elif case == "zero3_submodule":
+            elif case in ("zero3_submodule", "zero3_submodule_dynamo"):
+                # (zero3_submodule_dynamo: the default exporter, which is the dynamo exporter)
+                options = {} if case.endswith("_dynamo") else {"exporter": "torchscript"}
                 result["plain"] = train(build(False, 3, deep=True), 3, wrap=False)
-                result["ortwrap"] = train(
-                    build(False, 3, deep=True), 3, wrap=True, exporter="torchscript", zero3_gather="submodule"
-                )
+                result["ortwrap"] = train(build(False, 3, deep=True), 3, wrap=True, zero3_gather="submodule", **options)
             else:
                 plain_model = build(init, stage, partial, fallback=fallback)
                 our_model = build(init, stage, partial, wrap=True, fallback=fallback)
