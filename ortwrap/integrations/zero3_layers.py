@@ -9,7 +9,10 @@ same steps into the graph:
   ``ortwrap_zero3::fetch_<n>(anchor, layer, *params)`` and the submodule's forward reads its
   results instead of the parameters (its post-hook puts the parameters back). ``anchor`` is the
   submodule's first tensor input, so ORT runs the gather when it reaches the submodule;
-  ``layer`` is the submodule's index in :class:`LayerTable`. The op becomes an ATen node.
+  ``layer`` is the submodule's index in :class:`LayerTable`. The op becomes an ATen node: through
+  :func:`register_symbolics` under the TorchScript exporter; under the dynamo exporter it stays a
+  custom op through ``torch.export`` (its ``Meta`` kernel) and the ATen fallback writes it
+  (``export/aten_fallback.py``: an op without an ONNX translation).
 - **forward**: the fetch node gathers the layer's parameters, hands the whole tensors to ORT and
   partitions the parameters at once: the memory lives exactly as long as ORT's values, which ORT
   frees after their last forward use (the rewrite below removes their backward uses).
