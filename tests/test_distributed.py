@@ -325,6 +325,7 @@ def torch_runs(tmp_path_factory):
 def deepspeed_runs(tmp_path_factory):
     cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "zero3_partial", "zero3_fallback"]
     cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule", "zero3_submodule_dynamo"]
+    cases += ["zero3_submodule_gpt"]
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
 
 
@@ -446,6 +447,26 @@ def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs, case, e
         largest = 16 * 16 + 16  # fc2
         assert ours["live_numel_peak"] == largest < ours["model_numel"]
         assert ours["handed_alive_after"] == 0, "ORT kept gathered parameters after the step"
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_per_submodule_trains_a_gpt_like_plain_deepspeed(deepspeed_runs):
+    # A small GPT (embedding gathers anchored on int64 ids, SDPA attention, LayerNorm, GELU MLP) with
+    # zero3_gather="submodule": the losses of 4 steps equal plain DeepSpeed ZeRO-3's, with the default
+    # (dynamo) exporter and with TorchScript, one layer's parameters whole at a time.
+    for r in _ok(deepspeed_runs["zero3_submodule_gpt"]):
+        for exporter in ("dynamo", "torchscript"):
+            ours = r[exporter]
+            assert ours["fallback"] is None and ours["exporter"] == exporter
+            assert ours["live_layers_peak"] == 1, f"{exporter}: two layers' parameters were whole at the same time"
+            torch.testing.assert_close(
+                torch.tensor(ours["losses"]),
+                torch.tensor(r["plain"]["losses"]),
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, exporter=exporter: f"{exporter} losses: {m}",
+            )
 
 
 @pytest.mark.slow
