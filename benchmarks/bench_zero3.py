@@ -5,8 +5,9 @@ Trains the same stack of ``--layers`` blocks (Linear d x d, LayerNorm, tanh) on 
 
 - ``eager``: plain DeepSpeed ZeRO-3 (its module hooks gather and release each submodule);
 - ``module``: ``ORTWrap(model)`` with ``zero3_gather="module"`` (the whole module gathered per step);
-- ``submodule``: ``ORTWrap(model, zero3_gather="submodule", exporter="torchscript")`` (each
-  submodule gathered inside the ORT graph when ORT reaches it, forward and backward).
+- ``submodule``: ``ORTWrap(model, zero3_gather="submodule")`` (each submodule gathered inside the
+  ORT graph when ORT reaches it, forward and backward; the default exporter, dynamo);
+- ``submodule-ts``: the same with ``exporter="torchscript"``.
 
 Per rank it reports the most elements of whole (gathered) parameters alive at once during a
 training step after the first (the first exports, with every parameter whole), as a fraction of the
@@ -33,7 +34,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MODES = ("eager", "module", "submodule")
+MODES = ("eager", "module", "submodule", "submodule-ts")
 STEPS = 4
 BATCH = 8
 
@@ -67,8 +68,8 @@ def worker(mode: str, d: int, layers: int, out: str) -> None:
     model_numel = sum(p.numel() for p in model.parameters())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     if mode != "eager":
-        options = {"zero3_gather": mode}
-        if mode == "submodule":
+        options = {"zero3_gather": mode.removesuffix("-ts")}
+        if mode == "submodule-ts":
             options["exporter"] = "torchscript"
         model = ORTWrap(model, fallback=False, **options)
     config = {
@@ -102,7 +103,7 @@ def worker(mode: str, d: int, layers: int, out: str) -> None:
             m.register_forward_pre_hook(lambda m, a: sample())
         for p in params:
             p.register_post_accumulate_grad_hook(sample)
-    elif mode == "submodule":
+    elif mode.startswith("submodule"):
         from ortwrap.integrations import zero3_layers
         from ortwrap.integrations.deepspeed import _state
 
@@ -170,11 +171,11 @@ def main() -> None:
         f"ZeRO-3 on 2 ranks, {args.layers} blocks of d={args.width}: {first['model_numel']:,} parameters, "
         f"largest submodule {first['largest_layer_numel']:,}"
     )
-    print(f"{'mode':<10} {'rank':>4} {'peak whole params':>18} {'of model':>9} {'peak RSS MiB':>13}")
+    print(f"{'mode':<13} {'rank':>4} {'peak whole params':>18} {'of model':>9} {'peak RSS MiB':>13}")
     for mode in MODES:
         for r in rows[mode]:
             frac = r["peak_whole_numel"] / r["model_numel"]
-            print(f"{mode:<10} {r['rank']:>4} {r['peak_whole_numel']:>18,} {frac:>9.1%} {r['peak_rss_mib']:>13.0f}")
+            print(f"{mode:<13} {r['rank']:>4} {r['peak_whole_numel']:>18,} {frac:>9.1%} {r['peak_rss_mib']:>13.0f}")
     for r in range(2):
         print(f"losses rank {r}: " + " | ".join(f"{m}: {[round(v, 6) for v in rows[m][r]['losses']]}" for m in MODES))
 

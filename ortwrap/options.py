@@ -158,8 +158,8 @@ class Options:
         "ORTWRAP_ZERO3_GATHER",
         f"Under DeepSpeed ZeRO-3, one of {', '.join(_ZERO3_GATHER)}: 'module' gathers the whole wrapped module's "
         "parameters for each step; 'submodule' gathers each submodule's parameters inside the graph when ONNX "
-        "Runtime reaches it, and again in the backward, as eager ZeRO-3 does (TorchScript exporter only; "
-        "docs/user-guide.md).",
+        "Runtime reaches it, and again in the backward, as eager ZeRO-3 does (either exporter; "
+        "docs/distributed.md).",
     )
 
     def __post_init__(self) -> None:

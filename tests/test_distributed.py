@@ -324,7 +324,8 @@ def torch_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
     cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "zero3_partial", "zero3_fallback"]
-    cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule"]
+    cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule", "zero3_submodule_dynamo"]
+    cases += ["zero3_submodule_gpt"]
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
 
 
@@ -411,15 +412,23 @@ def test_zero3_fallback_to_pytorch_matches_plain_deepspeed(deepspeed_runs):
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs):
+@pytest.mark.parametrize(
+    "case,exporter",
+    [("zero3_submodule", "torchscript"), ("zero3_submodule_dynamo", "dynamo")],
+    ids=["torchscript", "dynamo-default"],
+)
+def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs, case, exporter):
     # zero3_gather="submodule": losses and parameters equal to plain DeepSpeed ZeRO-3 (eager), and,
     # recorded by the gather nodes over three training steps and a no-grad run: each layer is
     # gathered when ORT reaches it, in the forward and again in the backward, and released before
-    # the next one, so that the whole parameters alive never exceed the largest layer's.
-    ranks = deepspeed_runs["zero3_submodule"]
+    # the next one, so that the whole parameters alive never exceed the largest layer's. With either
+    # exporter: the dynamo case runs the default exporter and checks it was the dynamo one (the fetch
+    # op reaches ONNX through the ATen fallback there, through a symbolic under TorchScript).
+    ranks = deepspeed_runs[case]
     _assert_deepspeed_parity(ranks, 3)
     for r in ranks:
         ours = r["ortwrap"]
+        assert ours["exporter"] == exporter
         n = ours["n_layers"]
         assert n == 5
         kinds: list[str] = []  # consecutive events of one kind, collapsed
@@ -438,6 +447,26 @@ def test_zero3_per_submodule_gathers_one_layer_at_a_time(deepspeed_runs):
         largest = 16 * 16 + 16  # fc2
         assert ours["live_numel_peak"] == largest < ours["model_numel"]
         assert ours["handed_alive_after"] == 0, "ORT kept gathered parameters after the step"
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_per_submodule_trains_a_gpt_like_plain_deepspeed(deepspeed_runs):
+    # A small GPT (embedding gathers anchored on int64 ids, SDPA attention, LayerNorm, GELU MLP) with
+    # zero3_gather="submodule": the losses of 4 steps equal plain DeepSpeed ZeRO-3's, with the default
+    # (dynamo) exporter and with TorchScript, one layer's parameters whole at a time.
+    for r in _ok(deepspeed_runs["zero3_submodule_gpt"]):
+        for exporter in ("dynamo", "torchscript"):
+            ours = r[exporter]
+            assert ours["fallback"] is None and ours["exporter"] == exporter
+            assert ours["live_layers_peak"] == 1, f"{exporter}: two layers' parameters were whole at the same time"
+            torch.testing.assert_close(
+                torch.tensor(ours["losses"]),
+                torch.tensor(r["plain"]["losses"]),
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m, exporter=exporter: f"{exporter} losses: {m}",
+            )
 
 
 @pytest.mark.slow

@@ -145,14 +145,10 @@ def _submodule_export(wrapper: ORTWrap) -> Iterator[None]:
     The parameters are whole while the module is traced (gathered here, partitioned after), and the
     submodules that own partitioned parameters get the export hooks of ``zero3_layers``.
     """
-    exporter = wrapper.options.exporter
-    if exporter != "torchscript":
-        raise UnsupportedInputError(
-            f"ORTWrap(zero3_gather='submodule') exports with the TorchScript exporter only (exporter={exporter!r}): "
-            "pass exporter='torchscript', or use zero3_gather='module'"
-        )
     st = _state(wrapper)
     table = _layer_table(wrapper, st)
+    # The fetch op becomes an ATen node under either exporter: the TorchScript exporter through its
+    # symbolic, the dynamo exporter through its ATen fallback (an op without a translation).
     zero3_layers.register_symbolics(wrapper.options.opset)
     _gather(wrapper, st)
     remove = zero3_layers.install_export_hooks(wrapper.module, table)

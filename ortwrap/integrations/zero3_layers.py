@@ -9,7 +9,10 @@ same steps into the graph:
   ``ortwrap_zero3::fetch_<n>(anchor, layer, *params)`` and the submodule's forward reads its
   results instead of the parameters (its post-hook puts the parameters back). ``anchor`` is the
   submodule's first tensor input, so ORT runs the gather when it reaches the submodule;
-  ``layer`` is the submodule's index in :class:`LayerTable`. The op becomes an ATen node.
+  ``layer`` is the submodule's index in :class:`LayerTable`. The op becomes an ATen node: through
+  :func:`register_symbolics` under the TorchScript exporter; under the dynamo exporter it stays a
+  custom op through ``torch.export`` (its ``Meta`` kernel) and the ATen fallback writes it
+  (``export/aten_fallback.py``: an op without an ONNX translation).
 - **forward**: the fetch node gathers the layer's parameters, hands the whole tensors to ORT and
   partitions the parameters at once: the memory lives exactly as long as ORT's values, which ORT
   frees after their last forward use (the rewrite below removes their backward uses).
@@ -353,7 +356,10 @@ def install_export_hooks(root: nn.Module, table: LayerTable) -> Callable[[], Non
             )
         called.add(id(m))
         params_table = compat.parameter_table(m)
-        names, params = table.names[layer], table.layers[layer]
+        names = table.names[layer]
+        # NOTE: the tensors the module holds now, not ``table.layers``: torch.export swaps the
+        # parameters for its own (fake) ones while it traces, and reads any other tensor as a constant.
+        params = [params_table[k] for k in names]
         register_gradient(len(names))
         anchor = _first_tensor(args, kwargs)
         if anchor is None:

@@ -167,6 +167,8 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **opt
         result["deepspeed_hooks"] = [hooks_before, deepspeed_hooks(ortwrap.module)]
         result["export_count"] = ortwrap.export_count  # one graph for every training step
         result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
+        artifacts = ortwrap.last_artifacts
+        result["exporter"] = artifacts.exporter if artifacts is not None else None
     if stage == 3:
         with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
             engine.eval()
@@ -261,6 +263,61 @@ def case_zero3_leaf() -> dict:
     return result
 
 
+def case_zero3_submodule_gpt() -> dict:
+    """A small GPT (embeddings with int64 ids as the gather anchor, SDPA attention, LayerNorm, GELU MLP,
+    an untied LM head) under ZeRO-3 with ``zero3_gather="submodule"``: plain DeepSpeed, then ORTWrap
+    with the default (dynamo) exporter and with the TorchScript exporter."""
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    from ortwrap.integrations import zero3_layers
+    from ortwrap.integrations.deepspeed import _state
+
+    cfg = GPTConfig(vocab=64, d=32, heads=4, layers=2, max_len=16)
+
+    class UntiedGPT(TinyGPT):  # (a tied head is refused by zero3_gather="submodule")
+        def __init__(self) -> None:
+            super().__init__(cfg)
+            self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+        def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.head(self.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def run(**options) -> dict:
+        torch.manual_seed(0)
+        model: nn.Module = UntiedGPT()
+        if options:
+            model = ORTWrap(model, fallback=False, zero3_gather="submodule", **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(3))
+        gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+        tracker = zero3_layers.GatherTracker()
+        losses = []
+        for step in range(STEPS):
+            if options and step == 1:
+                _state(model).table.tracker = tracker
+            ids = torch.randint(0, cfg.vocab, (BATCH, 12), generator=gen)
+            loss = engine(ids, (3 * ids + 1) % cfg.vocab)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        result = {"losses": losses}
+        if options:
+            result["exporter"] = model.last_artifacts.exporter
+            result["fallback"] = str(model.fallback_reason) if model.fallback_reason else None
+            result["live_layers_peak"] = tracker.live_layers_peak
+        engine.destroy()
+        return result
+
+    return {"plain": run(), "dynamo": run(exporter="auto"), "torchscript": run(exporter="torchscript")}
+
+
 def main() -> None:
     # DeepSpeed's CPU accelerator would JIT-compile its shared-memory all-reduce kernel here (a minute or
     # more on a fresh machine, cached in ~/.cache/torch_extensions); gloo does all these tests need.
@@ -279,13 +336,15 @@ def main() -> None:
         try:
             if case == "deepspeed_comm":
                 result.update(case_deepspeed_comm())
+            elif case == "zero3_submodule_gpt":
+                result.update(case_zero3_submodule_gpt())
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
-            elif case == "zero3_submodule":
+            elif case in ("zero3_submodule", "zero3_submodule_dynamo"):
+                # (zero3_submodule_dynamo: the default exporter, which is the dynamo exporter)
+                options = {} if case.endswith("_dynamo") else {"exporter": "torchscript"}
                 result["plain"] = train(build(False, 3, deep=True), 3, wrap=False)
-                result["ortwrap"] = train(
-                    build(False, 3, deep=True), 3, wrap=True, exporter="torchscript", zero3_gather="submodule"
-                )
+                result["ortwrap"] = train(build(False, 3, deep=True), 3, wrap=True, zero3_gather="submodule", **options)
             else:
                 plain_model = build(init, stage, partial, fallback=fallback)
                 our_model = build(init, stage, partial, wrap=True, fallback=fallback)
