@@ -603,6 +603,21 @@ def test_output_buffers_are_reused_not_grown():
     assert kernels.cached_bytes() == 0
 
 
+def test_backward_frees_the_cached_blocks():
+    # The optimizer step after a backward gets the kernels' freed blocks (kernels.release_cached).
+    torch.manual_seed(0)
+    wrapped = ORTWrap(Transformerish(), fallback=False)
+    (ids, kinds), _ = token_inputs(2, torch.Generator().manual_seed(0))
+    wrapped(ids, kinds).sum().backward()  # build, and load the kernels
+    assert native_ops(wrapped.last_artifacts.graph.model())["gelu_backward"] == 2
+    big = aten_session("gelu", [("x", F32, ["n"])], [("y", F32, ["n"])])
+    big.run(None, {"x": np.ones(10_000_000, np.float32)})  # its 40 MB output goes back to the cache
+    assert kernels.cached_bytes() >= 40_000_000
+    loss = wrapped(ids, kinds).sum()
+    loss.backward()
+    assert kernels.cached_bytes() < 40_000_000  # the tiny model's own blocks may come back afterwards
+
+
 def test_kernels_that_cannot_build_warn_and_ort_kernels_run(tmp_path):
     code = textwrap.dedent(
         """

@@ -96,6 +96,19 @@ def cached_bytes(release: bool = False) -> int:
     return int(lib.ortwrap_cpu_cached_bytes(1 if release else 0))
 
 
+def release_cached() -> None:
+    """Free the kernels' cached output blocks, if the kernels are loaded; run after each backward.
+
+    NOTE: between the end of a backward and the next forward the cache holds 94-132 MiB on
+    GPT-2 small (bf16 autocast) that nothing reads, right when the optimizer step allocates its
+    temporaries: freed, glibc hands the same (resident) heap memory to the optimizer, and the
+    next forward gets blocks back from the heap. GPT-2 small's fp32 peak RSS fell by 36 MiB at no
+    measurable step cost (docs/performance.md, "Memory").
+    """
+    if install.cache_info().currsize:
+        cached_bytes(release=True)
+
+
 def set_threads(threads: int) -> None:
     """Let the kernels use ``threads`` threads (the pool only grows)."""
     install().ortwrap_cpu_set_threads(max(1, int(threads)))

@@ -10,6 +10,7 @@ from .._ort import C, ort
 from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
+from ..kernels import release_cached
 from ..options import Options
 from .dlpack import to_dlpack, to_tensors
 
@@ -283,6 +284,7 @@ class TrainingRunner:
             self._agent.run_backward(vec, fetches, state)
         except Exception as e:
             _raise_run_error("backward", e)
+        release_cached()  # the kernels' freed blocks, for the optimizer step (kernels.release_cached)
         if _pending:
             bridge_state.reraise_pending(None)
         if not self._grad_index:
