@@ -789,40 +789,6 @@ def cached_graph_nodes(entry: build_cache.CacheEntry) -> list[onnx.NodeProto]:
     return list(onnx.load_model_from_string(entry.model_bytes).graph.node)
 
 
-def compile_program(
-    module: nn.Module,
-    leaves: list[torch.Tensor],
-    in_spec: tuple,
-    input_paths: list[str],
-    *,
-    training: bool,
-    with_backward: bool,
-    device: torch.device,
-    options: Options,
-    build_index: int = 0,
-    autocast: tuple | None = None,
-) -> tuple[Program, BuildArtifacts]:
-    """Export, rewrite, build and load ``module`` for one input schema: :func:`export_stages` (with
-    the exporter fallback and static re-export of :func:`_export`), then :func:`build_stages`.
-
-    Raises:
-        ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
-    """
-    with _build_gc():
-        return _compile_program(
-            module,
-            leaves,
-            in_spec,
-            input_paths,
-            training=training,
-            with_backward=with_backward,
-            device=device,
-            options=options,
-            build_index=build_index,
-            autocast=autocast,
-        )
-
-
 #: Allocations between two young-generation collections during a build (Python's default is 700).
 _BUILD_GC_YOUNG_THRESHOLD = 20_000
 
@@ -860,7 +826,8 @@ def _build_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _compile_program(
+@_build_gc()
+def compile_program(
     module: nn.Module,
     leaves: list[torch.Tensor],
     in_spec: tuple,
@@ -870,9 +837,16 @@ def _compile_program(
     with_backward: bool,
     device: torch.device,
     options: Options,
-    build_index: int,
-    autocast: tuple | None,
+    build_index: int = 0,
+    autocast: tuple | None = None,
 ) -> tuple[Program, BuildArtifacts]:
+    """Export, rewrite, build and load ``module`` for one input schema: :func:`export_stages` (with
+    the exporter fallback and static re-export of :func:`_export`), then :func:`build_stages`; with
+    the garbage collector set aside as :func:`_build_gc` says.
+
+    Raises:
+        ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
+    """
     request = BuildRequest(module, leaves, in_spec, input_paths, training, with_backward, device, options, autocast)
     records: list[StageRecord] = []
     debug = {

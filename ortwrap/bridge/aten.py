@@ -224,7 +224,19 @@ def _restore_bools(op: str, overload: str, tensors: list, n_out: int) -> list:
     """The bool inputs ``BOOL_MARK`` names, as bool again: ORT's DLPack hands bool tensors over as
     uint8, which ops that take masks (``masked_select``, ``masked_fill``, ``where``) refuse. In a vjp
     node the forward inputs come after the output gradients."""
-    positions = [int(i) for i in overload.partition(BOOL_MARK)[2].split(",") if i]
+    offset, positions = _bool_positions(op, overload)
+    tensors = list(tensors)
+    for i in positions:
+        t = tensors[offset + i] if offset + i < len(tensors) else None
+        if t is not None and t.dtype is torch.uint8:
+            tensors[offset + i] = t.view(torch.bool)
+    return tensors
+
+
+@functools.cache
+def _bool_positions(op: str, overload: str) -> tuple[int, tuple[int, ...]]:
+    """(where the forward inputs start, the ``BOOL_MARK`` positions among them), parsed once per node kind."""
+    positions = tuple(int(i) for i in overload.partition(BOOL_MARK)[2].split(",") if i)
     offset = 0
     if op.startswith(VJP_PREFIX):
         name = _split_used(op[len(VJP_PREFIX) :])[0]
@@ -232,12 +244,7 @@ def _restore_bools(op: str, overload: str, tensors: list, n_out: int) -> list:
             offset = int(name[len(OUTS_MARK) :].partition("|")[0])
         else:
             offset = resolve(name, overload).n_returns
-    tensors = list(tensors)
-    for i in positions:
-        t = tensors[offset + i] if offset + i < len(tensors) else None
-        if t is not None and t.dtype is torch.uint8:
-            tensors[offset + i] = t.view(torch.bool)
-    return tensors
+    return offset, positions
 
 
 def mark_bool_inputs(model: onnx.ModelProto) -> None:

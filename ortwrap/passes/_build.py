@@ -54,6 +54,12 @@ class NodeBuilder:
         graph.remove(node, safe=True)
 
 
+def ints_attr(node: ir.Node, name: str, default: list[int] | None = None) -> list[int] | None:
+    """The ints attribute ``name`` of ``node`` as a list, or ``default`` where the node has none."""
+    a = node.attributes.get(name)
+    return list(a.as_ints()) if a is not None else default
+
+
 def constant_value(value: ir.Value | None) -> np.ndarray | None:
     """The value of a tensor computed from constants only (Constant, Concat, Cast, Identity)."""
     if value is None:

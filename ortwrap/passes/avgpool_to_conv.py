@@ -18,11 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import PassError
-from ._build import NodeBuilder
-
-
-def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
-    return list(node.attributes[name].as_ints()) if name in node.attributes else default
+from ._build import NodeBuilder, ints_attr
 
 
 class AveragePoolToConvPass(ir.passes.InPlacePass):
@@ -35,7 +31,7 @@ class AveragePoolToConvPass(ir.passes.InPlacePass):
             if node.op_type != "AveragePool" or node.domain != "":
                 continue
             x = node.inputs[0]
-            k = _ints(node, "kernel_shape", [])
+            k = ints_attr(node, "kernel_shape", [])
             nd = len(k)
             if "ceil_mode" in node.attributes and node.attributes["ceil_mode"].as_int() != 0:
                 continue  # TorchGradientsPass: PyTorch's avg_pool (ortwrap/registry.py)
@@ -44,12 +40,12 @@ class AveragePoolToConvPass(ir.passes.InPlacePass):
             channels = x.shape[1] if x.shape is not None and len(x.shape) == nd + 2 else None
             if not isinstance(channels, int):
                 continue  # TorchGradientsPass
-            pads = _ints(node, "pads", [0] * (2 * nd))
+            pads = ints_attr(node, "pads", [0] * (2 * nd))
             conv = {
                 "kernel_shape": k,
                 "pads": pads,
-                "strides": _ints(node, "strides", [1] * nd),
-                "dilations": _ints(node, "dilations", [1] * nd),
+                "strides": ints_attr(node, "strides", [1] * nd),
+                "dilations": ints_attr(node, "dilations", [1] * nd),
             }
             dtype = (x.dtype or ir.DataType.FLOAT).numpy()
             include_pad = "count_include_pad" in node.attributes and node.attributes["count_include_pad"].as_int() == 1

@@ -15,12 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._build import NodeBuilder
-
-
-def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
-    a = node.attributes.get(name)
-    return list(a.as_ints()) if a is not None else default
+from ._build import NodeBuilder, ints_attr
 
 
 class ExplicitConvPadsPass(ir.passes.InPlacePass):
@@ -37,15 +32,15 @@ class ExplicitConvPadsPass(ir.passes.InPlacePass):
             if mode not in ("SAME_UPPER", "SAME_LOWER"):
                 continue
             w = node.inputs[1]
-            kernel = _ints(node, "kernel_shape", [])
+            kernel = ints_attr(node, "kernel_shape", [])
             if not kernel and w is not None and w.shape is not None and all(isinstance(d, int) for d in w.shape[2:]):
                 kernel = [int(d) for d in w.shape[2:]]
             if not kernel:
                 continue  # the kernel's size is unknown: left to ORT
             rank = len(kernel)
-            if any(s != 1 for s in _ints(node, "strides", [1] * rank)):
+            if any(s != 1 for s in ints_attr(node, "strides", [1] * rank)):
                 continue  # the padding depends on the input size
-            dilations = _ints(node, "dilations", [1] * rank)
+            dilations = ints_attr(node, "dilations", [1] * rank)
             total = [d * (k - 1) for d, k in zip(dilations, kernel)]
             begin = [t // 2 if mode == "SAME_UPPER" else t - t // 2 for t in total]
             end = [t - b for t, b in zip(total, begin)]

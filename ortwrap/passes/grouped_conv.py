@@ -26,16 +26,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._build import NodeBuilder
-
-
-def _ints(node: ir.Node, name: str) -> list[int] | None:
-    return list(node.attributes[name].as_ints()) if name in node.attributes else None
+from ._build import NodeBuilder, ints_attr
 
 
 def _spatial_rank(node: ir.Node) -> int | None:
     """The number of spatial dims of a Conv (from its kernel_shape, else its inputs' ranks)."""
-    k = _ints(node, "kernel_shape")
+    k = ints_attr(node, "kernel_shape")
     if k is not None:
         return len(k)
     for v in node.inputs[:2]:
@@ -72,14 +68,14 @@ class GroupedConvGradPass(ir.passes.InPlacePass):
         b = NodeBuilder(node.name or "grouped_conv1d")
         axis = b.const(np.array([2], np.int64))
         attrs: dict = {"group": group}
-        k = _ints(node, "kernel_shape")
+        k = ints_attr(node, "kernel_shape")
         if k is not None:
             attrs["kernel_shape"] = [1, *k]
-        pads = _ints(node, "pads")
+        pads = ints_attr(node, "pads")
         if pads is not None:
             attrs["pads"] = [0, pads[0], 0, pads[1]]
         for name in ("strides", "dilations"):
-            v = _ints(node, name)
+            v = ints_attr(node, name)
             if v is not None:
                 attrs[name] = [1, *v]
         if "auto_pad" in node.attributes:
