@@ -3,6 +3,7 @@
     python benchmarks/bench_amp.py                    # GPT-2-small-sized LM (bench_scale --size gpt2)
     python benchmarks/bench_amp.py --size small --iters 5
     python benchmarks/bench_amp.py --adapters         # frozen bf16 base + fp32 LoRA: fuse_initializers
+    python benchmarks/bench_amp.py --fused-adamw      # AdamW(fused=True) on every variant, eager too
 
 Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad):
 
@@ -71,8 +72,13 @@ def make_adapted(size: str):
     return model, ids, tgt
 
 
+#: torch.optim.AdamW's keyword arguments for every variant (``--fused-adamw``: ``fused=True``, PyTorch's
+#: one-kernel CPU AdamW; the same optimizer on both sides either way)
+OPTIM: dict = {}
+
+
 def step_fn(model, ids, tgt, amp: bool):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, **OPTIM)
 
     def step() -> None:
         if amp:
@@ -133,6 +139,7 @@ import json, sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_amp as b
 import torch
+b.OPTIM.update({OPTIM!r})
 torch.set_num_threads({torch.get_num_threads()})
 variants = b.ADAPTER_VARIANTS if {adapters!r} else b.VARIANTS
 options, amp = variants[{variant!r}]
@@ -160,7 +167,8 @@ def main(
     if not timing:
         print(f"\n== mixed precision: {size} {s}{' + LoRA' if adapters else ''}; CPU: {cpu_name()}")
         return _print_rss(size, adapters, variants)
-    print(f"\n== mixed precision: {size} {s}{' + LoRA, bf16 frozen base' if adapters else ''}, AdamW")
+    optim = "AdamW(fused=True)" if OPTIM.get("fused") else "AdamW (PyTorch's default: one tensor at a time on CPU)"
+    print(f"\n== mixed precision: {size} {s}{' + LoRA, bf16 frozen base' if adapters else ''}, {optim}")
     print(
         f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
@@ -226,9 +234,14 @@ if __name__ == "__main__":
         "--cpu-time", action="store_true", help="time CPU seconds, not wall time (steadier on a shared machine)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (and ORT's); 0: torch's default")
+    parser.add_argument(
+        "--fused-adamw", action="store_true", help="torch.optim.AdamW(fused=True) for every variant (eager too)"
+    )
     parser.add_argument("--only", help="comma-separated variants to run (e.g. 'eager bf16,ortwrap bf16')")
     a = parser.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     only = [v.strip() for v in a.only.split(",")] if a.only else None
+    if a.fused_adamw:
+        OPTIM["fused"] = True
     main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only, cpu_time=a.cpu_time, only=only)
