@@ -282,16 +282,23 @@ def test_zero3_gather_option_is_checked():
 # ------------------------------------------------------------------------------------ two real ranks
 
 
-def _launch(script: str, cases: list[str], out_dir: str, timeout: int = 300) -> dict[str, list[dict]]:
-    """Run ``tests/dist/<script>`` on 2 ranks with torchrun; return each case's per-rank results."""
+def _launch(
+    script: str, cases: list[str], out_dir: str, timeout: int = 300, cache_dir: str | None = None
+) -> dict[str, list[dict]]:
+    """Run ``tests/dist/<script>`` on 2 ranks with torchrun; return each case's per-rank results.
+
+    The build cache is off (these workers check what happens during an export: always export)
+    unless ``cache_dir`` names one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORTWRAP_")}
     env.update(
         ORTWRAP_DIST_OUT=out_dir,
-        ORTWRAP_BUILD_CACHE="0",  # these workers check what happens during an export: always export
+        ORTWRAP_BUILD_CACHE="0" if cache_dir is None else "1",
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
     )
+    if cache_dir is not None:
+        env["ORTWRAP_CACHE_DIR"] = cache_dir
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [os.path.join(HERE, "dist", script), *cases]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -363,6 +370,9 @@ def _assert_deepspeed_parity(ranks: list[dict], stage: int, fallback: bool = Fal
         else:
             assert ours["fallback"] is None
             assert ours["export_count"] == 1, "ORTWrap exported more than once for the training steps"
+            # DeepSpeed's ZeRO-3 swaps F.linear for an autograd Function; the export uses torch's own
+            # (a PythonOp per Linear would cost a Python call each step and keep the graph uncacheable).
+            assert ours["python_ops"] == 0, f"{ours['python_ops']} PythonOps in the graph"
         before, after = ours["deepspeed_hooks"]
         assert before == after, "DeepSpeed's module hooks were not restored after the export"
         assert stage < 3 or before > 0
@@ -400,6 +410,23 @@ def _assert_deepspeed_parity(ranks: list[dict], stage: int, fallback: bool = Fal
 )
 def test_deepspeed_zero_matches_plain_deepspeed(deepspeed_runs, case, stage):
     _assert_deepspeed_parity(deepspeed_runs[case], stage)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_second_process_starts_from_the_build_cache(tmp_path):
+    # A ZeRO-3 run (zero.Init, module gather) stores its build; a second process with the same
+    # cache directory trains from it without exporting, with the same losses on each rank.
+    cache = str(tmp_path / "cache")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _launch("deepspeed_worker.py", ["zero3_cached"], str(tmp_path / "a"), cache_dir=cache)["zero3_cached"]
+    second = _launch("deepspeed_worker.py", ["zero3_cached"], str(tmp_path / "b"), cache_dir=cache)["zero3_cached"]
+    for a, b in zip(_ok(first), _ok(second)):
+        assert a["ortwrap"]["export_count"] == 1 and a["ortwrap"]["fallback"] is None
+        assert b["ortwrap"]["export_count"] == 0, "the second process exported again instead of loading the cache"
+        assert b["ortwrap"]["fallback"] is None
+        assert a["ortwrap"]["losses"] == b["ortwrap"]["losses"]
 
 
 @pytest.mark.slow

@@ -124,7 +124,9 @@ def export_guard(wrapper: ORTWrap) -> Iterator[None]:
 
     Tracing would otherwise run them: they fetch and release parameters with collectives (which the
     export's collective stubs would turn into garbage) and add autograd Functions to the graph. The
-    parameters are already whole (:func:`zero3_forward`). A no-op for any other module.
+    parameters are already whole (:func:`zero3_forward`), and ``F.linear`` is torch's own while
+    tracing (:func:`_plain_linear`; DeepSpeed's Function would be a PythonOp per Linear: a Python
+    call each step, and a graph the build cache cannot keep). A no-op for any other module.
     """
     if not is_zero3_module(wrapper):
         yield
@@ -132,7 +134,8 @@ def export_guard(wrapper: ORTWrap) -> Iterator[None]:
     with _deepspeed_hooks_hidden(wrapper.module) as n:
         logger.debug("ZeRO-3: %d DeepSpeed module hooks hidden while exporting", n)
         if not _per_submodule(wrapper):
-            yield
+            with _plain_linear():
+                yield
             return
         with _submodule_export(wrapper):
             yield

@@ -169,6 +169,9 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **opt
         result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
         artifacts = ortwrap.last_artifacts
         result["exporter"] = artifacts.exporter if artifacts is not None else None
+        result["python_ops"] = (
+            sum(n.op_type == "PythonOp" for n in artifacts.pre_grad.graph.node) if artifacts is not None else None
+        )
     if stage == 3:
         with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
             engine.eval()
@@ -340,6 +343,8 @@ def main() -> None:
                 result.update(case_zero3_submodule_gpt())
             elif case == "zero3_leaf":
                 result.update(case_zero3_leaf())
+            elif case == "zero3_cached":  # run twice by the test, the build cache shared between the runs
+                result["ortwrap"] = train(build(True, 3, wrap=True), 3, wrap=True)
             elif case in ("zero3_submodule", "zero3_submodule_dynamo"):
                 # (zero3_submodule_dynamo: the default exporter, which is the dynamo exporter)
                 options = {} if case.endswith("_dynamo") else {"exporter": "torchscript"}
