@@ -533,3 +533,43 @@ def test_a_build_leaves_the_garbage_collector_as_it_found_it():
         assert gc.get_freeze_count() > 0 and gc.get_threshold() == thresholds  # (frozen objects that died left it)
     finally:
         gc.unfreeze()
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads: a loss on one head does not reach the other head's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 2)
+        self.scale = nn.Parameter(torch.ones(()))  # reaches output b only through argmax: no gradient
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        pick = (h * self.scale).argmax(-1, keepdim=True).float()
+        return self.a(h), self.b(h) + pick
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_parameters_the_loss_does_not_reach_keep_grad_none(exporter):
+    # Eager leaves .grad None on a parameter the loss does not reach, and AdamW then skips it (no
+    # weight decay, no moment update); a zero gradient would move it.
+    torch.manual_seed(0)
+    eager = TwoHeads()
+    wrapped = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (eager, wrapped)]
+    for step, head in enumerate([0, 0, 1, 0, 1, 1]):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip((eager, wrapped), opts):
+            opt.zero_grad(set_to_none=True)
+            model(x)[head].pow(2).sum().backward()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert (q.grad is None) == (p.grad is None), f"step {step}, {name}: grad {q.grad} vs eager {p.grad}"
+            if p.grad is not None:
+                assert_close(q.grad, p.grad, f"step {step}, {name}.grad")
+        for opt in opts:
+            opt.step()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert_close(q.detach(), p.detach(), f"step {step}, {name}")
+    assert eager.scale.grad is None and wrapped.fallback_reason is None

@@ -10,10 +10,12 @@ the optimized forward graph alone.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import onnx
 
+from .._logging import logger
 from .._ort import C
 from ..bridge import aten
 from ..errors import GradientBuildError
@@ -107,6 +109,38 @@ def build_graph(
     Raises:
         GradientBuildError: chained to the builder's error.
     """
+    trainable, inputs = list(trainable_names), list(input_names_require_grad)
+    while True:
+        try:
+            return _build_graph(model, state_names, trainable, inputs, build_gradient, log_level, propagate_casts)
+        except GradientBuildError as e:
+            # A parameter (or input) that reaches the outputs only through ops without a gradient
+            # (an argmax, a comparison): eager leaves its .grad None; ORT's builder refuses it. It
+            # is built again as not trained, and gets None (runtime/function.py).
+            found = _UNREACHABLE.search(str(e.__cause__))
+            name = found.group(1) if found else None
+            if name in trainable:
+                trainable.remove(name)
+            elif name in inputs:
+                inputs.remove(name)
+            else:
+                raise
+            logger.debug("%s reaches no output through a differentiable op: no gradient (as in eager)", name)
+
+
+#: ORT's builder's message for a trained input no output depends on through differentiable ops
+_UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
+
+
+def _build_graph(
+    model: onnx.ModelProto,
+    state_names: list[str],
+    trainable_names: list[str],
+    input_names_require_grad: list[str],
+    build_gradient: bool,
+    log_level: int,
+    propagate_casts: bool,
+) -> TrainingGraph:
     cfg = C.OrtModuleGraphBuilderConfiguration()
     cfg.initializer_names = list(state_names)
     cfg.initializer_names_to_train = list(trainable_names)

@@ -8,7 +8,8 @@ NOTE: invariants.
   under grad mode whose outputs are discarded), the state dies with the autograd graph.
 - Outputs ORT calls non-differentiable, and buffer outputs, are marked non-differentiable, so
   autograd gives them no gradient. A missing gradient of a differentiable output is materialized
-  as zeros, full-shaped only where the backward needs the shape.
+  as zeros, full-shaped only where the backward needs the shape; the inputs whose gradients depend
+  only on missing ones get ``None``, as in eager (``TrainingRunner.place_grads``).
 - Outputs ORT's backward reads (the builder's ``saved_output_indices``) are saved with
   ``save_for_backward``: autograd's version counters then catch an in-place edit of one before the
   backward, as eager does. Parameters are not checked (optimizers update them in place between steps).
@@ -87,10 +88,12 @@ class RunTrainingGraph(torch.autograd.Function):
                 "ortwrap: backward ran twice through the same ORT forward; retain_graph=True is not supported"
             )
         grads = []
+        missing = 0
         for i in runner.grad_outputs:
             g = grad_outputs[i]
             if g is None:
                 g = runner.zero_grad(i, ctx.shapes[i] if i in runner.full_shape_outputs else ())
+                missing |= 1 << i
             grads.append(g)
         try:
             results = runner.backward(state, grads)
@@ -98,7 +101,7 @@ class RunTrainingGraph(torch.autograd.Function):
             if ctx.record is not None:
                 ctx.record.finish()  # ORT erased this run's contexts (or the run failed)
         del state
-        return runner.place_grads(results)
+        return runner.place_grads(results, missing)
 
 
 _c_apply = None

@@ -193,6 +193,61 @@ def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int,
     return tuple(found)
 
 
+def _grad_dependencies(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int, ...]:
+    """For each backward output (``graph.grad_names``), a bit mask of the user outputs whose
+    gradients it is computed from (bit ``i``: user output ``i``, through the YieldOp's outputs).
+    Where the graph is not shaped as expected, every gradient gets every bit (never None).
+
+    A gradient with no bit set is a constant: the input reaches no output through anything
+    differentiable. Where the graph holds subgraphs (If, Loop), every gradient gets every bit."""
+    names = graph.info.user_output_names
+    all_bits = (1 << len(names)) - 1
+    yields = [n for n in model.graph.node if n.op_type == "YieldOp"]
+    if len(yields) != 1:
+        return (all_bits,) * len(graph.grad_names)
+    # The YieldOp takes the user outputs and yields their gradients (named ``<output>_grad`` or
+    # ``<output>_grad_external``), one per differentiable output, in order.
+    outputs = [i for i, name in enumerate(yields[0].input) if i not in graph.info.non_differentiable_outputs]
+    if len(outputs) != len(yields[0].output) or list(yields[0].input) != list(names):
+        return (all_bits,) * len(graph.grad_names)
+    bit = {grad: 1 << i for i, grad in zip(outputs, yields[0].output) if grad}
+    if any(
+        a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in model.graph.node for a in n.attribute
+    ):
+        return (all_bits,) * len(graph.grad_names)
+    producer = {out: node for node in model.graph.node for out in node.output if out}
+    masks: dict[str, int] = {}
+    for name in graph.grad_names:
+        stack = [name]
+        while stack:  # iterative post-order over producers (graphs are deep)
+            value = stack[-1]
+            if value in masks:
+                stack.pop()
+                continue
+            if value in bit:
+                masks[value] = bit[value]
+                stack.pop()
+                continue
+            node = producer.get(value)
+            if node is None:  # a graph input or initializer: no output gradient behind it
+                masks[value] = 0
+                stack.pop()
+                continue
+            pending = [i for i in node.input if i and i not in masks]
+            if pending:
+                stack.extend(pending)
+                continue
+            mask = 0
+            for i in node.input:
+                if i:
+                    mask |= masks[i]
+            for out in node.output:
+                if out:
+                    masks[out] = mask
+            stack.pop()
+    return tuple(masks[name] for name in graph.grad_names)
+
+
 class TrainingRunner:
     """Runs the forward of a training graph, then, given output gradients, its backward.
 
@@ -243,6 +298,11 @@ class TrainingRunner:
         )
         #: outputs that may share memory with a value the backward reuses (see _aliased_outputs)
         self._copy_outputs = _aliased_outputs(graph, model)
+        # Which output gradients each backward result depends on: a result none of whose outputs
+        # got a gradient from autograd is None, as eager leaves ``.grad`` of a parameter the loss
+        # does not reach (AdamW then skips it; a zero gradient would decay it).
+        self._grad_deps = _grad_dependencies(graph, model)
+        self._constant_grads = tuple(j for j, m in enumerate(self._grad_deps) if m == 0)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -293,9 +353,16 @@ class TrainingRunner:
             return []
         return fetches.to_dlpacks(self._from_dlpack)  # gradients are never bool
 
-    def place_grads(self, results: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    def place_grads(self, results: list[torch.Tensor], missing: int = 0) -> tuple[torch.Tensor | None, ...]:
         """``results`` (ORT's gradients) as autograd wants them from ``RunTrainingGraph.backward``:
-        ``None`` for the program and the OrtValues, then one entry per feed."""
+        ``None`` for the program and the OrtValues, then one entry per feed. ``missing``: bit mask
+        of the user outputs autograd gave no gradient (see ``_grad_dependencies``)."""
+        if (missing or self._constant_grads) and results:
+            results = list(results)
+            deps = self._grad_deps
+            for j in range(len(results)):
+                if not deps[j] & ~missing:
+                    results[j] = None
         if self._grad_prefix is not None:
             return self._grad_prefix + tuple(results)
         out: list[torch.Tensor | None] = [None] * (_LEADING_ARGS + self._n_feeds)
