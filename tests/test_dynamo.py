@@ -8,6 +8,7 @@ The core parity tests (test_models, test_io, test_ops, parts of test_wrapper) an
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import numpy as np
@@ -353,3 +354,21 @@ def test_type_promotion_matches_the_exporters_pass():
         lambda b, g: ((torch.randn(b, 4, generator=g), torch.randint(0, 5, (b, 4), generator=g)), {}),
         wrap_options={"exporter": "dynamo"},
     )
+
+
+def test_export_writes_nothing_to_the_console():
+    # torch.export logs a warning when a size-1 batch dimension specializes ("0/1 specialized"); the
+    # user did not ask for an export and eager prints nothing: ortwrap's export stays quiet. (A fresh
+    # process: pytest's own log capture would hide torch's console handler.)
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\nfrom torch import nn\nfrom ortwrap import ORTWrap\n"
+        "m = ORTWrap(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), fallback=False, exporter='dynamo', build_cache=False)\n"
+        "m(torch.randn(1, 4)).sum().backward()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTWRAP_", "TORCH_LOGS"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr[-3000:])

@@ -97,7 +97,8 @@ class ShapeGuards:
 def _quiet_exporter() -> Iterator[None]:
     """The exporter prints progress and logs warnings about optional packages: keep them out of the
     user's output (failures still raise)."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx")]
+    names = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
