@@ -394,15 +394,18 @@ def _export(
             raise
         except ExportError as e:
             errors.append((name, e))
-            if i + 1 < len(exporters):
-                logger.warning(
-                    "the %s exporter failed for %s (%s); trying the %s exporter",
-                    name,
-                    type(request.module).__name__,
-                    str(e).split(". ")[0][:300],
-                    exporters[i + 1],
-                )
             continue
+        # NOTE: said only once a later exporter succeeded: when every exporter fails, the caller
+        # first checks whether eager raises on this input (a bad batch gets eager's exception and
+        # no word about exporters), else warns of the fallback with every exporter's error.
+        for failed, e in errors:
+            logger.warning(
+                "the %s exporter failed for %s (%s); the %s exporter is used",
+                failed,
+                type(request.module).__name__,
+                str(e).split(". ")[0][:300],
+                name,
+            )
         return exported, exports, reasons, name
     name, first = errors[0]
     if len(errors) == 1:

@@ -363,12 +363,20 @@ def test_export_writes_nothing_to_the_console():
     import subprocess
     import sys
 
+    # Then a batch ORT's kernels reject (a sequence longer than the position table): the user gets
+    # eager's IndexError, and ORT logs no error line of its own.
     code = (
-        "import torch\nfrom torch import nn\nfrom ortwrap import ORTWrap\n"
+        "import torch\nfrom torch import nn\nfrom ortwrap import ORTWrap\nfrom tiny_gpt import GPTConfig, TinyGPT\n"
         "m = ORTWrap(nn.Sequential(nn.Linear(4, 3), nn.Tanh()), fallback=False, exporter='dynamo', build_cache=False)\n"
         "m(torch.randn(1, 4)).sum().backward()\n"
+        "g = ORTWrap(TinyGPT(GPTConfig(vocab=20, d=8, heads=2, layers=1, max_len=8)), fallback=False, build_cache=False)\n"
+        "g(torch.randint(0, 20, (2, 8)), torch.randint(0, 20, (2, 8)))[0].backward()\n"
+        "try:\n    g(torch.randint(0, 20, (2, 12)), torch.randint(0, 20, (2, 12)))\n"
+        "except IndexError:\n    pass\nelse:\n    raise AssertionError('no IndexError')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ORTWRAP_", "TORCH_LOGS"))}
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    env["PYTHONPATH"] = os.pathsep.join([examples, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == "", (proc.stdout, proc.stderr[-3000:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 import torch
 
@@ -60,7 +62,10 @@ def session_options(options: Options) -> ort.SessionOptions:
     # NOTE: the forward's outputs are handed to torch without a copy. With memory reuse on, ORT's
     # planner may give their buffers to backward values, overwriting tensors the user still holds.
     so.enable_mem_reuse = False
-    so.log_severity_level = 3
+    # ORT logs a failing kernel's status at ERROR before returning it; ortwrap raises it (or eager's
+    # own exception, for a bad batch) with that message, so the log line is only console noise.
+    # log_level="DEBUG" shows ORT's errors and warnings as they happen.
+    so.log_severity_level = 2 if options.logging_level <= logging.DEBUG else 4
     return so
 
 
