@@ -149,7 +149,21 @@ class ReturnsDetachedInput(nn.Module):
         return (h * h).sum(), x.detach()
 
 
-@pytest.mark.parametrize("module", [ReturnsDetached, ReturnsDetachedInput])
+class ReturnsDetachedItReads(nn.Module):
+    """Detached values the graph reads and also returns: the input's and a computed one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        d = x.detach()
+        h = self.l(x) + d
+        hd = h.detach()
+        return (h * h).sum() + (h * hd).sum(), d, hd
+
+
+@pytest.mark.parametrize("module", [ReturnsDetached, ReturnsDetachedInput, ReturnsDetachedItReads])
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_detached_outputs_like_eager(exporter, module):
     # a detached graph output failed the build (the marker's output was a graph output); a user

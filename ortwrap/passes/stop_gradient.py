@@ -87,6 +87,11 @@ def _replace(graph: ir.Graph, node: ir.Node, new: ir.Value) -> None:
     out.dtype, out.shape = old.dtype, old.shape
     graph.insert_before(node, ident)
     name, old.name = old.name, None
+    # NOTE: the graph's own nodes read ``new``, only the graph output reads the Identity: an output
+    # that nodes also read gets an "external" gradient input from ORT's builder, which its YieldOp
+    # does not yield for an output with no gradient (session creation failed).
+    for user, index in list(old.uses()):
+        user.replace_input_with(index, new)
     old.replace_all_uses_with(out, replace_graph_outputs=True)
     out.name = name
 
