@@ -368,7 +368,7 @@ def _export(
     """
     exporters = request.options.exporters
     errors: list[tuple[str, ExportError]] = []
-    for i, name in enumerate(exporters):
+    for name in exporters:
         stages = export_stages(name)
         exports = 0
         try:

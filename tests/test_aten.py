@@ -76,6 +76,30 @@ def test_aten_ops_option_runs_gelu_with_torch_kernels(approximate):
     assert aten_ops_in(w) == ["gelu", "ortwrap_vjp::gelu"]
 
 
+class Overloaded(nn.Module):
+    """Ops with several overloads, called with int arguments: softmax(x, dim) (``softmax.int``),
+    squeeze(x, 1) (``squeeze.dim``), sum(x, dims) (``sum.dim_IntList``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.a(x).reshape(x.shape[0], 1, 6)
+        return torch.softmax(h, -1).squeeze(1) * h.sum([1, 2]).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("op", ["softmax", "squeeze", "sum"])
+def test_aten_ops_option_picks_the_overload_the_arguments_fit(op, exporter):
+    # Under TorchScript the exporter can leave a node without its schema: softmax(x, -1) named no
+    # overload (type inference refused it), squeeze(x, 1) ran as the one-argument squeeze(). Both
+    # exporters in one process: their nodes of one op share ORT's one gradient definition (dynamo
+    # drops softmax's trailing dtype=None, TorchScript writes it).
+    w = check_parity(Overloaded, vec, wrap_options={"aten_ops": (op,), "exporter": exporter})
+    assert op in aten_ops_in(w)
+
+
 class Norms(nn.Module):
     """nn.RMSNorm (no ONNX export at opset 17: an ATen node under TorchScript) and a LayerNorm whose
     weight is frozen (its gradient is an unnamed output of the gradient node)."""

@@ -754,6 +754,13 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             )
             continue
         key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
+        plan = resolve(op, overload)
+        if len(node.input) < plan.n_args:
+            # NOTE: every node of an op gets the schema's full argument list (absent trailing
+            # arguments take their defaults): ORT keeps one gradient definition per op and
+            # overload per process, and the exporters differ in which trailing defaults they
+            # write (dynamo drops softmax's dtype=None, TorchScript writes it as an empty input).
+            node.input.extend([""] * (plan.n_args - len(node.input)))
         n_in, n_out = len(node.input), len(node.output)
         # An integer output (indices) has no gradient for any node to compute: an absent input.
         grads_out = [
@@ -775,7 +782,6 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 "in another; ORT allows one gradient definition per op (run the integer one as an ONNX op)"
             )
         if known is None:
-            plan = resolve(op, overload)
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
             # An ``out=`` overload (``div.out``: spectral_norm's power iteration, run under no_grad in

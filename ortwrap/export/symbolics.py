@@ -237,20 +237,89 @@ def _sdpa(default: Callable) -> Callable:
     return symbolic
 
 
+#: a TorchScript value's type kind -> the schema argument type kinds it can fill
+_TS_KINDS = {
+    "IntType": {"IntType", "NumberType", "SymIntType", "ScalarTypeType", "LayoutType", "MemoryFormatType"},
+    "FloatType": {"FloatType", "NumberType"},
+    "BoolType": {"BoolType", "NumberType"},
+    "ListType": {"ListType"},
+    "TensorType": {"TensorType", "NumberType"},
+}
+
+
+def _fits(schema, kinds: list[str]) -> bool:
+    """Whether a call whose arguments have these TorchScript type kinds fits ``schema``."""
+    arguments = list(schema.arguments)
+    if any(a.alias_info is not None and a.alias_info.is_write and a.kwarg_only for a in arguments):
+        return False  # an out= overload
+    required = sum(not a.has_default_value() for a in arguments)
+    if not required <= len(kinds) <= len(arguments):
+        return False
+    for arg, kind in zip(arguments, kinds):
+        want = arg.type.kind()
+        if want == "OptionalType":
+            if kind == "NoneType":
+                continue
+            want = arg.type.getElementType().kind()
+        accepted = _TS_KINDS.get(kind)
+        if accepted is not None and want not in accepted:
+            return False
+    return True
+
+
+def _ts_kind(value) -> str:
+    """A TorchScript argument's type kind, a constant tensor (the exporter's form of an ``int``,
+    ``float`` or ``int[]`` argument by the time symbolics run) read as the Python value it holds."""
+    kind = value.type().kind()
+    if kind != "TensorType" or value.node().kind() not in ("onnx::Constant", "prim::Constant"):
+        return kind
+    rank = compat.ts_rank(value)
+    if rank == 1:
+        return "ListType"
+    if rank != 0:
+        return kind
+    dtype = compat.ts_scalar_type(value)[1]
+    return "BoolType" if dtype is torch.bool else "FloatType" if dtype.is_floating_point else "IntType"
+
+
+def _ts_overload(name: str, node) -> str:
+    """The overload of ``aten::<name>`` a TorchScript node calls: its schema's, where the node still
+    has one that fits its arguments; else the one its argument kinds fit ("" for ``default``). The
+    exporter's passes can leave a node without its schema (``squeeze(x, 1)`` then read as the
+    one-argument ``squeeze()``, ``softmax(x, -1)`` as no overload at all)."""
+    given = compat.ts_overload_name(node)
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return given
+    kinds = [_ts_kind(v) for v in node.inputs()]
+    names = [given or "default"] + [o for o in packet.overloads() if o != (given or "default")]
+    for overload in names:
+        op = getattr(packet, overload, None)
+        if op is not None and _fits(compat.op_schema(op), kinds):
+            return "" if overload == "default" else overload
+    return given
+
+
 def _aten_symbolic(name: str) -> Callable:
     """Export ``aten::<name>`` as an ATen node running PyTorch's own kernel (``Options.aten_ops``)."""
 
     def symbolic(g, *args, **kwargs):
         node = g.original_node
         outputs = list(node.outputs())
-        result = g.aten_op(name, *args, overload_name=compat.ts_overload_name(node), outputs=len(outputs))
+        result = g.aten_op(name, *args, overload_name=_ts_overload(name, node), outputs=len(outputs))
         results = list(result) if isinstance(result, (list, tuple)) else [result]
+        first = compat.ts_sizes(args[0]) if args else None
         for r, o in zip(results, outputs):
             # dtype and rank only: the traced sizes would make every dim static (a new batch size then
-            # fails in the backward); type inference through ATen nodes finds the symbolic dims.
+            # fails in the backward); type inference through ATen nodes finds the symbolic dims. A
+            # size-1 dim the first input has too stays (a later squeeze(dim) of it would be an If).
             t = o.type()
             sizes = t.varyingSizes() if hasattr(t, "varyingSizes") else None
-            r.setType(t.with_sizes([None] * len(sizes)) if sizes is not None else t)
+            if sizes is None:
+                r.setType(t)
+                continue
+            same = first is not None and len(first) == len(sizes)
+            r.setType(t.with_sizes([1 if same and s == 1 and first[i] == 1 else None for i, s in enumerate(sizes)]))
         return result
 
     return symbolic
