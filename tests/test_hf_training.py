@@ -172,3 +172,33 @@ def test_accelerate_prepare_loop_matches_the_bare_model(mixed_precision):
     assert wrapped.fallback_reason is None
     if bf16:
         _trained_under_autocast(wrapped, bare)
+
+
+def test_peft_lora_model_trains_like_the_bare_one():
+    # ORTWrap(get_peft_model(model)): only the adapters train (frozen base weights are graph
+    # inputs without gradients); losses and adapter weights match the bare PeftModel's, and the
+    # wrapper is still a PeftModel that saves its adapter.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0, fan_in_fan_out=True
+    )
+    bare = peft.get_peft_model(gpt2(), config)
+    ours = peft.get_peft_model(gpt2(), config)
+    ours.load_state_dict(bare.state_dict())
+    wrapped = ORTWrap(ours, fallback=False)
+    assert isinstance(wrapped, peft.PeftModel)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (bare, wrapped)]
+    for step, batch in enumerate(rows(12)[::3]):
+        ids = batch["input_ids"][None].repeat(2, 1)
+        losses = []
+        for model, opt in zip((bare, wrapped), opts):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            for (name, p), q in zip(bare.named_parameters(), model.parameters()):
+                assert (q.grad is None) == (not p.requires_grad), f"step {step}: {name}"
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    assert_same_parameters(wrapped, bare)
+    assert wrapped.fallback_reason is None and len(wrapped.programs()) == 1
