@@ -1123,11 +1123,13 @@ def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
 
 def _weight_grad(a, b):
     """``a^T b`` of two row-major [rows, n] operands in a half dtype (a weight's gradient, the rows
-    reduced). NOTE: ``a^T`` is made contiguous first: PyTorch's bf16 GEMM (oneDNN, AMX) reads a
-    transposed left operand slowly, and the copy costs less than it saves (GPT-2's 3072 -> 768
-    layer: 5.4 -> 3.8 ms CPU with the copy; no shape slower). The products are summed in float32
-    either way; only the order of the sums differs (rare last-bit differences from eager)."""
-    return a.t().contiguous().mm(b)
+    reduced). NOTE: where ``a`` is no wider than ``b``, ``a^T`` is made contiguous first: PyTorch's
+    bf16 GEMM (oneDNN, AMX) reads a transposed left operand slowly, and copying the narrower operand
+    costs less than that (GPT-2's 3072 -> 768 layer: 5.4 -> 3.8 ms CPU with the copy). A wider
+    ``a`` is read transposed: its transposing copy (PyTorch's is slow, and cold in a training step)
+    cost more than it saved. The products are summed in float32 either way; only the order of the
+    sums differs (rare last-bit differences from eager, which reads ``a`` transposed)."""
+    return (a.t().contiguous() if a.shape[1] <= b.shape[1] else a.t()).mm(b)
 
 
 def _linear_bf16_backward(grad, xc, wc, dtypes: list[int], output_mask: list[bool]):
