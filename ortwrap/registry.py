@@ -960,6 +960,19 @@ def _linear_keep_input(x, w, b, dtypes: list[int]):
     return y, wc
 
 
+def _linear_keep_input_half(x, w, b, dtypes: list[int]):
+    """:func:`_linear_keep_input` whose result is also read in the compute dtype (a float32 result
+    that the graph also narrows: an LM head's logits, float32 for the loss and bf16 for the caller,
+    as eager autocast returns them): the result, w's copy, then the result in the compute dtype (the
+    GEMM's own output, bf16-exact) in place of ORT's ``Cast`` of the float32 one."""
+    import torch.nn.functional as F
+
+    compute, result = _dtypes(dtypes[:2])
+    wc = _saved(w, compute)
+    y = F.linear(x, wc, None if b is None else b.to(compute))
+    return y.to(result), wc, y
+
+
 def _attention_keep_inputs(q, kt, v, mask, scale: float, dtypes: list[int]):
     """:func:`_attention` of q, k^T and v already in the compute dtype: the result, k (contiguous)
     and the log-sum-exp; the backward reads q and v themselves."""
@@ -1121,17 +1134,66 @@ def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
     return da, db
 
 
+def _weight_grad(a, b):
+    """``a^T b`` of two row-major [rows, n] operands in a half dtype (a weight's gradient, the rows
+    reduced). NOTE: where ``a`` is no wider than ``b``, ``a^T`` is made contiguous first: PyTorch's
+    bf16 GEMM (oneDNN, AMX) reads a transposed left operand slowly, and copying the narrower operand
+    costs less than that (GPT-2's 3072 -> 768 layer: 5.4 -> 3.8 ms CPU with the copy). A wider
+    ``a`` is read transposed: its transposing copy (PyTorch's is slow, and cold in a training step)
+    cost more than it saved. The products are summed in float32 either way; only the order of the
+    sums differs (rare last-bit differences from eager, which reads ``a`` transposed)."""
+    return (a.t().contiguous() if a.shape[1] <= b.shape[1] else a.t()).mm(b)
+
+
 def _linear_bf16_backward(grad, xc, wc, dtypes: list[int], output_mask: list[bool]):
-    """:func:`_linear_backward` of :func:`_linear`: each gradient in its input's dtype (``dtypes``
-    [compute, result, x, w, b])."""
-    types = _dtypes(dtypes[2:5])
-    return tuple(g.to(t) for g, t in zip(_linear_backward(grad, xc, wc, output_mask), types))
+    """:func:`_linear_backward` of :func:`_linear` with each gradient cast once, from the compute
+    dtype to its input's dtype (``dtypes`` [compute, result, x, w, b]): a bf16 dx of a float32
+    output gradient is not widened to float32 and narrowed again."""
+    return _linear_grads(grad.to(wc.dtype), xc, wc, _dtypes(dtypes[2:5]), output_mask)
+
+
+def _linear_bf16_backward_half(grad, grad_half, xc, wc, dtypes: list[int], output_mask: list[bool]):
+    """:func:`_linear_bf16_backward` of :func:`_linear_keep_input_half`: the result's two gradients
+    summed as eager autocast sums them (the float32 one rounded to the compute dtype first, then
+    added in it: eager's bf16 result had both readers). Either may be absent (no gradient reaches
+    that result: ``OPTIONAL_GRADIENT_OPS``)."""
+    g = None if grad is None else grad.to(wc.dtype)
+    if grad_half is not None:
+        g = grad_half.to(wc.dtype) if g is None else g + grad_half.to(wc.dtype)
+    return _linear_grads(g, xc, wc, _dtypes(dtypes[2:5]), output_mask)
+
+
+def _linear_grads(g, xc, wc, types: list, output_mask: list[bool]):
+    """dx, dW, db of a linear from its output gradient ``g`` in the compute dtype, each in ``types``."""
+    import torch
+
+    g2 = g.reshape(-1, g.shape[-1])
+    dx = torch.matmul(g, wc).to(types[0]) if output_mask[0] else torch.empty(0, dtype=types[0])
+    if output_mask[1]:
+        dw = _weight_grad(g2, xc.reshape(-1, xc.shape[-1])).to(types[1])
+    else:
+        dw = torch.empty(0, dtype=types[1])
+    db = g2.sum(0).to(types[2]) if output_mask[2] else torch.empty(0, dtype=types[2])
+    return dx, dw, db
 
 
 def _matmul_bf16_backward(grad, ac, bc, dtypes: list[int], output_mask: list[bool]):
-    """:func:`_matmul_backward` of :func:`_matmul`: each gradient in its input's dtype."""
+    """:func:`_matmul_backward` of :func:`_matmul`, each gradient cast once to its input's dtype."""
+    import torch
+
     types = _dtypes(dtypes[2:4])
-    return tuple(g.to(t) for g, t in zip(_matmul_backward(grad, ac, bc, output_mask), types))
+    g = grad.to(ac.dtype)
+    if not output_mask[0]:
+        da = torch.empty(0, dtype=types[0])
+    else:
+        da = _sum_to(torch.matmul(g, bc.transpose(-1, -2)), ac.shape).to(types[0])
+    if not output_mask[1]:
+        db = torch.empty(0, dtype=types[1])
+    elif bc.dim() == 2:  # a weight: one GEMM over all rows
+        db = _weight_grad(ac.reshape(-1, ac.shape[-1]), g.reshape(-1, g.shape[-1])).to(types[1])
+    else:
+        db = _sum_to(torch.matmul(ac.transpose(-1, -2), g), bc.shape).to(types[1])
+    return da, db
 
 
 _OPS = {
@@ -1148,6 +1210,10 @@ _OPS = {
         "linear_keep_input(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor)",
         _linear_keep_input,
     ),
+    "linear_keep_input_half": (
+        "linear_keep_input_half(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor, Tensor)",
+        _linear_keep_input_half,
+    ),
     "attention_keep_inputs": (
         "attention_keep_inputs(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
         "-> (Tensor, Tensor, Tensor)",
@@ -1162,6 +1228,11 @@ _OPS = {
         "linear_bf16_backward(Tensor grad, Tensor xc, Tensor wc, int[] dtypes, bool[3] output_mask) "
         "-> (Tensor, Tensor, Tensor)",
         _linear_bf16_backward,
+    ),
+    "linear_bf16_backward_half": (
+        "linear_bf16_backward_half(Tensor? grad, Tensor? grad_half, Tensor xc, Tensor wc, int[] dtypes, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _linear_bf16_backward_half,
     ),
     "matmul_bf16_backward": (
         "matmul_bf16_backward(Tensor grad, Tensor ac, Tensor bc, int[] dtypes, bool[2] output_mask) -> (Tensor, Tensor)",
@@ -1225,7 +1296,8 @@ _library: list = []
 #: output has the result dtype, the others are what the backward reads (the inputs' copies in the
 #: compute dtype), and the backward returns each input's gradient in that input's dtype.
 DTYPE_ARGUMENT_OPS = frozenset(
-    f"{OPS_NAMESPACE}::{op}" for op in ("linear", "matmul", "attention", "linear_keep_input", "attention_keep_inputs")
+    f"{OPS_NAMESPACE}::{op}"
+    for op in ("linear", "matmul", "attention", "linear_keep_input", "linear_keep_input_half", "attention_keep_inputs")
 )
 #: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
 #: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
@@ -1244,6 +1316,12 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
     f"{OPS_NAMESPACE}::linear_keep_input": _grad(
         f"{OPS_NAMESPACE}::linear_bf16_backward",
         ["GO(0)", "I(0)", "O(1)", "I(3)"],
+        ["GI(0)", "GI(1)", "GI(2)"],
+        stop=[3],
+    ),
+    f"{OPS_NAMESPACE}::linear_keep_input_half": _grad(
+        f"{OPS_NAMESPACE}::linear_bf16_backward_half",
+        ["GO(0)", "GO(2)", "I(0)", "O(1)", "I(3)"],
         ["GI(0)", "GI(1)", "GI(2)"],
         stop=[3],
     ),
@@ -1288,6 +1366,12 @@ TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
         stop=[3, 4, 5],
     ),
 }
+
+
+#: backward ops (of ``TORCH_OP_GRADIENTS``) that read two output gradients of which the graph may
+#: produce only one: ORT's gradient builder names a missing one anyway (a value nothing produces,
+#: which the session rejects); ``bridge.aten.drop_missing_gradients`` makes it an absent input.
+OPTIONAL_GRADIENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear_bf16_backward_half"})
 
 
 def define_ops() -> None:

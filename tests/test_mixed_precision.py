@@ -130,6 +130,130 @@ def test_native_route_computes_as_eager_autocast(route):
         torch.testing.assert_close(a, b, **BF16)
 
 
+@pytest.mark.parametrize(
+    ("x_dtype", "result"),
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    ids=["bf16-x-f32-result", "bf16-x-bf16-result", "f32-x"],
+)
+def test_linear_ops_compute_as_eager_autocast(x_dtype, result):
+    """ortwrap's bf16 linear op and its backward op, called as the graph calls them, give eager
+    autocast's output and gradients bit for bit, each in eager's dtype: a float32 output gradient
+    (a residual add read the result) gives a bf16 dx where x is bf16, a float32 one where x is."""
+    from ortwrap.registry import define_ops
+
+    define_ops()
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 96).to(x_dtype).requires_grad_()
+    w, b = nn.Parameter(torch.randn(64, 96) / 10), nn.Parameter(torch.randn(64))
+    grad = torch.randn(3, 40, 64, dtype=result)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, w, b)
+    y.to(result).backward(grad)
+    codes = {torch.bfloat16: 15, torch.float32: 6}
+    dtypes = [15, codes[result], codes[x_dtype], 6, 6]
+    ops = torch.ops.ortwrap_ops
+    with torch.no_grad():
+        if x_dtype is torch.bfloat16:  # passes/half_values.py: the backward reads x itself
+            ours, wc = ops.linear_keep_input(x, w, b, dtypes)
+            xc = x
+        else:
+            ours, xc, wc = ops.linear(x, w, b, dtypes)
+        grads = ops.linear_bf16_backward(grad, xc, wc, dtypes, [True, True, True])
+    for a, e in zip((ours, *grads), (y.to(result), x.grad, w.grad, b.grad)):
+        assert a.dtype == e.dtype and torch.equal(a, e), (a.dtype, e.dtype, (a.float() - e.float()).abs().max())
+
+
+def test_linear_half_result_computes_as_eager_autocast():
+    """The LM head's op (its float32 result read by the loss, its bf16 result returned, as eager
+    autocast's logits): both results and every gradient, with a gradient on each result, are eager
+    autocast's bit for bit; its backward sums the two in bf16 as eager's autograd does."""
+    from ortwrap.registry import define_ops
+
+    define_ops()
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 96).bfloat16().requires_grad_()
+    w = nn.Parameter(torch.randn(64, 96) / 10)
+    grad, grad_half = torch.randn(3, 40, 64), torch.randn(3, 40, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, w)
+    torch.autograd.backward([y.float(), y], [grad, grad_half])
+    dtypes = [15, 6, 15, 6, 6]
+    ops = torch.ops.ortwrap_ops
+    with torch.no_grad():
+        ours, wc, half = ops.linear_keep_input_half(x, w, None, dtypes)
+        grads = ops.linear_bf16_backward_half(grad, grad_half, x, wc, dtypes, [True, True, False])
+    for a, e in zip((ours, half, *grads[:2]), (y.float(), y, x.grad, w.grad)):
+        assert a.dtype == e.dtype and torch.equal(a, e), (a.dtype, e.dtype, (a.float() - e.float()).abs().max())
+
+
+class HeadAndArgmax(nn.Module):
+    """A head whose float32 logits only a non-differentiable op reads (argmax), its bf16 logits
+    returned: the head's backward gets only the bf16 logits' gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = self.head(self.ln(x))
+        return y, y.float().argmax(-1)
+
+
+def test_linear_half_result_with_one_gradient():
+    """The head returns bf16 logits and their argmax (of the float32 logits): ORT's gradient builder
+    names no gradient of the float32 result, the backward op gets it as absent (not as a value
+    nothing produces, which ORT rejects), and outputs and gradients match eager autocast."""
+    torch.manual_seed(0)
+    eager = HeadAndArgmax()
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute="native")
+    x = torch.randn(4, 5, 16)
+    results = []
+    for model in (eager, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, idx = model(x)
+        (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        results.append([y, idx, *(p.grad for p in model.parameters())])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **BF16)
+    graph = next(iter(ours.programs())).graph.model().graph
+    backward = [n for n in graph.node if any(a.s == b"ortwrap_ops::linear_bf16_backward_half" for a in n.attribute)]
+    assert len(backward) == 1 and backward[0].input[0] == "", [list(n.input) for n in backward]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_tiny_gpt_logits_and_loss_under_autocast(route):
+    """The LM returns its loss and its logits (bf16 under autocast, as eager's) and the caller's loss
+    reads both: every gradient matches eager autocast. On the native route the head's linear returns
+    its bf16 logits itself (no Cast of the float32 ones the loss reads) and its backward takes both
+    gradients."""
+    sys.path.insert(0, "examples")
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab=40, d=16, heads=2, layers=2, max_len=32)
+
+    def inputs(b, g):
+        data = torch.randint(0, 40, (b, seq_len(b, 10) + 1), generator=g)
+        return (data[:, :-1], data[:, 1:]), {}
+
+    def loss_fn(out):
+        assert out[1].dtype == torch.bfloat16
+        return out[0] + out[1].float().square().sum()
+
+    w = check_parity(
+        lambda: TinyGPT(cfg), inputs, loss_fn=loss_fn, autocast=autocast(torch.bfloat16), lr=0.01,
+        wrap_options={"half_compute": route}, **BF16,
+    )  # fmt: skip
+    assert_route(w, route)
+    counts = gemm_op_counts(w)
+    if route == "native":
+        assert counts.get("ortwrap_ops::linear_keep_input_half") == 1, counts
+        assert counts.get("ortwrap_ops::linear_bf16_backward_half") == 1, counts
+        graph = next(iter(w.programs())).graph.model().graph
+        assert not [n for n in graph.node if n.op_type == "Cast" and n.output[0] == graph.output[1].name]
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_inference_under_autocast(route):
     """Under no_grad (an inference graph: the GEMM ops return no operand copies) and in eval mode
@@ -572,6 +696,33 @@ def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
     assert last.narrowed == 2 and dtypes == [[15, 15, 6, 6, 6], [15, 6, 15, 6, 6]], dtypes
     reshape = next(n for n in after.graph.node if n.op_type == "Reshape")
     assert types[reshape.input[0]] == types[reshape.output[0]] == onnx.TensorProto.BFLOAT16
+
+
+def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
+    """A GEMM whose result the graph returns in bf16 (eager autocast's dtype; here through an
+    Identity) writes it in bf16 (``dtypes``' result code): no float32 result and Cast after it."""
+    import onnx_ir as ir
+    import onnx_text
+
+    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
+    from ortwrap.passes.half_values import HalfValuesOnCPUPass
+
+    body = _TWO_LINEARS.format(extra="", extra_out="").replace(
+        "(float[4, 8] y)", "(bfloat16[4, 8] y)").replace("y = Cast <to = 1> (m2)", "y = Identity (m2)")  # fmt: skip
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
+    last = HalfValuesOnCPUPass()
+    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass(), last):
+        model = p(model).model
+    after = ir.serde.serialize_model(model)
+    constants = {
+        n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in after.graph.node if n.op_type == "Constant"
+    }
+    gemms = [n for n in after.graph.node if n.op_type == "ATen"]
+    # [compute, result, x, w, b]: bf16 = 15, float32 = 6
+    assert [constants[n.input[-1]].tolist() for n in gemms] == [[15, 15, 6, 6, 6], [15, 15, 15, 6, 6]]
+    assert last.casts == 1 and not [n for n in after.graph.node if n.op_type == "Cast"]
+    assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 
 
 @pytest.mark.parametrize("route", ["native"])

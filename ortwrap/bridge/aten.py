@@ -674,6 +674,32 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def drop_missing_gradients(model: onnx.ModelProto) -> bool:
+    """Make absent the inputs of ``registry.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
+    output gradient the built graph lacks: no gradient reaches that output); True if any changed."""
+    from ..registry import OPTIONAL_GRADIENT_OPS
+
+    graph = model.graph
+    nodes = [
+        n
+        for n in graph.node
+        if n.domain == ATEN_DOMAIN
+        and n.op_type == "ATen"
+        and any(a.name == "operator" and a.s.decode() in OPTIONAL_GRADIENT_OPS for a in n.attribute)
+    ]
+    if not nodes:
+        return False
+    known = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    known |= {o for n in graph.node for o in n.output}
+    changed = False
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if name and name not in known:
+                node.input[i] = ""
+                changed = True
+    return changed
+
+
 def _split_used(op: str) -> tuple[str, str | None]:
     """``used=101|name`` -> (``name``, ``"101"``); other names unchanged, with None."""
     if op.startswith(USED_MARK):

@@ -165,7 +165,7 @@ def _build_graph(
     gi = builder.get_graph_info()
     built = builder.get_gradient_model() if build_gradient else builder.get_forward_model()
     proto = onnx.load_model_from_string(built)
-    if aten.mark_used_outputs(proto):
+    if aten.mark_used_outputs(proto) | aten.drop_missing_gradients(proto):
         built = proto.SerializeToString()
     feed_names = tuple(i.name for i in proto.graph.input)
     grad_names = tuple(o.name for o in proto.graph.output) if build_gradient else ()

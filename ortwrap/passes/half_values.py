@@ -62,6 +62,7 @@ _OPERANDS = {
     f"{OPS_NAMESPACE}::matmul": 2,
     f"{OPS_NAMESPACE}::attention": 3,
     f"{OPS_NAMESPACE}::linear_keep_input": 3,
+    f"{OPS_NAMESPACE}::linear_keep_input_half": 3,
     f"{OPS_NAMESPACE}::attention_keep_inputs": 3,
 }
 #: ortwrap's float32 GELU kernels -> ``ortwrap_ops::gelu``'s ``approximate`` (0: erf, 1: tanh)
@@ -94,15 +95,17 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
     """Keep bf16 the values between ortwrap's bf16 GEMMs (see the module docstring).
 
     ``narrowed`` counts the values made bf16, ``gelus`` the GELUs moved to PyTorch's bf16 kernel,
-    ``layer_norms`` the LayerNorms whose result is written in bf16.
+    ``layer_norms`` the LayerNorms whose result is written in bf16, ``casts`` the Casts to bf16
+    of values now bf16 (removed), ``half_results`` the linears that return their float32 result in
+    bf16 too, in place of a ``Cast``.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.narrowed = self.gelus = self.layer_norms = 0
+        self.narrowed = self.gelus = self.layer_norms = self.half_results = self.casts = 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.narrowed = self.gelus = self.layer_norms = 0
+        self.narrowed = self.gelus = self.layer_norms = self.half_results = self.casts = 0
         graph = model.graph
         if not any(_gemm(n) for n in graph):
             return ir.passes.PassResult(model, modified=False)
@@ -117,6 +120,14 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
             if _gemm(node):
                 self._retype(graph, node, keep)
                 self._keep_inputs(graph, node, keep)
+        for node in list(graph):
+            if _narrowing_cast(node) and node.inputs[0] in keep:  # bf16 already: the Cast goes
+                cast, value = node.outputs[0], node.inputs[0]
+                graph.remove(node, safe=False)
+                _take_over(value, cast)
+                self.casts += 1
+            elif _gemm(node):
+                self._half_result(graph, node)
         for node in list(graph):
             if _operator(node) in _GELU and node.outputs[0] in keep:
                 self._gelu(graph, node)
@@ -217,12 +228,39 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         graph.insert_before(node, new)
         kept = [o for i, o in enumerate(node.outputs) if i not in drop]
         for old, value in zip(kept, new.outputs):
-            value.dtype, value.shape = old.dtype, old.shape
-            name = old.name
-            old.replace_all_uses_with(value, replace_graph_outputs=True)
-            old.name = None
-            value.name = name
+            _take_over(value, old)
         graph.remove(node, safe=True)
+
+    def _half_result(self, graph: ir.Graph, node: ir.Node) -> None:
+        """A linear whose float32 result the graph reads in float32 (the loss reads an LM head's
+        logits) and narrows to bf16 (one ``Cast``: eager returns the logits in bf16) returns it in
+        both dtypes (``linear_keep_input_half``: the bf16 one is the GEMM's own result), and the
+        Cast goes; its backward sums the two gradients in bf16, as eager autocast sums them,
+        instead of ORT's Cast of the bf16 one and a float32 ``Sum``. (A result that only the Cast
+        reads is bf16 already: ``_member_ok``.)"""
+        result = node.outputs[0]
+        if _operator(node) != f"{OPS_NAMESPACE}::linear_keep_input" or len(node.outputs) != 2:
+            return
+        if result.dtype != ir.DataType.FLOAT or result.is_graph_output():
+            return
+        casts = [user for user, _ in result.uses() if _narrowing_cast(user)]
+        if len(casts) != 1:
+            return
+        (cast,) = casts
+        new = ir.node(
+            "ATen",
+            list(node.inputs),
+            attributes={"operator": f"{OPS_NAMESPACE}::linear_keep_input_half", "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=3,
+            name=node.name,
+        )
+        graph.insert_before(node, new)
+        for old, value in zip([*node.outputs, cast.outputs[0]], new.outputs):
+            _take_over(value, old)
+        graph.remove(cast, safe=True)
+        graph.remove(node, safe=True)
+        self.half_results += 1
 
     def _gelu(self, graph: ir.Graph, node: ir.Node) -> None:
         approximate = _GELU[_operator(node)]
@@ -271,9 +309,24 @@ def _member_ok(v: ir.Value, is_exact: bool, candidates: dict[ir.Value, bool]) ->
         elif op in _GELU:
             if not is_exact or user.outputs[0] not in candidates:
                 return False
-        else:
+        elif not _narrowing_cast(user):
             return False
     return differentiable <= 1
+
+
+def _narrowing_cast(node: ir.Node) -> bool:
+    """A ``Cast`` to bf16 (what ``HalfPrecisionOnCPUPass`` writes where eager's value is bf16)."""
+    to = node.attributes.get("to") if node.domain in _ONNX and node.op_type == "Cast" else None
+    return to is not None and to.as_int() == _BF16.value
+
+
+def _take_over(value: ir.Value, old: ir.Value) -> None:
+    """``value`` replaces ``old`` everywhere, graph outputs included, under ``old``'s name and type."""
+    value.dtype, value.shape = old.dtype, old.shape
+    name = old.name
+    old.replace_all_uses_with(value, replace_graph_outputs=True)
+    old.name = None
+    value.name = name
 
 
 def _constant(value: ir.Value) -> np.ndarray:
