@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from parity import check_parity, seq_len
 from torch import nn
 
+import ortwrap
 from ortwrap import ORTWrap
 
 
@@ -232,3 +233,45 @@ def test_aten_vjp_results_never_share_an_input_buffer(case):
     assert grads[0].untyped_storage().data_ptr() not in inputs
     # The values are PyTorch's: the output gradient brought back to the input's shape.
     torch.testing.assert_close(grads[0], tensors[0].reshape(grads[0].shape) if case != "transpose" else tensors[0].t())
+
+
+_wrong_dtype_lib = None
+
+
+def _wrong_dtype_op():
+    """``ortwrap_test::wrong_dtype(x)``: its Meta kernel says float32, its CPU kernel returns float64."""
+    global _wrong_dtype_lib
+    if _wrong_dtype_lib is None:
+        lib = torch.library.Library("ortwrap_test", "DEF")
+        lib.define("wrong_dtype(Tensor x) -> Tensor")
+        lib.impl("wrong_dtype", lambda x: (x * 2).double(), "CPU")
+        lib.impl("wrong_dtype", lambda x: torch.empty_like(x), "Meta")
+        _wrong_dtype_lib = lib
+    return torch.ops.ortwrap_test.wrong_dtype
+
+
+class WrongDtype(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _wrong_dtype_op()(self.a(x))
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_an_aten_node_returning_another_dtype_than_inferred_is_not_silent(fallback):
+    # An ATen node (an op without a translation) whose kernel returns float64 where type inference
+    # found float32: the first run says so (a fallback with a warning, or the error), instead of
+    # handing the user a tensor of a dtype the graph does not declare.
+    model = WrongDtype()
+    w = ORTWrap(model, fallback=fallback, exporter="dynamo")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        if fallback:
+            with pytest.warns(ortwrap.FallbackWarning, match=r"came back as torch\.float64 where the graph declares"):
+                out = w(x)
+            assert out.dtype == torch.float64 and w.fallback_reason is not None
+        else:
+            with pytest.raises(ortwrap.RuntimeRunError, match=r"came back as torch\.float64 where the graph declares"):
+                w(x)

@@ -198,6 +198,26 @@ def _aliased_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int,
     return tuple(found)
 
 
+def _declared_dtypes(model: onnx.ModelProto, names: tuple[str, ...] | list[str]) -> list[torch.dtype | None]:
+    """The dtype the graph declares for each of ``names`` (None where unknown)."""
+    from ..bridge.aten import TORCH_DTYPES
+
+    elem = {v.name: v.type.tensor_type.elem_type for v in (*model.graph.value_info, *model.graph.output)}
+    return [TORCH_DTYPES.get(elem.get(name, 0)) for name in names]
+
+
+def _check_dtypes(declared: list[torch.dtype | None], outputs: list[torch.Tensor], names) -> None:
+    """On a program's first run: each output has the dtype the graph declares. An ATen node whose
+    PyTorch op returns another dtype than type inference found would otherwise go on silently into
+    the user's hands (or into another ATen node)."""
+    for name, want, t in zip(names, declared, outputs):
+        if want is not None and t.dtype != want:
+            raise RuntimeRunError(
+                f"graph output {name!r} came back as {t.dtype} where the graph declares {want}: a kernel "
+                "returned another dtype than the build inferred. Report it with ORTWrap(..., debug_dir=...)'s artifacts"
+            )
+
+
 def _grad_dependencies(graph: TrainingGraph, model: onnx.ModelProto) -> tuple[int, ...]:
     """For each backward output (``graph.grad_names``), a bit mask of the user outputs whose
     gradients it is computed from (bit ``i``: user output ``i``, through the YieldOp's outputs).
@@ -287,6 +307,7 @@ class TrainingRunner:
         self._from_dlpack = compat.from_dlpack()
         model = graph.model()
         self._bool_outputs = _has_bool_outputs(graph, model)
+        self._declared = _declared_dtypes(model, info.user_output_names)
         self.grad_outputs = tuple(
             i for i in range(len(info.user_output_names)) if i not in info.non_differentiable_outputs
         )
@@ -331,6 +352,7 @@ class TrainingRunner:
             for i in fetches.bool_tensor_indices():
                 outputs[i] = outputs[i].view(torch.bool)
         if self._output_types is None:
+            _check_dtypes(self._declared, outputs, self.graph.info.user_output_names)
             self._output_types = [(t.dtype, t.device) for t in outputs]
         for i in self._copy_outputs:
             outputs[i] = outputs[i].clone()
@@ -387,7 +409,9 @@ class InferenceRunner:
         self._fetch_names = list(graph.info.user_output_names)
         self._devices = [ort_device] * len(self._fetch_names)
         self._run_options = ort.RunOptions()
-        self._bool_outputs = _has_bool_outputs(graph, graph.model())
+        model = graph.model()
+        self._bool_outputs = _has_bool_outputs(graph, model)
+        self._declared: list[torch.dtype | None] | None = _declared_dtypes(model, self._fetch_names)
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
@@ -401,4 +425,8 @@ class InferenceRunner:
             fetches,
             self._devices,
         )
-        return to_tensors(fetches, self._bool_outputs)
+        outputs = to_tensors(fetches, self._bool_outputs)
+        if self._declared is not None:  # (the first run only)
+            _check_dtypes(self._declared, outputs, self._fetch_names)
+            self._declared = None
+        return outputs
