@@ -67,6 +67,8 @@ class KernelTableError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ kernels
+#: the namespace of ortwrap's PyTorch ops (``torch.ops.ortwrap_ops``; :func:`define_ops`)
+OPS_NAMESPACE = "ortwrap_ops"
 _TENSOR_CHARS = {"f": "float32", "h": "bfloat16", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
 
 
@@ -116,6 +118,8 @@ class Kernel:
         rewrite: the pass's method that performs that rewrite.
         variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
             pass: ``passes/half_values.py``) instead of a rewrite of its own.
+        replaces_op: for a kernel that takes the place of one of ortwrap's PyTorch ops (an ATen node
+            of ``ortwrap_ops``), that op (``passes/native_attention.py`` rewrites it).
     """
 
     name: str
@@ -125,6 +129,7 @@ class Kernel:
     replaces: tuple[str, ...] = ()
     rewrite: str | None = None
     variant_of: str | None = None
+    replaces_op: str | None = None
 
     @property
     def inputs(self) -> list[tuple[str, bool]]:
@@ -218,6 +223,19 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_cross_entropy",
     ),
     Kernel("cross_entropy_backward", "ffiII>f", "dloss, log_prob, labels, ignore_index, reduction -> dscores"),
+    Kernel(
+        "attention_bf16",
+        "hhhf?F>hf",
+        "softmax attention of bf16 q [..., T, D], k^T [..., D, S], v [..., S, E], additive mask, scale -> out, lse",
+        _grad(
+            "attention_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        replaces_op=f"{OPS_NAMESPACE}::attention_keep_inputs",
+    ),
+    Kernel("attention_bf16_backward", "hhhhhff?F>hhh", "dout, q, kt, v, out, lse, mask, scale -> dq, dkt, dv"),
 )
 
 
@@ -1217,7 +1235,6 @@ _OPS = {
     "hard_sigmoid": ("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
     "shrink": ("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
 }
-OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
 
 #: ortwrap ops that compute in the dtype their last argument, ``dtypes``, names first (torch's

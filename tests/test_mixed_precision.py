@@ -19,7 +19,7 @@ import torch
 from parity import check_parity, gemm_op_counts, seq_len
 from torch import nn
 
-from ortwrap import ORTWrap
+from ortwrap import ORTWrap, kernels
 
 pytestmark = pytest.mark.usefixtures("exporter")
 
@@ -198,9 +198,14 @@ def test_tiny_gpt_under_autocast(route, recompute):
         assert len(layout) >= 4, sorted(bf16)
     if route == "native":
         if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
-            # q, k^T, v reach attention in bf16: the variant whose backward reads them, not copies
-            assert_route(w, route, op="attention_keep_inputs", backward=False)
-            assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
+            # q, k^T, v reach attention in bf16: ortwrap's bf16 attention kernel and its backward
+            # (passes/native_attention.py), else flash attention's variant that reads them, not copies
+            if kernels.attention_available():
+                assert {"ortwrap_cpu::attention_bf16", "ortwrap_cpu::attention_bf16_backward"} <= operators
+                assert not any(op.startswith("ortwrap_ops::attention") for op in operators), sorted(operators)
+            else:
+                assert_route(w, route, op="attention_keep_inputs", backward=False)
+                assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
 
 
 class BatchedMatMuls(nn.Module):

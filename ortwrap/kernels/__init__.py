@@ -45,6 +45,7 @@ import warnings
 
 import torch
 
+from .._compat.torch import bundled_mkl_library
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
 from ..registry import KERNELS, check_kernel_table
@@ -65,6 +66,10 @@ def install() -> ctypes.CDLL:
     check_kernel_table(compiled_table(lib))
     lib.ortwrap_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_set_threads.restype = ctypes.c_int
+    lib.ortwrap_cpu_set_bf16_gemm.argtypes = [ctypes.c_char_p]
+    lib.ortwrap_cpu_set_bf16_gemm.restype = ctypes.c_int
+    mkl = bundled_mkl_library()
+    lib.ortwrap_bf16_gemm = mkl is not None and lib.ortwrap_cpu_set_bf16_gemm(mkl.encode()) == 0
     aten.set_native(ctypes.cast(lib.ortwrap_cpu_run, ctypes.c_void_p).value)
     for k in KERNELS:
         g = k.gradient
@@ -86,6 +91,16 @@ def compiled_table(lib: ctypes.CDLL) -> dict[str, str]:
         table[name.value.decode()] = sig.value.decode()
         k += 1
     return table
+
+
+def attention_available() -> bool:
+    """Whether ``attention_bf16`` can run: the kernels load and PyTorch's library bundles MKL's bf16
+    GEMM (bf16 inputs, float32 results), which the kernel calls. ``passes/native_attention.py`` keeps
+    PyTorch's flash attention otherwise."""
+    try:
+        return bool(install().ortwrap_bf16_gemm)
+    except NativeBuildError:
+        return False
 
 
 def cached_bytes(release: bool = False) -> int:

@@ -1,0 +1,108 @@
+"""bf16 attention on ortwrap's CPU kernel: ``ortwrap_ops::attention_keep_inputs`` -> ``ortwrap_cpu::attention_bf16``.
+
+On CPUs with native bf16, ``passes/half_matmul.py`` turns the exporters' decomposed
+``scaled_dot_product_attention`` into ``ortwrap_ops::attention`` (PyTorch's CPU flash attention, as
+eager autocast runs it), and ``passes/half_values.py`` makes it ``attention_keep_inputs`` where q,
+k^T and v arrive in bf16. This pass (CPU training graphs, after those two) replaces each such node
+whose q, k^T, v and output are bf16 and whose mask, if any, is float32 with one
+``org.pytorch.aten::ATen`` node of ortwrap's kernel (``kernels/_cpu.c``, declared in
+``registry.KERNELS`` with its gradient, ``attention_bf16_backward``):
+
+    attention_bf16(q, k^T, v, mask, scale) -> (out, lse)
+
+It computes what flash attention computes, with the same roundings (float32 scores, softmax and
+score gradients; P and dS rounded to bf16 for their GEMMs), from whole rows of scores per block of
+64 queries: bf16 GEMMs with float32 results (MKL's, bundled with PyTorch: AMX here) and one
+vectorized pass per row between them, the keys above a causal mask's diagonal skipped. GPT-2
+small's attention (4 x 12 heads, 256 tokens, causal) takes ~8 ms forward and backward on one
+thread against ~21 ms for flash attention (``docs/performance.md``). Like flash attention it keeps
+only q, k^T, v, the output and the log-sum-exp for the backward, which recomputes the scores.
+
+The node's k and log-sum-exp outputs, which only the backward reads, go: the kernel's backward
+reads k^T itself. Nothing changes where ``kernels.attention_available()`` is false (no MKL bf16
+GEMM in the PyTorch build): PyTorch's flash attention stays.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ..registry import KERNELS
+
+_BF16, _FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+#: ortwrap_ops op -> the kernel that takes its place (``Kernel.replaces_op``)
+_REPLACED = {k.replaces_op: k for k in KERNELS if k.replaces_op is not None}
+
+
+def _operator(node: ir.Node) -> str | None:
+    if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
+        return None
+    attr = node.attributes.get("operator")
+    return None if attr is None else attr.as_string()
+
+
+def _same(a: object, b: object) -> bool:
+    """Two dims known equal (the same int, or the same symbolic name)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a is not None and b is not None and str(a) == str(b)
+
+
+def _shapes_fit(q: ir.Value, kt: ir.Value, v: ir.Value) -> bool:
+    """q [..., T, D], k^T [..., D, S], v [..., S, E] with the same leading dims (no broadcast)."""
+    if q.shape is None or kt.shape is None or v.shape is None:
+        return False
+    qs, ks, vs = list(q.shape), list(kt.shape), list(v.shape)
+    if len(qs) < 2 or len(ks) != len(qs) or len(vs) != len(qs):
+        return False
+    lead = all(_same(a, b) and _same(a, c) for a, b, c in zip(qs[:-2], ks[:-2], vs[:-2]))
+    return lead and _same(ks[-2], qs[-1]) and _same(vs[-2], ks[-1])
+
+
+class NativeAttentionPass(ir.passes.InPlacePass):
+    """Replace bf16 ``attention_keep_inputs`` nodes with ortwrap's ``attention_bf16`` kernel.
+
+    ``rewritten`` counts the nodes replaced.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from .. import kernels
+
+        self.rewritten = 0
+        graph = model.graph
+        candidates = [n for n in graph if _operator(n) in _REPLACED]
+        if not candidates or not kernels.attention_available():
+            return ir.passes.PassResult(model, modified=False)
+        for node in candidates:
+            self._replace(graph, node, _REPLACED[_operator(node)].name)
+        return ir.passes.PassResult(model, modified=self.rewritten > 0)
+
+    def _replace(self, graph: ir.Graph, node: ir.Node, name: str) -> None:
+        q, kt, v, mask, scale = node.inputs[:5]
+        out = node.outputs[0]
+        if any(x is None or x.dtype != _BF16 for x in (q, kt, v, out)) or (mask is not None and mask.dtype != _FLOAT):
+            return
+        if not _shapes_fit(q, kt, v) or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+            return
+        new = ir.node(
+            "ATen",
+            [q, kt, v, mask, scale],
+            attributes={"operator": NATIVE_PREFIX + name, "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=2,
+            name=f"{node.name}/native",
+        )
+        graph.insert_before(node, new)
+        new.outputs[0].dtype, new.outputs[0].shape = _BF16, out.shape
+        new.outputs[1].dtype = _FLOAT  # the log-sum-exp, [..., T]
+        value_name = out.name
+        out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+        out.name = None
+        new.outputs[0].name = value_name
+        graph.remove(node, safe=True)
+        self.rewritten += 1
