@@ -208,6 +208,51 @@ def test_tiny_gpt_under_autocast(route, recompute):
                 assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
 
 
+class MaskedAttention(nn.Module):
+    """Self-attention with a key-padding mask given as an input (bool, or additive float), whose
+    head dim (12) is no power of two: SDPA's scale is then no power of two either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(24, 72)
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, 2, 12).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masked_attention_under_autocast(kind):
+    """A padding mask (one batch element with its last keys masked) under autocast on the native
+    route: outputs and every gradient as eager autocast's; the dynamo export's attention runs on
+    ortwrap's bf16 kernel (passes/native_attention.py)."""
+
+    def inputs(b, g):
+        t = seq_len(b, 9)
+        keep = torch.ones(b, 1, 1, t, dtype=torch.bool)
+        keep[0, ..., t // 2 :] = False
+        mask = keep if kind == "bool" else torch.where(keep, 0.0, -1e4) + torch.randn(b, 1, t, t, generator=g)
+        return (torch.randn(b, t, 24, generator=g), mask), {}
+
+    w = check_parity(
+        MaskedAttention, inputs, autocast=autocast(torch.bfloat16), lr=0.005,
+        wrap_options={"half_compute": "native"}, **BF16,
+    )  # fmt: skip
+    assert w.fallback_reason is None
+    from parity import EXPORTER
+
+    operators = {
+        a.s.decode() for p in w.programs() for n in p.graph.model().graph.node for a in n.attribute
+        if a.name == "operator"
+    }  # fmt: skip
+    # (an additive float mask input: passes/half_matmul.py keeps SDPA's decomposed matmuls and softmax)
+    if EXPORTER == "dynamo" and kind == "bool" and kernels.attention_available():
+        assert {"ortwrap_cpu::attention_bf16", "ortwrap_cpu::attention_bf16_backward"} <= operators, operators
+
+
 class BatchedMatMuls(nn.Module):
     """Batched matmuls with broadcasting (no softmax between): the generic bf16 matmul op."""
 
@@ -497,6 +542,57 @@ def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
     p = HalfMatMulOnCPUPass()
     onnx_text.run_pass(p, body)
     assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
+
+
+def _attention_keep_inputs_model(q: str, kt: str, v: str, mask: str | None) -> onnx.ModelProto:
+    """One ``attention_keep_inputs`` node (as passes/half_values.py leaves it) on inputs of these types."""
+    mask_input = f", {mask} mask" if mask else ""
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>
+    agraph ({q} q, {kt} kt, {v} v{mask_input}) => (bfloat16[2, 3, 5, 8] y) {{
+        scale = Constant <value = float {{0.35}}> ()
+        dtypes = Constant <value = int64[5] {{15, 15, 15, 15, 15}}> ()
+        y, kc, lse = org.pytorch.aten.ATen <operator = "ortwrap_ops::attention_keep_inputs", overload_name = "">
+            (q, kt, v, {"mask" if mask else ""}, scale, dtypes)
+    }}
+    """
+    return onnx.parser.parse_model(text)
+
+
+@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@pytest.mark.parametrize(
+    "q,kt,mask,rewritten",
+    [
+        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "float[5, 5]", True),
+        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, True),
+        ("float[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, False),  # q stayed float32: flash attention casts it
+        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "bfloat16[5, 5]", False),  # the kernel reads a float32 mask
+        ("bfloat16[2, 3, 5, 8]", "bfloat16[1, 3, 8, 5]", None, False),  # k broadcast over the batch
+        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 6, 5]", None, False),  # head dims that do not fit
+    ],
+    ids=["masked", "unmasked", "float32-q", "bf16-mask", "broadcast-k", "bad-head-dim"],
+)
+def test_native_attention_pass_conditions(q, kt, mask, rewritten):
+    """``attention_keep_inputs`` with bf16 q, k^T, v and output (and a float32 mask, if any) becomes
+    ortwrap's ``attention_bf16`` kernel on the same inputs, the output keeping its name; anything
+    else keeps PyTorch's flash attention."""
+    import onnx_ir as ir
+
+    from ortwrap.passes.native_attention import NativeAttentionPass
+
+    model = ir.serde.deserialize_model(_attention_keep_inputs_model(q, kt, "bfloat16[2, 3, 5, 8]", mask))
+    p = NativeAttentionPass()
+    result = p(model)
+    after = ir.serde.serialize_model(result.model)
+    node = next(n for n in after.graph.node if n.op_type == "ATen")
+    operator = next(a.s.decode() for a in node.attribute if a.name == "operator")
+    assert result.modified == rewritten and p.rewritten == int(rewritten)
+    if not rewritten:
+        assert operator == "ortwrap_ops::attention_keep_inputs"
+        return
+    assert operator == "ortwrap_cpu::attention_bf16"
+    assert list(node.input) == ["q", "kt", "v", "mask" if mask else "", "scale"]
+    assert node.output[0] == "y" and len(node.output) == 2
 
 
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
