@@ -118,8 +118,8 @@ class Kernel:
         rewrite: the pass's method that performs that rewrite.
         variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
             pass: ``passes/half_values.py``) instead of a rewrite of its own.
-        replaces_op: for a kernel that takes the place of one of ortwrap's PyTorch ops (an ATen node
-            of ``ortwrap_ops``), that op (``passes/native_attention.py`` rewrites it).
+        replaces_ops: for a kernel that takes the place of some of ortwrap's PyTorch ops (ATen nodes
+            of ``ortwrap_ops``), those ops (``passes/native_attention.py`` rewrites them).
     """
 
     name: str
@@ -129,7 +129,7 @@ class Kernel:
     replaces: tuple[str, ...] = ()
     rewrite: str | None = None
     variant_of: str | None = None
-    replaces_op: str | None = None
+    replaces_ops: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> list[tuple[str, bool]]:
@@ -233,7 +233,7 @@ KERNELS: tuple[Kernel, ...] = (
             ["GI(0)", "GI(1)", "GI(2)"],
             stop=[3, 4],
         ),
-        replaces_op=f"{OPS_NAMESPACE}::attention_keep_inputs",
+        replaces_ops=(f"{OPS_NAMESPACE}::attention_keep_inputs", f"{OPS_NAMESPACE}::attention"),
     ),
     Kernel("attention_bf16_backward", "hhhhhff?F>hhh", "dout, q, kt, v, out, lse, mask, scale -> dq, dkt, dv"),
 )

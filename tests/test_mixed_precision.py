@@ -544,15 +544,17 @@ def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
     assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
 
 
-def _attention_keep_inputs_model(q: str, kt: str, v: str, mask: str | None) -> onnx.ModelProto:
-    """One ``attention_keep_inputs`` node (as passes/half_values.py leaves it) on inputs of these types."""
+def _attention_model(op: str, q: str, kt: str, mask: str | None, out: str = "bfloat16") -> onnx.ModelProto:
+    """One ``ortwrap_ops::<op>`` attention node (``attention_keep_inputs`` as passes/half_values.py
+    leaves it: out, k, lse; ``attention``: out, q, k, v, lse) on inputs of these types."""
     mask_input = f", {mask} mask" if mask else ""
+    outputs = "y, kc, lse" if op == "attention_keep_inputs" else "y, qc, kc, vc, lse"
     text = f"""
     <ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>
-    agraph ({q} q, {kt} kt, {v} v{mask_input}) => (bfloat16[2, 3, 5, 8] y) {{
+    agraph ({q} q, {kt} kt, bfloat16[2, 3, 5, 8] v{mask_input}) => ({out}[2, 3, 5, 8] y) {{
         scale = Constant <value = float {{0.35}}> ()
         dtypes = Constant <value = int64[5] {{15, 15, 15, 15, 15}}> ()
-        y, kc, lse = org.pytorch.aten.ATen <operator = "ortwrap_ops::attention_keep_inputs", overload_name = "">
+        {outputs} = org.pytorch.aten.ATen <operator = "ortwrap_ops::{op}", overload_name = "">
             (q, kt, v, {"mask" if mask else ""}, scale, dtypes)
     }}
     """
@@ -561,26 +563,28 @@ def _attention_keep_inputs_model(q: str, kt: str, v: str, mask: str | None) -> o
 
 @pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 @pytest.mark.parametrize(
-    "q,kt,mask,rewritten",
+    "op,q,kt,mask,out,rewritten",
     [
-        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "float[5, 5]", True),
-        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, True),
-        ("float[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, False),  # q stayed float32: flash attention casts it
-        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "bfloat16[5, 5]", False),  # the kernel reads a float32 mask
-        ("bfloat16[2, 3, 5, 8]", "bfloat16[1, 3, 8, 5]", None, False),  # k broadcast over the batch
-        ("bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 6, 5]", None, False),  # head dims that do not fit
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "float[5, 5]", "bfloat16", True),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, "bfloat16", True),
+        ("attention", "float[2, 3, 5, 8]", "float[2, 3, 8, 5]", None, "float", True),  # Casts around the kernel
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "bfloat16[5, 5]", "bfloat16", False),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[1, 3, 8, 5]", None, "bfloat16", False),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 6, 5]", None, "bfloat16", False),
+        ("attention", "double[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, "bfloat16", False),
     ],
-    ids=["masked", "unmasked", "float32-q", "bf16-mask", "broadcast-k", "bad-head-dim"],
+    ids=["masked", "unmasked", "float32-operands", "bf16-mask", "broadcast-k", "bad-head-dim", "float64-q"],
 )
-def test_native_attention_pass_conditions(q, kt, mask, rewritten):
-    """``attention_keep_inputs`` with bf16 q, k^T, v and output (and a float32 mask, if any) becomes
-    ortwrap's ``attention_bf16`` kernel on the same inputs, the output keeping its name; anything
-    else keeps PyTorch's flash attention."""
+def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
+    """ortwrap's flash attention ops on bf16 or float32 q, k^T, v (and a float32 mask, if any) become
+    ortwrap's ``attention_bf16`` kernel on the same inputs, rounded to bf16 by a Cast where they
+    are float32 (as the op rounds them), the output keeping its name (widened by a Cast where it
+    was float32); anything else keeps PyTorch's flash attention."""
     import onnx_ir as ir
 
     from ortwrap.passes.native_attention import NativeAttentionPass
 
-    model = ir.serde.deserialize_model(_attention_keep_inputs_model(q, kt, "bfloat16[2, 3, 5, 8]", mask))
+    model = ir.serde.deserialize_model(_attention_model(op, q, kt, mask, out))
     p = NativeAttentionPass()
     result = p(model)
     after = ir.serde.serialize_model(result.model)
@@ -588,11 +592,15 @@ def test_native_attention_pass_conditions(q, kt, mask, rewritten):
     operator = next(a.s.decode() for a in node.attribute if a.name == "operator")
     assert result.modified == rewritten and p.rewritten == int(rewritten)
     if not rewritten:
-        assert operator == "ortwrap_ops::attention_keep_inputs"
+        assert operator == f"ortwrap_ops::{op}"
         return
-    assert operator == "ortwrap_cpu::attention_bf16"
-    assert list(node.input) == ["q", "kt", "v", "mask" if mask else "", "scale"]
-    assert node.output[0] == "y" and len(node.output) == 2
+    assert operator == "ortwrap_cpu::attention_bf16" and len(node.output) == 2
+    producers = {o: n for n in after.graph.node for o in n.output}
+    operands = [producers[i].input[0] if i in producers and producers[i].op_type == "Cast" else i for i in node.input]
+    assert operands == ["q", "kt", "v", "mask" if mask else "", "scale"]
+    casts = sorted(n.input[0] for n in after.graph.node if n.op_type == "Cast")
+    assert casts == (sorted(["q", "kt", node.output[0]]) if out == "float" else [])
+    assert after.graph.output[0].name == "y" and "y" in {o for n in after.graph.node for o in n.output}
 
 
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():

@@ -50,9 +50,10 @@ def test_every_forward_kernel_has_a_declared_backward_and_a_rewrite():
         assert back.gradient is None
         if k.variant_of is not None:  # written in place of its kernel's nodes (passes/half_values.py)
             assert not k.replaces and kernel(k.variant_of).replaces, k.name
-        elif k.replaces_op is not None:  # written in place of one of ortwrap's PyTorch ops (passes/native_attention.py)
-            namespace, op = k.replaces_op.split("::")
-            assert not k.replaces and namespace == OPS_NAMESPACE and op in _OPS, k.name
+        elif k.replaces_ops:  # written in place of some of ortwrap's PyTorch ops (passes/native_attention.py)
+            for replaced in k.replaces_ops:
+                namespace, op = replaced.split("::")
+                assert not k.replaces and namespace == OPS_NAMESPACE and op in _OPS, k.name
         else:
             assert k.replaces and hasattr(NativeCPUKernelsPass, k.rewrite)
         for op in k.replaces:

@@ -32,8 +32,14 @@ Each kernel is declared once, in ``ortwrap/registry.py`` (``KERNELS``): its name
 outputs, gradient, and the ONNX ops its rewrite replaces; ``_cpu.c``'s ``kOps`` carries the same
 signatures and :func:`install` checks the two agree.
 
-float32 only. ``erf`` is Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7); sums run in a
-fixed order, so results are deterministic.
+One more replaces a PyTorch op rather than ONNX ops: ``attention_bf16`` (and its backward), softmax
+attention on bf16 q, k^T, v, which ``passes/native_attention.py`` puts in place of PyTorch's flash
+attention on the native bf16 route (docs/performance.md, "bf16 attention"). Its GEMMs are MKL's
+``cblas_gemm_bf16bf16f32`` (bf16 inputs, float32 results), found in PyTorch's own library when the
+kernels load (:func:`attention_available`); the rest is C like the other kernels.
+
+float32, and bfloat16 where a kernel's signature says so. ``erf`` is Abramowitz & Stegun 7.1.26
+(absolute error <= 1.5e-7); sums run in a fixed order, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -104,7 +110,8 @@ def attention_available() -> bool:
 
 
 def cached_bytes(release: bool = False) -> int:
-    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them."""
+    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them, and
+    the buffers MKL keeps for the attention kernels' GEMMs (~17 MB on GPT-2 small)."""
     lib = install()
     lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t

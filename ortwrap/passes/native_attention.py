@@ -31,8 +31,8 @@ from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ..registry import KERNELS
 
 _BF16, _FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT
-#: ortwrap_ops op -> the kernel that takes its place (``Kernel.replaces_op``)
-_REPLACED = {k.replaces_op: k for k in KERNELS if k.replaces_op is not None}
+#: ortwrap_ops op -> the kernel that takes its place (``Kernel.replaces_ops``)
+_REPLACED = {op: k for k in KERNELS for op in k.replaces_ops}
 
 
 def _operator(node: ir.Node) -> str | None:
@@ -85,13 +85,16 @@ class NativeAttentionPass(ir.passes.InPlacePass):
     def _replace(self, graph: ir.Graph, node: ir.Node, name: str) -> None:
         q, kt, v, mask, scale = node.inputs[:5]
         out = node.outputs[0]
-        if any(x is None or x.dtype != _BF16 for x in (q, kt, v, out)) or (mask is not None and mask.dtype != _FLOAT):
+        if any(x is None or x.dtype not in (_BF16, _FLOAT) for x in (q, kt, v, out)):
             return
-        if not _shapes_fit(q, kt, v) or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        if (mask is not None and mask.dtype != _FLOAT) or not _shapes_fit(q, kt, v):
             return
+        if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+            return
+        operands = [self._cast(graph, node, x, _BF16) for x in (q, kt, v)]  # (``attention`` rounds them so)
         new = ir.node(
             "ATen",
-            [q, kt, v, mask, scale],
+            [*operands, mask, scale],
             attributes={"operator": NATIVE_PREFIX + name, "overload_name": ""},
             domain=ATEN_DOMAIN,
             num_outputs=2,
@@ -100,9 +103,25 @@ class NativeAttentionPass(ir.passes.InPlacePass):
         graph.insert_before(node, new)
         new.outputs[0].dtype, new.outputs[0].shape = _BF16, out.shape
         new.outputs[1].dtype = _FLOAT  # the log-sum-exp, [..., T]
+        result = new.outputs[0]
+        if out.dtype == _FLOAT:  # (``attention`` returns its bf16-rounded result widened)
+            widen = ir.node("Cast", [result], {"to": int(_FLOAT)}, name=f"{node.name}/native_widen")
+            graph.insert_before(node, widen)
+            result = widen.outputs[0]
+            result.dtype, result.shape = _FLOAT, out.shape
         value_name = out.name
-        out.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+        out.replace_all_uses_with(result, replace_graph_outputs=True)
         out.name = None
-        new.outputs[0].name = value_name
+        result.name = value_name
         graph.remove(node, safe=True)
         self.rewritten += 1
+
+    @staticmethod
+    def _cast(graph: ir.Graph, before: ir.Node, value: ir.Value, dtype: ir.DataType) -> ir.Value:
+        """``value`` in ``dtype``: itself, or a Cast (ORT's, rounding to nearest even, as PyTorch's)."""
+        if value.dtype == dtype:
+            return value
+        cast = ir.node("Cast", [value], {"to": int(dtype)}, name=f"{before.name}/native_{value.name}_bf16")
+        graph.insert_before(before, cast)
+        cast.outputs[0].dtype, cast.outputs[0].shape = dtype, value.shape
+        return cast.outputs[0]
