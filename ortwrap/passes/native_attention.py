@@ -12,7 +12,7 @@ whose q, k^T, v and output are bf16 and whose mask, if any, is float32 with one
 
 It computes what flash attention computes, with the same roundings (float32 scores, softmax and
 score gradients; P and dS rounded to bf16 for their GEMMs), from whole rows of scores per block of
-64 queries: bf16 GEMMs with float32 results (MKL's, bundled with PyTorch: AMX here) and one
+128 queries (64 past 256 keys): bf16 GEMMs with float32 results (MKL's, bundled with PyTorch: AMX here) and one
 vectorized pass per row between them, the keys above a causal mask's diagonal skipped. GPT-2
 small's attention (4 x 12 heads, 256 tokens, causal) takes ~8 ms forward and backward on one
 thread against ~21 ms for flash attention (``docs/performance.md``). Like flash attention it keeps
