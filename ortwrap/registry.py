@@ -116,8 +116,9 @@ class Kernel:
         gradient: its gradient, or None for a backward kernel.
         replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
         rewrite: the pass's method that performs that rewrite.
-        variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
-            pass: ``passes/half_values.py``) instead of a rewrite of its own.
+        variant_of: for a variant with other dtypes (or layouts), the kernel whose nodes it replaces
+            (in another pass: ``passes/half_values.py``, ``passes/native_attention.py``) instead of a
+            rewrite of its own.
         replaces_ops: for a kernel that takes the place of some of ortwrap's PyTorch ops (ATen nodes
             of ``ortwrap_ops``), those ops (``passes/native_attention.py`` rewrites them).
     """
@@ -236,6 +237,19 @@ KERNELS: tuple[Kernel, ...] = (
         replaces_ops=(f"{OPS_NAMESPACE}::attention_keep_inputs", f"{OPS_NAMESPACE}::attention"),
     ),
     Kernel("attention_bf16_backward", "hhhhhff?F>hhh", "dout, q, kt, v, out, lse, mask, scale -> dq, dkt, dv"),
+    Kernel(
+        "attention_bthd_bf16",
+        "hhhf?F>hf",
+        "attention_bf16 on q [B, T, H, D], k [B, S, H, D], v [B, S, H, E] -> out [B, T, H, E], lse [B, H, T]",
+        _grad(
+            "attention_bthd_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        variant_of="attention_bf16",
+    ),
+    Kernel("attention_bthd_bf16_backward", "hhhhhff?F>hhh", "dout, q, k, v, out, lse, mask, scale -> dq, dk, dv"),
 )
 
 

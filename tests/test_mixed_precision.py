@@ -199,9 +199,10 @@ def test_tiny_gpt_under_autocast(route, recompute):
     if route == "native":
         if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
             # q, k^T, v reach attention in bf16: ortwrap's bf16 attention kernel and its backward
-            # (passes/native_attention.py), else flash attention's variant that reads them, not copies
+            # (passes/native_attention.py), reading q, k, v in the projections' [B, T, H, D] layout
+            # (no Transposes into heads and back), else flash attention's variant that reads them, not copies
             if kernels.attention_available():
-                assert {"ortwrap_cpu::attention_bf16", "ortwrap_cpu::attention_bf16_backward"} <= operators
+                assert {"ortwrap_cpu::attention_bthd_bf16", "ortwrap_cpu::attention_bthd_bf16_backward"} <= operators
                 assert not any(op.startswith("ortwrap_ops::attention") for op in operators), sorted(operators)
             else:
                 assert_route(w, route, op="attention_keep_inputs", backward=False)
@@ -250,7 +251,7 @@ def test_masked_attention_under_autocast(kind):
     }  # fmt: skip
     # (an additive float mask input: passes/half_matmul.py keeps SDPA's decomposed matmuls and softmax)
     if EXPORTER == "dynamo" and kind == "bool" and kernels.attention_available():
-        assert {"ortwrap_cpu::attention_bf16", "ortwrap_cpu::attention_bf16_backward"} <= operators, operators
+        assert {"ortwrap_cpu::attention_bthd_bf16", "ortwrap_cpu::attention_bthd_bf16_backward"} <= operators, operators
 
 
 class BatchedMatMuls(nn.Module):

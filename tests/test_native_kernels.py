@@ -590,17 +590,17 @@ needs_bf16_gemm = pytest.mark.skipif(
 BF16 = onnx.TensorProto.BFLOAT16
 
 
-def attention_sessions(mask: bool):
-    """ORT sessions of attention_bf16 and its backward (the mask input present or left out)."""
+def attention_sessions(mask: bool, kernel: str = "attention_bf16"):
+    """ORT sessions of an attention kernel and its backward (the mask input present or left out)."""
     m = [("mask", F32, None)] if mask else []
     fwd = aten_session(
-        "attention_bf16",
+        kernel,
         [("q", BF16, None), ("kt", BF16, None), ("v", BF16, None), *m, ("scale", F32, [])],
         [("out", BF16, None), ("lse", F32, None)],
         absent=() if mask else (3,),
     )
     bwd = aten_session(
-        "attention_bf16_backward",
+        f"{kernel}_backward",
         [("dout", BF16, None), ("q", BF16, None), ("kt", BF16, None), ("v", BF16, None), ("out", BF16, None),
          ("lse", F32, None), *m, ("scale", F32, [])],
         [("dq", BF16, None), ("dkt", BF16, None), ("dv", BF16, None)],
@@ -609,10 +609,14 @@ def attention_sessions(mask: bool):
     return fwd, bwd
 
 
-def run_attention(q, k, v, mask, scale, dout):
-    """out, dq, dk, dv of ortwrap's kernels (k given as [..., S, D]; the kernels read k^T)."""
-    fwd, bwd = attention_sessions(mask is not None)
-    kt = k.transpose(-1, -2).contiguous()
+def run_attention(q, k, v, mask, scale, dout, layout: str = "heads"):
+    """out, dq, dk, dv of ortwrap's kernels, all [B, H, T, D] like q, k, v here: ``heads``,
+    attention_bf16 (it reads k^T); ``bthd``, attention_bthd_bf16 (it reads and writes [B, T, H, D])."""
+    bthd = layout == "bthd"
+    fwd, bwd = attention_sessions(mask is not None, "attention_bthd_bf16" if bthd else "attention_bf16")
+    if bthd:
+        q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
+    kt = k if bthd else k.transpose(-1, -2).contiguous()
     common = {"q": q, "kt": kt, "v": v, "scale": np.array(scale, dtype=np.float32)}
     if mask is not None:
         common["mask"] = mask.numpy()
@@ -627,7 +631,10 @@ def run_attention(q, k, v, mask, scale, dout):
         return [torch.from_dlpack(o._ortvalue.to_dlpack()) for o in outs]
 
     out, lse = run(fwd, common)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) if bthd else q.shape[:-1]
     dq, dkt, dv = run(bwd, {**common, "dout": dout, "out": out, "lse": lse})
+    if bthd:
+        return tuple(t.transpose(1, 2) for t in (out, dq, dkt, dv))
     return out, dq, dkt.transpose(-1, -2), dv
 
 
@@ -680,10 +687,12 @@ ATTENTION_CASES = [
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("layout", ["heads", "bthd"])
 @pytest.mark.parametrize("shape,mask_kind", ATTENTION_CASES, ids=lambda c: str(c).replace(" ", ""))
-def test_attention_bf16_kernels_match_flash_attention(shape, mask_kind):
-    """The output and q, k, v gradients of the bf16 attention kernels: as close to a float64 run as
-    PyTorch's flash attention in bf16 (eager autocast's SDPA), and within bf16 rounding of it."""
+def test_attention_bf16_kernels_match_flash_attention(shape, mask_kind, layout):
+    """The output and q, k, v gradients of the bf16 attention kernels (heads-major, and reading the
+    projections' [B, T, H, D] layout in place): as close to a float64 run as PyTorch's flash
+    attention in bf16 (eager autocast's SDPA), and within bf16 rounding of it."""
     from ortwrap._compat.torch import flash_attention_cpu
 
     b, h, t, s, d, e = shape
@@ -694,7 +703,7 @@ def test_attention_bf16_kernels_match_flash_attention(shape, mask_kind):
     dout = torch.randn(b, h, t, e, generator=g).bfloat16()
     mask = _mask(mask_kind, (b, h, t, s), g)
     scale = 1 / math.sqrt(d)
-    got = run_attention(q, k, v, mask, scale, dout)
+    got = run_attention(q, k, v, mask, scale, dout, layout)
     assert all(x.dtype == torch.bfloat16 for x in got)
     assert [tuple(x.shape) for x in got] == [(b, h, t, e), (b, h, t, d), (b, h, s, d), (b, h, s, e)]
     ref = attention_reference(q, k, v, mask, scale, dout)

@@ -1200,19 +1200,30 @@ static inline void gemm16(int ta, int tb, int64_t m, int64_t n, int64_t k, float
               (int)ldb, beta, c, (int)ldc);
 }
 
+/* Two layouts: heads-major, q [BH,T,D], kt [BH,D,S] (k transposed), v [BH,S,E], o and dout [BH,T,E]; or the
+ * projections' own ("bthd"), q [B,T,H,D], k [B,S,H,D], v [B,S,H,E], o and dout [B,T,H,E]: a head's rows are then
+ * H * width apart, and the GEMMs read them in place (no transposed copies). */
 typedef struct {
-  const uint16_t *q, *kt, *v, *o, *dout; /* q [BH,T,D], kt [BH,D,S], v [BH,S,E], o and dout [BH,T,E] */
+  const uint16_t *q, *k, *v, *o, *dout;
   const float* mask;                     /* NULL, or at mask + mask_off[bh] + t * mask_rs + j * mask_cs */
   const int64_t* mask_off;
   int64_t mask_rs, mask_cs;
   const float* lse_in; /* backward: the forward's lse */
-  uint16_t *out, *dq, *dkt, *dv;
-  float* lse;
+  uint16_t *out, *dq, *dk, *dv; /* dk: k's gradient in k's layout (kt's for heads-major) */
+  float* lse;                    /* [BH, T] in both layouts */
   int64_t bh, t, s, d, e;
+  int64_t heads; /* H (bthd) */
+  int bthd;
   float scale;
   int causal;
   int failed; /* scratch allocation failed somewhere */
 } Attention;
+
+/* Offset of head bh's first row in a tensor of `rows` x `width` per head, and the distance between its rows */
+static inline int64_t attn_off(const Attention* A, int64_t bh, int64_t rows, int64_t width) {
+  return A->bthd ? ((bh / A->heads) * rows * A->heads + bh % A->heads) * width : bh * rows * width;
+}
+static inline int64_t attn_ld(const Attention* A, int64_t width) { return A->bthd ? A->heads * width : width; }
 
 /* query row t sees keys [0, valid) of the block's kv columns */
 static inline int64_t attn_valid(const Attention* A, int64_t t, int64_t kv) {
@@ -1291,20 +1302,21 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
   uint16_t* pr = (uint16_t*)(sc + (size_t)BQ * S);  /* [BQ, kv] probabilities, unnormalized */
   float* acc = (float*)(pr + (size_t)BQ * S);       /* [BQ, E] P v */
   float* inv = acc + (size_t)BQ * E;                /* [BQ] 1 / sum */
+  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E), ldo = ldv;
   int threads = g_gemm_threads(1);
   for (int64_t bh = b0; bh < b1; ++bh) {
-    const uint16_t* q = A->q + bh * T * D;
-    const uint16_t* kt = A->kt + bh * D * S;
-    const uint16_t* v = A->v + bh * S * E;
-    uint16_t* out = A->out + bh * T * E;
+    const uint16_t* q = A->q + attn_off(A, bh, T, D);
+    const uint16_t* k = A->k + attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
+    const uint16_t* v = A->v + attn_off(A, bh, S, E);
+    uint16_t* out = A->out + attn_off(A, bh, T, E);
     float* lse = A->lse + bh * T;
     for (int64_t r0 = 0; r0 < T; r0 += BQ) {
       const int64_t rows = T - r0 < BQ ? T - r0 : BQ;
       const int64_t kv = A->causal ? (r0 + rows < S ? r0 + rows : S) : S;
       if (kv > 0 && D > 0) {
-        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
+        gemm16(0, A->bthd, rows, kv, D, 1.0f, q + r0 * ldq, ldq, k, ldk, 0.0f, sc, kv);
       } else {
-        for (int64_t k = 0; k < rows * kv; ++k) sc[k] = 0.0f;
+        for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = r0 + i, n = attn_valid(A, t, kv);
@@ -1324,9 +1336,9 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
         inv[i] = 1.0f / l;
         lse[t] = mx + logf(l);
       }
-      if (kv > 0 && E > 0) gemm16(0, 0, rows, E, kv, 1.0f, pr, kv, v, E, 0.0f, acc, E);
+      if (kv > 0 && E > 0) gemm16(0, 0, rows, E, kv, 1.0f, pr, kv, v, ldv, 0.0f, acc, E);
       for (int64_t i = 0; i < rows; ++i) {
-        uint16_t* restrict o = out + (r0 + i) * E;
+        uint16_t* restrict o = out + (r0 + i) * ldo;
         const float* restrict a = acc + i * E;
         const float w = inv[i];
         if (kv > 0)
@@ -1360,34 +1372,37 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
   uint16_t* ds = pr + (size_t)BQ * S;              /* [BQ, kv] dS (bf16) */
   float* dq = (float*)(ds + (size_t)BQ * S);       /* [BQ, D] */
   float* dv = dq + (size_t)BQ * dmax;              /* [S, E] */
-  float* dkt = dv + (size_t)S * E;                      /* [D, S] */
+  float* dk = dv + (size_t)S * E;                       /* [D, S] (heads-major: k^T's), or [S, D] (bthd) */
+  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E), ldo = ldv;
   int threads = g_gemm_threads(1);
   for (int64_t bh = b0; bh < b1; ++bh) {
-    const uint16_t* q = A->q + bh * T * D;
-    const uint16_t* kt = A->kt + bh * D * S;
-    const uint16_t* v = A->v + bh * S * E;
-    const uint16_t* o = A->o + bh * T * E;
-    const uint16_t* go = A->dout + bh * T * E;
+    const int64_t q_off = attn_off(A, bh, T, D), k_off = attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
+    const uint16_t* q = A->q + q_off;
+    const uint16_t* k = A->k + k_off;
+    const uint16_t* v = A->v + attn_off(A, bh, S, E);
+    const uint16_t* o = A->o + attn_off(A, bh, T, E);
+    const uint16_t* go = A->dout + attn_off(A, bh, T, E);
     const float* lse = A->lse_in + bh * T;
-    for (int64_t k = 0; k < S * E; ++k) dv[k] = 0.0f;
-    for (int64_t k = 0; k < S * D; ++k) dkt[k] = 0.0f;
+    for (int64_t j = 0; j < S * E; ++j) dv[j] = 0.0f;
+    for (int64_t j = 0; j < S * D; ++j) dk[j] = 0.0f;
     for (int64_t r0 = 0; r0 < T; r0 += BQ) {
       const int64_t rows = T - r0 < BQ ? T - r0 : BQ;
       const int64_t kv = A->causal ? (r0 + rows < S ? r0 + rows : S) : S;
-      uint16_t* dqo = A->dq + (bh * T + r0) * D;
+      uint16_t* dqo = A->dq + q_off + r0 * ldq;
       if (kv == 0) {
-        for (int64_t k = 0; k < rows * D; ++k) dqo[k] = 0;
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < D; ++c) dqo[i * ldq + c] = 0;
         continue;
       }
       if (D > 0) {
-        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
+        gemm16(0, A->bthd, rows, kv, D, 1.0f, q + r0 * ldq, ldq, k, ldk, 0.0f, sc, kv);
       } else {
-        for (int64_t k = 0; k < rows * kv; ++k) sc[k] = 0.0f;
+        for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
       }
       if (E > 0) {
-        gemm16(0, 1, rows, kv, E, 1.0f, go + r0 * E, E, v, E, 0.0f, dp, kv);
+        gemm16(0, 1, rows, kv, E, 1.0f, go + r0 * ldo, ldo, v, ldv, 0.0f, dp, kv);
       } else {
-        for (int64_t k = 0; k < rows * kv; ++k) dp[k] = 0.0f;
+        for (int64_t j = 0; j < rows * kv; ++j) dp[j] = 0.0f;
       }
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = r0 + i, n = attn_valid(A, t, kv);
@@ -1400,7 +1415,7 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
           for (int64_t j = 0; j < kv; ++j) pi[j] = si[j] = 0;
           continue;
         }
-        const float delta = attn_dot16(go + t * E, o + t * E, E);
+        const float delta = attn_dot16(go + t * ldo, o + t * ldo, E);
         attn_logits(A, bh, t, x, n);
         const int64_t n16 = attn_pad(x, n, kv);
         for (int64_t j = 0; j < n16; ++j) { /* (the scale goes into dS's GEMMs, as flash attention applies it) */
@@ -1410,17 +1425,27 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
         }
         for (int64_t j = n16; j < kv; ++j) pi[j] = si[j] = 0;
       }
-      if (E > 0) gemm16(1, 0, kv, E, rows, 1.0f, pr, kv, go + r0 * E, E, 1.0f, dv, E);
-      if (D > 0) {
-        gemm16(0, 1, rows, D, kv, A->scale, ds, kv, kt, S, 0.0f, dq, D);
-        gemm16(1, 0, D, kv, rows, A->scale, q + r0 * D, D, ds, kv, 1.0f, dkt, S);
+      if (E > 0) gemm16(1, 0, kv, E, rows, 1.0f, pr, kv, go + r0 * ldo, ldo, 1.0f, dv, E);
+      if (D > 0 && A->bthd) { /* dQ = scale dS k, dK += scale dS^T q */
+        gemm16(0, 0, rows, D, kv, A->scale, ds, kv, k, ldk, 0.0f, dq, D);
+        gemm16(1, 0, kv, D, rows, A->scale, ds, kv, q + r0 * ldq, ldq, 1.0f, dk, D);
+      } else if (D > 0) { /* dQ = scale dS (k^T)^T, dK^T += scale q^T dS */
+        gemm16(0, 1, rows, D, kv, A->scale, ds, kv, k, S, 0.0f, dq, D);
+        gemm16(1, 0, D, kv, rows, A->scale, q + r0 * ldq, ldq, ds, kv, 1.0f, dk, S);
       }
-      for (int64_t k = 0; k < rows * D; ++k) dqo[k] = to_bf16(dq[k]);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < D; ++c) dqo[i * ldq + c] = to_bf16(dq[i * D + c]);
     }
-    uint16_t* dvo = A->dv + bh * S * E;
-    uint16_t* dkto = A->dkt + bh * D * S;
-    for (int64_t k = 0; k < S * E; ++k) dvo[k] = to_bf16(dv[k]);
-    for (int64_t k = 0; k < S * D; ++k) dkto[k] = to_bf16(dkt[k]);
+    uint16_t* dvo = A->dv + attn_off(A, bh, S, E);
+    uint16_t* dko = A->dk + k_off;
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t c = 0; c < E; ++c) dvo[j * ldv + c] = to_bf16(dv[j * E + c]);
+    if (A->bthd) {
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t c = 0; c < D; ++c) dko[j * ldk + c] = to_bf16(dk[j * D + c]);
+    } else {
+      for (int64_t j = 0; j < S * D; ++j) dko[j] = to_bf16(dk[j]);
+    }
   }
   g_gemm_threads(threads);
   block_put(scratch, bytes);
@@ -1431,34 +1456,54 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
   if (check(c, (idx) < n_in ? in[idx] : NULL, name, kDLBfloat, 16, &var)) \
   return -1
 
-/* Shapes of q [..., T, D], kt [..., D, S], v [..., S, E] (same leading dims), the optional float32 mask
- * (broadcastable to [..., T, S]: per-(batch x head) offsets into it, row and column strides) and the scale;
+/* Shapes of q [..., T, D], kt [..., D, S], v [..., S, E] (same leading dims; bthd: q [B, T, H, D], k [B, S, H, D],
+ * v [B, S, H, E]), the optional float32 mask (broadcastable to [..., T, S], bthd: [B, H, T, S]: per-(batch x head)
+ * offsets into it, row and column strides) and the scale;
  * the mask is dropped for `causal` where it is the exporters' lower-triangular one (0 on and below the diagonal,
  * <= MASKED_BELOW above: skipping those keys is exact). `mask_off` is malloc'ed (caller frees). */
 static int attention_geometry(Call* c, size_t n_in, DLManagedTensor** in, size_t first, Attention* A,
                               int64_t** mask_off) {
   BF16_IN(first, "q", q);
-  BF16_IN(first + 1, "kt", kt);
+  BF16_IN(first + 1, A->bthd ? "k" : "kt", kt);
   BF16_IN(first + 2, "v", v);
   const int r = q->ndim;
-  if (r < 2 || kt->ndim != r || v->ndim != r) return fail(c, "q, kt and v must have the same rank >= 2");
-  int64_t bh = 1;
-  for (int i = 0; i < r - 2; ++i) {
-    if (kt->shape[i] != q->shape[i] || v->shape[i] != q->shape[i])
-      return fail(c, "q, kt and v must have the same leading dimensions");
-    bh *= q->shape[i];
+  int64_t lead[MAX_DIMS]; /* the scores' leading dims: [..., T, S] */
+  if (A->bthd) {
+    if (r != 4 || kt->ndim != 4 || v->ndim != 4)
+      return fail(c, "q, k and v must be [B, T, H, D], [B, S, H, D], [B, S, H, E]");
+    A->heads = q->shape[2];
+    A->t = q->shape[1];
+    A->d = q->shape[3];
+    A->s = kt->shape[1];
+    A->e = v->shape[3];
+    if (kt->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || kt->shape[2] != A->heads ||
+        v->shape[2] != A->heads || kt->shape[3] != A->d || v->shape[1] != A->s)
+      return fail(c, "k must be [B, S, H, D] and v [B, S, H, E] for q [B, T, H, D]");
+    lead[0] = q->shape[0];
+    lead[1] = A->heads;
+    A->bh = lead[0] * lead[1];
+  } else {
+    if (r < 2 || kt->ndim != r || v->ndim != r) return fail(c, "q, kt and v must have the same rank >= 2");
+    int64_t bh = 1;
+    for (int i = 0; i < r - 2; ++i) {
+      if (kt->shape[i] != q->shape[i] || v->shape[i] != q->shape[i])
+        return fail(c, "q, kt and v must have the same leading dimensions");
+      lead[i] = q->shape[i];
+      bh *= q->shape[i];
+    }
+    A->bh = bh;
+    A->t = q->shape[r - 2];
+    A->d = q->shape[r - 1];
+    A->s = kt->shape[r - 1];
+    A->e = v->shape[r - 1];
+    if (kt->shape[r - 2] != A->d || v->shape[r - 2] != A->s)
+      return fail(c, "kt must be [..., D, S] and v [..., S, E] for q [..., T, D]");
   }
-  A->bh = bh;
-  A->t = q->shape[r - 2];
-  A->d = q->shape[r - 1];
-  A->s = kt->shape[r - 1];
-  A->e = v->shape[r - 1];
-  if (kt->shape[r - 2] != A->d || v->shape[r - 2] != A->s)
-    return fail(c, "kt must be [..., D, S] and v [..., S, E] for q [..., T, D]");
-  if (A->t > INT32_MAX || A->s > INT32_MAX || A->d > INT32_MAX || A->e > INT32_MAX)
+  if (A->t > INT32_MAX || A->s > INT32_MAX || A->bthd * A->heads * (A->d > A->e ? A->d : A->e) > INT32_MAX ||
+      A->d > INT32_MAX || A->e > INT32_MAX)
     return fail(c, "dimensions beyond 2^31 are not supported");
   A->q = data_of(q);
-  A->kt = data_of(kt);
+  A->k = data_of(kt);
   A->v = data_of(v);
   if (scalar_f32(c, n_in, in, first + 4, "scale", &A->scale)) return -1;
   A->mask = NULL;
@@ -1471,7 +1516,7 @@ static int attention_geometry(Call* c, size_t n_in, DLManagedTensor** in, size_t
   if (m->ndim > r) return fail(c, "the mask has a higher rank than q");
   /* strides of the mask broadcast to [..., T, S] (right-aligned; size-1 dims stride 0) */
   int64_t stride[MAX_DIMS] = {0}, full[MAX_DIMS];
-  for (int i = 0; i < r - 2; ++i) full[i] = q->shape[i];
+  for (int i = 0; i < r - 2; ++i) full[i] = lead[i];
   full[r - 2] = A->t;
   full[r - 1] = A->s;
   int64_t st = 1, lead_numel = 1;
@@ -1500,6 +1545,7 @@ static int attention_geometry(Call* c, size_t n_in, DLManagedTensor** in, size_t
       return 0;
     }
   }
+  const int64_t bh = A->bh;
   int64_t* off = (int64_t*)malloc(sizeof(int64_t) * (size_t)(bh > 0 ? bh : 1));
   if (off == NULL) return fail(c, "out of memory");
   for (int64_t b = 0; b < bh; ++b) {
@@ -1521,19 +1567,25 @@ static int attention_chunks(const Attention* A) {
   return k < 1 ? 1 : (int)k;
 }
 
-/* attention_bf16(q, kt, v, mask?, scale) -> out [..., T, E] (bf16), lse [..., T] (float32) */
-static int op_attention_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+/* attention_bf16(q, kt, v, mask?, scale) -> out [..., T, E] (bf16), lse [..., T] (float32);
+ * attention_bthd_bf16(q, k, v, mask?, scale) -> out [B, T, H, E], lse [B, H, T] */
+static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
   if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
   Attention A;
   memset(&A, 0, sizeof A);
+  A.bthd = bthd;
   int64_t* mask_off;
   if (attention_geometry(c, n_in, in, 0, &A, &mask_off)) return -1;
   const DLTensor* q = &in[0]->dl_tensor;
-  int64_t shape[MAX_DIMS];
-  for (int i = 0; i < q->ndim; ++i) shape[i] = q->shape[i];
+  int64_t shape[MAX_DIMS], lse_shape[MAX_DIMS];
+  for (int i = 0; i < q->ndim; ++i) shape[i] = lse_shape[i] = q->shape[i];
   shape[q->ndim - 1] = A.e;
+  if (bthd) { /* [B, H, T] */
+    lse_shape[1] = A.heads;
+    lse_shape[2] = A.t;
+  }
   DLManagedTensor* o = new_tensor(q->ndim, shape, kDLBfloat, 16);
-  DLManagedTensor* lse = new_tensor(q->ndim - 1, shape, kDLFloat, 32);
+  DLManagedTensor* lse = new_tensor(q->ndim - 1, lse_shape, kDLFloat, 32);
   if (o == NULL || lse == NULL) {
     owned_deleter(o);
     owned_deleter(lse);
@@ -1554,17 +1606,18 @@ static int op_attention_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t 
   return 0;
 }
 
-/* attention_bf16_backward(dout, q, kt, v, out, lse, mask?, scale) -> dq, dkt, dv (bf16, the inputs' shapes) */
-static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
-                                      DLManagedTensor** out) {
+/* attention_bf16_backward(dout, q, kt, v, out, lse, mask?, scale) -> dq, dkt, dv (bf16, the inputs' shapes);
+ * attention_bthd_bf16_backward(dout, q, k, v, out, lse, mask?, scale) -> dq, dk, dv */
+static int attention_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
   if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
   BF16_IN(0, "dout", dout);
   BF16_IN(4, "out", o);
   FLOAT_IN(5, "lse", lse);
-  /* q, kt, v at 1..3, mask at 6, scale at 7: attention_geometry reads [q, kt, v, mask, scale] from `first` */
+  /* q, k(t), v at 1..3, mask at 6, scale at 7: attention_geometry reads [q, kt, v, mask, scale] from `first` */
   DLManagedTensor* args[5] = {in[1], in[2], in[3], n_in > 6 ? in[6] : NULL, n_in > 7 ? in[7] : NULL};
   Attention A;
   memset(&A, 0, sizeof A);
+  A.bthd = bthd;
   int64_t* mask_off;
   if (attention_geometry(c, 5, args, 0, &A, &mask_off)) return -1;
   const DLTensor* q = &in[1]->dl_tensor;
@@ -1572,7 +1625,7 @@ static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in
   if (dout->ndim != r || o->ndim != r || lse->ndim != r - 1 || numel(lse) != A.bh * A.t ||
       numel(dout) != A.bh * A.t * A.e || numel(o) != A.bh * A.t * A.e) {
     free(mask_off);
-    return fail(c, "dout, out and lse do not match q, kt and v");
+    return fail(c, "dout, out and lse do not match q, k and v");
   }
   A.dout = data_of(dout);
   A.o = data_of(o);
@@ -1582,10 +1635,10 @@ static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in
   if (g[0] == NULL || g[1] == NULL || g[2] == NULL) A.failed = 1;
   if (!A.failed) {
     A.dq = g[0]->dl_tensor.data;
-    A.dkt = g[1]->dl_tensor.data;
+    A.dk = g[1]->dl_tensor.data;
     A.dv = g[2]->dl_tensor.data;
     if (A.t == 0) { /* no queries: dk, dv are 0 */
-      memset(A.dkt, 0, (size_t)numel(&g[1]->dl_tensor) * 2);
+      memset(A.dk, 0, (size_t)numel(&g[1]->dl_tensor) * 2);
       memset(A.dv, 0, (size_t)numel(&g[2]->dl_tensor) * 2);
     } else if (A.bh > 0) {
       parallel(attention_backward_part, &A, attention_chunks(&A));
@@ -1598,6 +1651,21 @@ static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in
   }
   for (int i = 0; i < 3; ++i) out[i] = g[i];
   return 0;
+}
+
+static int op_attention_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return attention_forward_op(c, n_in, in, out, 0);
+}
+static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                      DLManagedTensor** out) {
+  return attention_backward_op(c, n_in, in, out, 0);
+}
+static int op_attention_bthd_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return attention_forward_op(c, n_in, in, out, 1);
+}
+static int op_attention_bthd_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                           DLManagedTensor** out) {
+  return attention_backward_op(c, n_in, in, out, 1);
 }
 
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
@@ -1625,6 +1693,8 @@ static const struct {
     {"cross_entropy_backward", op_cross_entropy_backward, "ffiII>f"},
     {"attention_bf16", op_attention_bf16, "hhhf?F>hf"},
     {"attention_bf16_backward", op_attention_bf16_backward, "hhhhhff?F>hhh"},
+    {"attention_bthd_bf16", op_attention_bthd_bf16, "hhhf?F>hf"},
+    {"attention_bthd_bf16_backward", op_attention_bthd_bf16_backward, "hhhhhff?F>hhh"},
 };
 
 /* The k-th kernel's name and signature (0 <= k); returns 0, or -1 past the end. */

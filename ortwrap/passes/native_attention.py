@@ -29,10 +29,13 @@ import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ..registry import KERNELS
+from .half_matmul import _heads_layout, _shapes_from_source
 
 _BF16, _FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT
 #: ortwrap_ops op -> the kernel that takes its place (``Kernel.replaces_ops``)
 _REPLACED = {op: k for k in KERNELS for op in k.replaces_ops}
+#: the variant reading q, k, v and writing the output in the projections' [B, T, H, D] layout
+_HEADS = {k.variant_of: k for k in KERNELS if k.variant_of in {r.name for r in _REPLACED.values()}}
 
 
 def _operator(node: ir.Node) -> str | None:
@@ -91,6 +94,8 @@ class NativeAttentionPass(ir.passes.InPlacePass):
             return
         if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
             return
+        if out.dtype == _BF16 and self._heads(graph, node, _HEADS[name].name):
+            return
         operands = [self._cast(graph, node, x, _BF16) for x in (q, kt, v)]  # (``attention`` rounds them so)
         new = ir.node(
             "ATen",
@@ -115,6 +120,45 @@ class NativeAttentionPass(ir.passes.InPlacePass):
         result.name = value_name
         graph.remove(node, safe=True)
         self.rewritten += 1
+
+    def _heads(self, graph: ir.Graph, node: ir.Node, name: str) -> bool:
+        """The heads-layout kernel where q, k^T and v are bf16 [B, T, H, D] tensors moved into heads by
+        Transposes and the output's only reader moves it back: the kernel reads and writes that layout
+        in place, so those copies (and their gradients' copies) go. Whether it was written."""
+        q, kt, v, mask, scale = node.inputs[:5]
+        heads = _heads_layout(q, kt, v, node.outputs[0])
+        if heads is None:
+            return False
+        q4, k4, v4, out4, moves = heads
+        if any(x.dtype != _BF16 for x in (q4, k4, v4, out4)):
+            return False
+        new = ir.node(
+            "ATen",
+            [q4, k4, v4, mask, scale],
+            attributes={"operator": NATIVE_PREFIX + name, "overload_name": ""},
+            domain=ATEN_DOMAIN,
+            num_outputs=2,
+            name=f"{node.name}/native",
+        )
+        graph.insert_before(node, new)
+        new.outputs[0].dtype, new.outputs[0].shape = _BF16, out4.shape
+        new.outputs[1].dtype = _FLOAT  # the log-sum-exp, [B, H, T]
+        value_name = out4.name
+        out4.replace_all_uses_with(new.outputs[0], replace_graph_outputs=True)
+        out4.name = None
+        new.outputs[0].name = value_name
+        for move in moves[1:]:  # the moves' Shape readers (sizes for reshapes and masks) read the sources'
+            if move is not None and move.op_type == "Transpose" and move.graph is graph:
+                _shapes_from_source(graph, move)
+        for dead in (moves[0], node, *moves[1:]):
+            if (
+                dead is not None
+                and dead.graph is graph
+                and not any(o.uses() or o.is_graph_output() for o in dead.outputs)
+            ):
+                graph.remove(dead, safe=True)
+        self.rewritten += 1
+        return True
 
     @staticmethod
     def _cast(graph: ir.Graph, before: ir.Node, value: ir.Value, dtype: ir.DataType) -> ir.Value:
