@@ -604,6 +604,41 @@ def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
     assert after.graph.output[0].name == "y" and "y" in {o for n in after.graph.node for o in n.output}
 
 
+@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+def test_native_attention_pass_reads_the_heads_layout():
+    """q, k^T and v moved into heads by Transposes from [B, T, H, D] tensors, and the output moved
+    back: the kernel variant that reads and writes that layout takes the originals, and the
+    Transposes go (a Shape of a moved value then reads its source)."""
+    import onnx_ir as ir
+
+    from ortwrap.passes.native_attention import NativeAttentionPass
+
+    text = """
+    <ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>
+    agraph (bfloat16[2, 5, 3, 8] q4, bfloat16[2, 5, 3, 8] k4, bfloat16[2, 5, 3, 8] v4, float[5, 5] mask)
+            => (bfloat16[2, 5, 3, 8] y4, int64[1] n) <bfloat16[2, 3, 5, 8] y> {
+        q = Transpose <perm = [0, 2, 1, 3]> (q4)
+        kt = Transpose <perm = [0, 2, 3, 1]> (k4)
+        v = Transpose <perm = [0, 2, 1, 3]> (v4)
+        n = Shape <start = 1, end = 2> (q)
+        scale = Constant <value = float {0.35}> ()
+        dtypes = Constant <value = int64[5] {15, 15, 15, 15, 15}> ()
+        y, kc, lse = org.pytorch.aten.ATen <operator = "ortwrap_ops::attention_keep_inputs", overload_name = "">
+            (q, kt, v, mask, scale, dtypes)
+        y4 = Transpose <perm = [0, 2, 1, 3]> (y)
+    }
+    """
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx.parser.parse_model(text)))
+    p = NativeAttentionPass()
+    result = p(model)
+    after = ir.serde.serialize_model(result.model)
+    assert result.modified and p.rewritten == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    assert next(a.s.decode() for a in node.attribute if a.name == "operator") == "ortwrap_cpu::attention_bthd_bf16"
+    assert list(node.input) == ["q4", "k4", "v4", "mask", "scale"] and node.output[0] == "y4"
+    assert not [n for n in after.graph.node if n.op_type == "Transpose"]
+
+
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
     """After HalfPrecisionOnCPUPass the GEMM (computing in bf16 inside) reads and writes float32
     like the ops around it; no Cast is left but the graph output's, which keeps its dtype."""

@@ -1225,6 +1225,23 @@ static inline int64_t attn_off(const Attention* A, int64_t bh, int64_t rows, int
 }
 static inline int64_t attn_ld(const Attention* A, int64_t width) { return A->bthd ? A->heads * width : width; }
 
+/* Head bh's rows of a [B, n, H, w] tensor copied to a contiguous [n, w] (bthd; rows H * w apart), or k's
+ * transposed to [w, n] (`transpose`), so that every GEMM reads contiguous, heads-major operands: MKL packs
+ * strided rows ~30% slower, and the copy of a head (a few tens of KB) stays in cache. */
+static void attn_gather(const Attention* A, const uint16_t* src, int64_t n, int64_t w, int transpose,
+                        uint16_t* restrict dst) {
+  const int64_t ld = A->heads * w;
+  if (transpose) { /* 16 source rows at a time: rows H * w apart fall in few L1 sets, 16 of them stay there */
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t i1 = i0 + 16 < n ? i0 + 16 : n;
+      for (int64_t c = 0; c < w; ++c)
+        for (int64_t i = i0; i < i1; ++i) dst[c * n + i] = src[i * ld + c];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) memcpy(dst + i * w, src + i * ld, (size_t)w * sizeof(uint16_t));
+  }
+}
+
 /* query row t sees keys [0, valid) of the block's kv columns */
 static inline int64_t attn_valid(const Attention* A, int64_t t, int64_t kv) {
   return A->causal ? (t + 1 < kv ? t + 1 : kv) : kv;
@@ -1293,6 +1310,8 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
   size_t bytes = (size_t)BQ * S * (sizeof(float) + sizeof(uint16_t)) + (size_t)BQ * E * sizeof(float) +
                  BQ * sizeof(float);
   bytes = (bytes + 63) / 64 * 64;
+  const size_t copies = A->bthd ? (size_t)(T * D + D * S + S * E) * sizeof(uint16_t) : 0; /* q, k^T, v of a head */
+  bytes += (copies + 63) / 64 * 64;
   char* scratch = (char*)block_get(bytes);
   if (scratch == NULL) {
     A->failed = 1;
@@ -1302,19 +1321,28 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
   uint16_t* pr = (uint16_t*)(sc + (size_t)BQ * S);  /* [BQ, kv] probabilities, unnormalized */
   float* acc = (float*)(pr + (size_t)BQ * S);       /* [BQ, E] P v */
   float* inv = acc + (size_t)BQ * E;                /* [BQ] 1 / sum */
-  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E), ldo = ldv;
+  uint16_t* cq = (uint16_t*)(scratch + (bytes - ((copies + 63) / 64 * 64))); /* bthd: the head's q, k^T, v */
+  uint16_t* ck = cq + T * D;
+  uint16_t* cv = ck + D * S;
+  const int64_t ldo = attn_ld(A, E);
   int threads = g_gemm_threads(1);
   for (int64_t bh = b0; bh < b1; ++bh) {
     const uint16_t* q = A->q + attn_off(A, bh, T, D);
-    const uint16_t* k = A->k + attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
+    const uint16_t* kt = A->k + attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
     const uint16_t* v = A->v + attn_off(A, bh, S, E);
+    if (A->bthd) {
+      attn_gather(A, q, T, D, 0, cq);
+      attn_gather(A, kt, S, D, 1, ck);
+      attn_gather(A, v, S, E, 0, cv);
+      q = cq, kt = ck, v = cv;
+    }
     uint16_t* out = A->out + attn_off(A, bh, T, E);
     float* lse = A->lse + bh * T;
     for (int64_t r0 = 0; r0 < T; r0 += BQ) {
       const int64_t rows = T - r0 < BQ ? T - r0 : BQ;
       const int64_t kv = A->causal ? (r0 + rows < S ? r0 + rows : S) : S;
       if (kv > 0 && D > 0) {
-        gemm16(0, A->bthd, rows, kv, D, 1.0f, q + r0 * ldq, ldq, k, ldk, 0.0f, sc, kv);
+        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
       } else {
         for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
       }
@@ -1336,7 +1364,7 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
         inv[i] = 1.0f / l;
         lse[t] = mx + logf(l);
       }
-      if (kv > 0 && E > 0) gemm16(0, 0, rows, E, kv, 1.0f, pr, kv, v, ldv, 0.0f, acc, E);
+      if (kv > 0 && E > 0) gemm16(0, 0, rows, E, kv, 1.0f, pr, kv, v, E, 0.0f, acc, E);
       for (int64_t i = 0; i < rows; ++i) {
         uint16_t* restrict o = out + (r0 + i) * ldo;
         const float* restrict a = acc + i * E;
@@ -1361,6 +1389,9 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
   size_t bytes = (size_t)BQ * S * 2 * (sizeof(float) + sizeof(uint16_t)) + (size_t)BQ * dmax * sizeof(float) +
                  (size_t)S * (D + E) * sizeof(float);
   bytes = (bytes + 63) / 64 * 64;
+  /* bthd: the head's q, k^T, v, out, dout */
+  const size_t copies = A->bthd ? (size_t)(T * D + D * S + S * E + 2 * T * E) * sizeof(uint16_t) : 0;
+  bytes += (copies + 63) / 64 * 64;
   char* scratch = (char*)block_get(bytes);
   if (scratch == NULL) {
     A->failed = 1;
@@ -1372,16 +1403,29 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
   uint16_t* ds = pr + (size_t)BQ * S;              /* [BQ, kv] dS (bf16) */
   float* dq = (float*)(ds + (size_t)BQ * S);       /* [BQ, D] */
   float* dv = dq + (size_t)BQ * dmax;              /* [S, E] */
-  float* dk = dv + (size_t)S * E;                       /* [D, S] (heads-major: k^T's), or [S, D] (bthd) */
-  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E), ldo = ldv;
+  float* dk = dv + (size_t)S * E;                       /* [D, S]: k^T's gradient */
+  uint16_t* cq = (uint16_t*)(scratch + (bytes - ((copies + 63) / 64 * 64)));
+  uint16_t* ck = cq + T * D;
+  uint16_t* cv = ck + D * S;
+  uint16_t* co = cv + S * E;
+  uint16_t* cg = co + T * E;
+  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E);
   int threads = g_gemm_threads(1);
   for (int64_t bh = b0; bh < b1; ++bh) {
     const int64_t q_off = attn_off(A, bh, T, D), k_off = attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
     const uint16_t* q = A->q + q_off;
-    const uint16_t* k = A->k + k_off;
+    const uint16_t* kt = A->k + k_off;
     const uint16_t* v = A->v + attn_off(A, bh, S, E);
     const uint16_t* o = A->o + attn_off(A, bh, T, E);
     const uint16_t* go = A->dout + attn_off(A, bh, T, E);
+    if (A->bthd) {
+      attn_gather(A, q, T, D, 0, cq);
+      attn_gather(A, kt, S, D, 1, ck);
+      attn_gather(A, v, S, E, 0, cv);
+      attn_gather(A, o, T, E, 0, co);
+      attn_gather(A, go, T, E, 0, cg);
+      q = cq, kt = ck, v = cv, o = co, go = cg;
+    }
     const float* lse = A->lse_in + bh * T;
     for (int64_t j = 0; j < S * E; ++j) dv[j] = 0.0f;
     for (int64_t j = 0; j < S * D; ++j) dk[j] = 0.0f;
@@ -1395,12 +1439,12 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
         continue;
       }
       if (D > 0) {
-        gemm16(0, A->bthd, rows, kv, D, 1.0f, q + r0 * ldq, ldq, k, ldk, 0.0f, sc, kv);
+        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
       } else {
         for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
       }
       if (E > 0) {
-        gemm16(0, 1, rows, kv, E, 1.0f, go + r0 * ldo, ldo, v, ldv, 0.0f, dp, kv);
+        gemm16(0, 1, rows, kv, E, 1.0f, go + r0 * E, E, v, E, 0.0f, dp, kv);
       } else {
         for (int64_t j = 0; j < rows * kv; ++j) dp[j] = 0.0f;
       }
@@ -1415,7 +1459,7 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
           for (int64_t j = 0; j < kv; ++j) pi[j] = si[j] = 0;
           continue;
         }
-        const float delta = attn_dot16(go + t * ldo, o + t * ldo, E);
+        const float delta = attn_dot16(go + t * E, o + t * E, E);
         attn_logits(A, bh, t, x, n);
         const int64_t n16 = attn_pad(x, n, kv);
         for (int64_t j = 0; j < n16; ++j) { /* (the scale goes into dS's GEMMs, as flash attention applies it) */
@@ -1425,13 +1469,10 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
         }
         for (int64_t j = n16; j < kv; ++j) pi[j] = si[j] = 0;
       }
-      if (E > 0) gemm16(1, 0, kv, E, rows, 1.0f, pr, kv, go + r0 * ldo, ldo, 1.0f, dv, E);
-      if (D > 0 && A->bthd) { /* dQ = scale dS k, dK += scale dS^T q */
-        gemm16(0, 0, rows, D, kv, A->scale, ds, kv, k, ldk, 0.0f, dq, D);
-        gemm16(1, 0, kv, D, rows, A->scale, ds, kv, q + r0 * ldq, ldq, 1.0f, dk, D);
-      } else if (D > 0) { /* dQ = scale dS (k^T)^T, dK^T += scale q^T dS */
-        gemm16(0, 1, rows, D, kv, A->scale, ds, kv, k, S, 0.0f, dq, D);
-        gemm16(1, 0, D, kv, rows, A->scale, q + r0 * ldq, ldq, ds, kv, 1.0f, dk, S);
+      if (E > 0) gemm16(1, 0, kv, E, rows, 1.0f, pr, kv, go + r0 * E, E, 1.0f, dv, E);
+      if (D > 0) { /* dQ = scale dS (k^T)^T, dK^T += scale q^T dS */
+        gemm16(0, 1, rows, D, kv, A->scale, ds, kv, kt, S, 0.0f, dq, D);
+        gemm16(1, 0, D, kv, rows, A->scale, q + r0 * D, D, ds, kv, 1.0f, dk, S);
       }
       for (int64_t i = 0; i < rows; ++i)
         for (int64_t c = 0; c < D; ++c) dqo[i * ldq + c] = to_bf16(dq[i * D + c]);
@@ -1440,9 +1481,9 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
     uint16_t* dko = A->dk + k_off;
     for (int64_t j = 0; j < S; ++j)
       for (int64_t c = 0; c < E; ++c) dvo[j * ldv + c] = to_bf16(dv[j * E + c]);
-    if (A->bthd) {
+    if (A->bthd) { /* k's layout, [S, D] rows H * D apart, from k^T's gradient */
       for (int64_t j = 0; j < S; ++j)
-        for (int64_t c = 0; c < D; ++c) dko[j * ldk + c] = to_bf16(dk[j * D + c]);
+        for (int64_t c = 0; c < D; ++c) dko[j * ldk + c] = to_bf16(dk[c * S + j]);
     } else {
       for (int64_t j = 0; j < S * D; ++j) dko[j] = to_bf16(dk[j]);
     }
