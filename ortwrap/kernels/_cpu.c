@@ -273,16 +273,28 @@ typedef struct {
   DLManagedTensor managed;
   int64_t shape[MAX_DIMS];
   size_t bytes; /* of the data block */
+  int uncached; /* freed to the heap, not kept in the block cache */
 } Owned;
 
 static void owned_deleter(DLManagedTensor* self) {
   if (self == NULL) return;
-  block_put(self->dl_tensor.data, ((Owned*)self)->bytes);
+  if (((Owned*)self)->uncached)
+    free(self->dl_tensor.data);
+  else
+    block_put(self->dl_tensor.data, ((Owned*)self)->bytes);
   free(self);
 }
 
+static DLManagedTensor* new_tensor_in(int ndim, const int64_t* shape, uint8_t code, uint8_t bits, int uncached);
+
 /* A new contiguous float32/int tensor of the given shape (data 64-byte aligned, uninitialized). */
 static DLManagedTensor* new_tensor(int ndim, const int64_t* shape, uint8_t code, uint8_t bits) {
+  return new_tensor_in(ndim, shape, code, bits, 0);
+}
+
+/* new_tensor whose memory comes from (and goes back to) the heap: outputs that live from a forward to its backward
+ * (attention's), which the block cache would hold, unusable by anything else, until the end of the backward. */
+static DLManagedTensor* new_tensor_in(int ndim, const int64_t* shape, uint8_t code, uint8_t bits, int uncached) {
   if (ndim > MAX_DIMS) return NULL;
   Owned* o = (Owned*)calloc(1, sizeof(Owned));
   if (o == NULL) return NULL;
@@ -293,12 +305,13 @@ static DLManagedTensor* new_tensor(int ndim, const int64_t* shape, uint8_t code,
   }
   size_t bytes = (size_t)n * (bits / 8);
   size_t padded = bytes ? (bytes + 63) / 64 * 64 : 64;
-  void* data = block_get(padded);
+  void* data = uncached ? aligned_alloc(64, padded) : block_get(padded);
   if (data == NULL) {
     free(o);
     return NULL;
   }
   o->bytes = padded;
+  o->uncached = uncached;
   DLTensor* t = &o->managed.dl_tensor;
   t->data = data;
   t->device.device_type = kDLCPU;
@@ -1625,8 +1638,8 @@ static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLMa
     lse_shape[1] = A.heads;
     lse_shape[2] = A.t;
   }
-  DLManagedTensor* o = new_tensor(q->ndim, shape, kDLBfloat, 16);
-  DLManagedTensor* lse = new_tensor(q->ndim - 1, lse_shape, kDLFloat, 32);
+  DLManagedTensor* o = new_tensor_in(q->ndim, shape, kDLBfloat, 16, 1);
+  DLManagedTensor* lse = new_tensor_in(q->ndim - 1, lse_shape, kDLFloat, 32, 1);
   if (o == NULL || lse == NULL) {
     owned_deleter(o);
     owned_deleter(lse);
@@ -1671,8 +1684,9 @@ static int attention_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLM
   A.dout = data_of(dout);
   A.o = data_of(o);
   A.lse_in = data_of(lse);
-  DLManagedTensor* g[3] = {new_tensor(r, q->shape, kDLBfloat, 16), new_tensor(r, in[2]->dl_tensor.shape, kDLBfloat, 16),
-                           new_tensor(r, in[3]->dl_tensor.shape, kDLBfloat, 16)};
+  DLManagedTensor* g[3] = {new_tensor_in(r, q->shape, kDLBfloat, 16, 1),
+                           new_tensor_in(r, in[2]->dl_tensor.shape, kDLBfloat, 16, 1),
+                           new_tensor_in(r, in[3]->dl_tensor.shape, kDLBfloat, 16, 1)};
   if (g[0] == NULL || g[1] == NULL || g[2] == NULL) A.failed = 1;
   if (!A.failed) {
     A.dq = g[0]->dl_tensor.data;
