@@ -1,26 +1,31 @@
-"""bf16 attention on ortwrap's CPU kernel: ``ortwrap_ops::attention_keep_inputs`` -> ``ortwrap_cpu::attention_bf16``.
+"""bf16 attention on ortwrap's CPU kernel in place of PyTorch's flash attention (``ortwrap_ops::attention*``).
 
 On CPUs with native bf16, ``passes/half_matmul.py`` turns the exporters' decomposed
 ``scaled_dot_product_attention`` into ``ortwrap_ops::attention`` (PyTorch's CPU flash attention, as
 eager autocast runs it), and ``passes/half_values.py`` makes it ``attention_keep_inputs`` where q,
 k^T and v arrive in bf16. This pass (CPU training graphs, after those two) replaces each such node
-whose q, k^T, v and output are bf16 and whose mask, if any, is float32 with one
-``org.pytorch.aten::ATen`` node of ortwrap's kernel (``kernels/_cpu.c``, declared in
-``registry.KERNELS`` with its gradient, ``attention_bf16_backward``):
+whose mask, if any, is float32 with one ``org.pytorch.aten::ATen`` node of ortwrap's kernel
+(``kernels/_cpu.c``, declared in ``registry.KERNELS`` with its gradient):
 
-    attention_bf16(q, k^T, v, mask, scale) -> (out, lse)
+- ``attention_bthd_bf16(q4, k4, v4, mask, scale) -> (out4, lse)`` where q, k^T and v are bf16
+  [B, T, H, D] tensors moved into heads by Transposes and the output's only reader moves it back
+  (the dynamo exporter's GPT blocks): the kernel reads and writes that layout, and the Transposes
+  (bf16 copies in ORT) and their gradients' copies go;
+- else ``attention_bf16(q, k^T, v, mask, scale) -> (out, lse)``; operands the graph keeps in float32
+  (``ortwrap_ops::attention``, which rounds them itself: HF GPT-2) get a Cast to bf16 (ORT's rounds
+  to nearest even, as PyTorch's), and a float32 result a Cast back.
 
-It computes what flash attention computes, with the same roundings (float32 scores, softmax and
-score gradients; P and dS rounded to bf16 for their GEMMs), from whole rows of scores per block of
-128 queries (64 past 256 keys): bf16 GEMMs with float32 results (MKL's, bundled with PyTorch: AMX here) and one
-vectorized pass per row between them, the keys above a causal mask's diagonal skipped. GPT-2
-small's attention (4 x 12 heads, 256 tokens, causal) takes ~8 ms forward and backward on one
-thread against ~21 ms for flash attention (``docs/performance.md``). Like flash attention it keeps
-only q, k^T, v, the output and the log-sum-exp for the backward, which recomputes the scores.
+The kernel computes what flash attention computes, with the same roundings (float32 scores,
+softmax and score gradients; P and dS rounded to bf16 for their GEMMs), from whole rows of scores
+per block of 128 queries (64 past 256 keys): bf16 GEMMs with float32 results (MKL's, bundled with
+PyTorch: AMX here) and one vectorized pass per row between them, the keys above a causal mask's
+diagonal skipped. GPT-2 small's attention (4 x 12 heads, 256 tokens, causal) takes ~8-10 ms
+forward and backward on one thread against ~22 ms for flash attention (``docs/performance.md``,
+"bf16 attention"). Like flash attention it keeps only q, k^T, v, the output and the log-sum-exp
+for the backward, which recomputes the scores; the flash op's copies of its operands go.
 
-The node's k and log-sum-exp outputs, which only the backward reads, go: the kernel's backward
-reads k^T itself. Nothing changes where ``kernels.attention_available()`` is false (no MKL bf16
-GEMM in the PyTorch build): PyTorch's flash attention stays.
+Nothing changes where ``kernels.attention_available()`` is false (no MKL bf16 GEMM in the PyTorch
+build): PyTorch's flash attention stays.
 """
 
 from __future__ import annotations
