@@ -1181,7 +1181,7 @@ typedef void (*gemm_bf16_fn)(int layout, int transa, int transb, int m, int n, i
 typedef int (*gemm_threads_fn)(int);
 static gemm_bf16_fn g_gemm_bf16 = NULL;
 static gemm_threads_fn g_gemm_threads = NULL;
-static void (*g_gemm_release)(void) = NULL; /* frees MKL's idle buffers (~17 MB after GPT-2's attention) */
+static void (*g_gemm_release)(void) = NULL; /* frees MKL's idle packing buffers (4.3 MB per calling thread) */
 enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #define ATTN_WIDE __attribute__((target("prefer-vector-width=512"))) /* the row passes: 16 floats a step */
@@ -1215,7 +1215,8 @@ static inline void gemm16(int ta, int tb, int64_t m, int64_t n, int64_t k, float
 
 /* Two layouts: heads-major, q [BH,T,D], kt [BH,D,S] (k transposed), v [BH,S,E], o and dout [BH,T,E]; or the
  * projections' own ("bthd"), q [B,T,H,D], k [B,S,H,D], v [B,S,H,E], o and dout [B,T,H,E]: a head's rows are then
- * H * width apart, and the GEMMs read them in place (no transposed copies). */
+ * H * width apart; each head's are copied into the thread's scratch (attn_gather) for the GEMMs, and its results
+ * written back into the layout, so the graph needs no Transposes into heads and back. */
 typedef struct {
   const uint16_t *q, *k, *v, *o, *dout;
   const float* mask;                     /* NULL, or at mask + mask_off[bh] + t * mask_rs + j * mask_cs */
