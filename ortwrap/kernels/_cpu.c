@@ -109,11 +109,12 @@ static void block_put(void* p, size_t size) {
 }
 
 static void (*g_gemm_release)(void);
+static atomic_int g_gemm_used; /* an attention kernel ran since the last release */
 
 /* Cached bytes, and release them all (tests; memory pressure; after each backward), with the buffers MKL keeps
- * for the attention kernels' GEMMs (MKL frees only those no GEMM is using). */
+ * for the attention kernels' GEMMs if one ran since (MKL frees only those no GEMM is using). */
 size_t ortwrap_cpu_cached_bytes(int release) {
-  if (release && g_gemm_release != NULL) g_gemm_release();
+  if (release && g_gemm_release != NULL && atomic_exchange(&g_gemm_used, 0)) g_gemm_release();
   pthread_mutex_lock(&g_cache.mu);
   size_t bytes = g_cache.bytes;
   if (release) {
@@ -1649,6 +1650,7 @@ static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLMa
   }
   A.out = o->dl_tensor.data;
   A.lse = lse->dl_tensor.data;
+  atomic_store(&g_gemm_used, 1);
   if (A.bh > 0 && A.t > 0) parallel(attention_part, &A, attention_chunks(&A));
   free(mask_off);
   if (A.failed) {
@@ -1697,6 +1699,7 @@ static int attention_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLM
       memset(A.dk, 0, (size_t)numel(&g[1]->dl_tensor) * 2);
       memset(A.dv, 0, (size_t)numel(&g[2]->dl_tensor) * 2);
     } else if (A.bh > 0) {
+      atomic_store(&g_gemm_used, 1);
       parallel(attention_backward_part, &A, attention_chunks(&A));
     }
   }
