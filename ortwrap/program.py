@@ -41,6 +41,7 @@ from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
 from .passes.half_precision import FuseHalfInitializersPass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
+from .passes.native_attention import NativeAttentionPass
 from .passes.native_cpu_kernels import NativeCPUKernelsPass
 from .passes.pythonop_context import CONTEXT_OUTPUT_PREFIX
 from .passes.stop_gradient import STOP_GRADIENT_SUFFIX
@@ -581,7 +582,10 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         native_kernels,
         type_inference,
         fuse_initializers,
-        *[_native_gate(pass_stage(p)) if isinstance(p, NativeCPUKernelsPass) else pass_stage(p) for p in passes],
+        *[
+            _native_gate(pass_stage(p)) if isinstance(p, (NativeCPUKernelsPass, NativeAttentionPass)) else pass_stage(p)
+            for p in passes
+        ],
         host_split,
         serialize,
         aten_gradients,
@@ -601,7 +605,7 @@ def _recorded(p: ir.passes.PassBase, ir_model: ir.Model, pass_records: list[Pass
 
 
 def _native_gate(st: Stage) -> Stage:
-    """The CPU-kernel pass runs only where the ``native_kernels`` stage found the kernels usable."""
+    """The CPU-kernel passes run only where the ``native_kernels`` stage found the kernels usable."""
 
     def run(ir_model: ir.Model, pass_records: list[PassRecord], native: bool) -> dict:
         if not native:

@@ -67,6 +67,8 @@ class KernelTableError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ kernels
+#: the namespace of ortwrap's PyTorch ops (``torch.ops.ortwrap_ops``; :func:`define_ops`)
+OPS_NAMESPACE = "ortwrap_ops"
 _TENSOR_CHARS = {"f": "float32", "h": "bfloat16", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
 
 
@@ -114,8 +116,11 @@ class Kernel:
         gradient: its gradient, or None for a backward kernel.
         replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
         rewrite: the pass's method that performs that rewrite.
-        variant_of: for a variant with other dtypes, the kernel whose nodes it replaces (in another
-            pass: ``passes/half_values.py``) instead of a rewrite of its own.
+        variant_of: for a variant with other dtypes (or layouts), the kernel whose nodes it replaces
+            (in another pass: ``passes/half_values.py``, ``passes/native_attention.py``) instead of a
+            rewrite of its own.
+        replaces_ops: for a kernel that takes the place of some of ortwrap's PyTorch ops (ATen nodes
+            of ``ortwrap_ops``), those ops (``passes/native_attention.py`` rewrites them).
     """
 
     name: str
@@ -125,6 +130,7 @@ class Kernel:
     replaces: tuple[str, ...] = ()
     rewrite: str | None = None
     variant_of: str | None = None
+    replaces_ops: tuple[str, ...] = ()
 
     @property
     def inputs(self) -> list[tuple[str, bool]]:
@@ -218,6 +224,32 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_cross_entropy",
     ),
     Kernel("cross_entropy_backward", "ffiII>f", "dloss, log_prob, labels, ignore_index, reduction -> dscores"),
+    Kernel(
+        "attention_bf16",
+        "hhhf?F>hf",
+        "softmax attention of bf16 q [..., T, D], k^T [..., D, S], v [..., S, E], additive mask, scale -> out, lse",
+        _grad(
+            "attention_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        replaces_ops=(f"{OPS_NAMESPACE}::attention_keep_inputs", f"{OPS_NAMESPACE}::attention"),
+    ),
+    Kernel("attention_bf16_backward", "hhhhhff?F>hhh", "dout, q, kt, v, out, lse, mask, scale -> dq, dkt, dv"),
+    Kernel(
+        "attention_bthd_bf16",
+        "hhhf?F>hf",
+        "attention_bf16 on q [B, T, H, D], k [B, S, H, D], v [B, S, H, E] -> out [B, T, H, E], lse [B, H, T]",
+        _grad(
+            "attention_bthd_bf16_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4],
+        ),
+        variant_of="attention_bf16",
+    ),
+    Kernel("attention_bthd_bf16_backward", "hhhhhff?F>hhh", "dout, q, k, v, out, lse, mask, scale -> dq, dk, dv"),
 )
 
 
@@ -1288,7 +1320,6 @@ _OPS = {
     "hard_sigmoid": ("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
     "shrink": ("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
 }
-OPS_NAMESPACE = "ortwrap_ops"
 _library: list = []
 
 #: ortwrap ops that compute in the dtype their last argument, ``dtypes``, names first (torch's

@@ -19,7 +19,7 @@ import torch
 from parity import check_parity, gemm_op_counts, seq_len
 from torch import nn
 
-from ortwrap import ORTWrap
+from ortwrap import ORTWrap, kernels
 
 pytestmark = pytest.mark.usefixtures("exporter")
 
@@ -322,9 +322,60 @@ def test_tiny_gpt_under_autocast(route, recompute):
         assert len(layout) >= 4, sorted(bf16)
     if route == "native":
         if EXPORTER == "dynamo":  # (the TorchScript exporter writes SDPA's matmuls in float32 under autocast)
-            # q, k^T, v reach attention in bf16: the variant whose backward reads them, not copies
-            assert_route(w, route, op="attention_keep_inputs", backward=False)
-            assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
+            # q, k^T, v reach attention in bf16: ortwrap's bf16 attention kernel and its backward
+            # (passes/native_attention.py), reading q, k, v in the projections' [B, T, H, D] layout
+            # (no Transposes into heads and back), else flash attention's variant that reads them, not copies
+            if kernels.attention_available():
+                assert {"ortwrap_cpu::attention_bthd_bf16", "ortwrap_cpu::attention_bthd_bf16_backward"} <= operators
+                assert not any(op.startswith("ortwrap_ops::attention") for op in operators), sorted(operators)
+            else:
+                assert_route(w, route, op="attention_keep_inputs", backward=False)
+                assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention with a key-padding mask given as an input (bool, or additive float), whose
+    head dim (12) is no power of two: SDPA's scale is then no power of two either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(24, 72)
+        self.proj = nn.Linear(24, 24)
+
+    def forward(self, x, mask):
+        b, t, d = x.shape
+        q, k, v = (z.reshape(b, t, 2, 12).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masked_attention_under_autocast(kind):
+    """A padding mask (one batch element with its last keys masked) under autocast on the native
+    route: outputs and every gradient as eager autocast's; the dynamo export's attention runs on
+    ortwrap's bf16 kernel (passes/native_attention.py)."""
+
+    def inputs(b, g):
+        t = seq_len(b, 9)
+        keep = torch.ones(b, 1, 1, t, dtype=torch.bool)
+        keep[0, ..., t // 2 :] = False
+        mask = keep if kind == "bool" else torch.where(keep, 0.0, -1e4) + torch.randn(b, 1, t, t, generator=g)
+        return (torch.randn(b, t, 24, generator=g), mask), {}
+
+    w = check_parity(
+        MaskedAttention, inputs, autocast=autocast(torch.bfloat16), lr=0.005,
+        wrap_options={"half_compute": "native"}, **BF16,
+    )  # fmt: skip
+    assert w.fallback_reason is None
+    from parity import EXPORTER
+
+    operators = {
+        a.s.decode() for p in w.programs() for n in p.graph.model().graph.node for a in n.attribute
+        if a.name == "operator"
+    }  # fmt: skip
+    # (an additive float mask input: passes/half_matmul.py keeps SDPA's decomposed matmuls and softmax)
+    if EXPORTER == "dynamo" and kind == "bool" and kernels.attention_available():
+        assert {"ortwrap_cpu::attention_bthd_bf16", "ortwrap_cpu::attention_bthd_bf16_backward"} <= operators, operators
 
 
 class BatchedMatMuls(nn.Module):
@@ -616,6 +667,100 @@ def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
     p = HalfMatMulOnCPUPass()
     onnx_text.run_pass(p, body)
     assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
+
+
+def _attention_model(op: str, q: str, kt: str, mask: str | None, out: str = "bfloat16") -> onnx.ModelProto:
+    """One ``ortwrap_ops::<op>`` attention node (``attention_keep_inputs`` as passes/half_values.py
+    leaves it: out, k, lse; ``attention``: out, q, k, v, lse) on inputs of these types."""
+    mask_input = f", {mask} mask" if mask else ""
+    outputs = "y, kc, lse" if op == "attention_keep_inputs" else "y, qc, kc, vc, lse"
+    text = f"""
+    <ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>
+    agraph ({q} q, {kt} kt, bfloat16[2, 3, 5, 8] v{mask_input}) => ({out}[2, 3, 5, 8] y) {{
+        scale = Constant <value = float {{0.35}}> ()
+        dtypes = Constant <value = int64[5] {{15, 15, 15, 15, 15}}> ()
+        {outputs} = org.pytorch.aten.ATen <operator = "ortwrap_ops::{op}", overload_name = "">
+            (q, kt, v, {"mask" if mask else ""}, scale, dtypes)
+    }}
+    """
+    return onnx.parser.parse_model(text)
+
+
+@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@pytest.mark.parametrize(
+    "op,q,kt,mask,out,rewritten",
+    [
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "float[5, 5]", "bfloat16", True),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, "bfloat16", True),
+        ("attention", "float[2, 3, 5, 8]", "float[2, 3, 8, 5]", None, "float", True),  # Casts around the kernel
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", "bfloat16[5, 5]", "bfloat16", False),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[1, 3, 8, 5]", None, "bfloat16", False),
+        ("attention_keep_inputs", "bfloat16[2, 3, 5, 8]", "bfloat16[2, 3, 6, 5]", None, "bfloat16", False),
+        ("attention", "double[2, 3, 5, 8]", "bfloat16[2, 3, 8, 5]", None, "bfloat16", False),
+    ],
+    ids=["masked", "unmasked", "float32-operands", "bf16-mask", "broadcast-k", "bad-head-dim", "float64-q"],
+)
+def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
+    """ortwrap's flash attention ops on bf16 or float32 q, k^T, v (and a float32 mask, if any) become
+    ortwrap's ``attention_bf16`` kernel on the same inputs, rounded to bf16 by a Cast where they
+    are float32 (as the op rounds them), the output keeping its name (widened by a Cast where it
+    was float32); anything else keeps PyTorch's flash attention."""
+    import onnx_ir as ir
+
+    from ortwrap.passes.native_attention import NativeAttentionPass
+
+    model = ir.serde.deserialize_model(_attention_model(op, q, kt, mask, out))
+    p = NativeAttentionPass()
+    result = p(model)
+    after = ir.serde.serialize_model(result.model)
+    node = next(n for n in after.graph.node if n.op_type == "ATen")
+    operator = next(a.s.decode() for a in node.attribute if a.name == "operator")
+    assert result.modified == rewritten and p.rewritten == int(rewritten)
+    if not rewritten:
+        assert operator == f"ortwrap_ops::{op}"
+        return
+    assert operator == "ortwrap_cpu::attention_bf16" and len(node.output) == 2
+    producers = {o: n for n in after.graph.node for o in n.output}
+    operands = [producers[i].input[0] if i in producers and producers[i].op_type == "Cast" else i for i in node.input]
+    assert operands == ["q", "kt", "v", "mask" if mask else "", "scale"]
+    casts = sorted(n.input[0] for n in after.graph.node if n.op_type == "Cast")
+    assert casts == (sorted(["q", "kt", node.output[0]]) if out == "float" else [])
+    assert after.graph.output[0].name == "y" and "y" in {o for n in after.graph.node for o in n.output}
+
+
+@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+def test_native_attention_pass_reads_the_heads_layout():
+    """q, k^T and v moved into heads by Transposes from [B, T, H, D] tensors, and the output moved
+    back: the kernel variant that reads and writes that layout takes the originals, and the
+    Transposes go (a Shape of a moved value then reads its source)."""
+    import onnx_ir as ir
+
+    from ortwrap.passes.native_attention import NativeAttentionPass
+
+    text = """
+    <ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>
+    agraph (bfloat16[2, 5, 3, 8] q4, bfloat16[2, 5, 3, 8] k4, bfloat16[2, 5, 3, 8] v4, float[5, 5] mask)
+            => (bfloat16[2, 5, 3, 8] y4, int64[1] n) <bfloat16[2, 3, 5, 8] y> {
+        q = Transpose <perm = [0, 2, 1, 3]> (q4)
+        kt = Transpose <perm = [0, 2, 3, 1]> (k4)
+        v = Transpose <perm = [0, 2, 1, 3]> (v4)
+        n = Shape <start = 1, end = 2> (q)
+        scale = Constant <value = float {0.35}> ()
+        dtypes = Constant <value = int64[5] {15, 15, 15, 15, 15}> ()
+        y, kc, lse = org.pytorch.aten.ATen <operator = "ortwrap_ops::attention_keep_inputs", overload_name = "">
+            (q, kt, v, mask, scale, dtypes)
+        y4 = Transpose <perm = [0, 2, 1, 3]> (y)
+    }
+    """
+    model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx.parser.parse_model(text)))
+    p = NativeAttentionPass()
+    result = p(model)
+    after = ir.serde.serialize_model(result.model)
+    assert result.modified and p.rewritten == 1
+    (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
+    assert next(a.s.decode() for a in node.attribute if a.name == "operator") == "ortwrap_cpu::attention_bthd_bf16"
+    assert list(node.input) == ["q4", "k4", "v4", "mask", "scale"] and node.output[0] == "y4"
+    assert not [n for n in after.graph.node if n.op_type == "Transpose"]
 
 
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():

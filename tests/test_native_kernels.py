@@ -276,13 +276,18 @@ def test_pass_layer_norm_and_embedding_conditions():
 
 
 # ------------------------------------------------------------------------------ the kernels in ORT
-def aten_session(op: str, inputs: list[tuple[str, int, list]], outputs: list[tuple[str, int, list]], consts=()):
-    """An ORT session running one ortwrap_cpu ATen node (consts: extra (name, np.ndarray) inputs)."""
+def aten_session(
+    op: str, inputs: list[tuple[str, int, list]], outputs: list[tuple[str, int, list]], consts=(), absent=()
+):
+    """An ORT session running one ortwrap_cpu ATen node (consts: extra (name, np.ndarray) inputs;
+    absent: positions of the node's inputs left out, optional inputs before others)."""
     import onnxruntime as ort
 
     kernels.install()
     nodes = [oh.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(v)) for name, v in consts]
     names = [n for n, _, _ in inputs] + [n for n, _ in consts]
+    for i in sorted(absent):
+        names.insert(i, "")
     nodes.append(
         oh.make_node(
             "ATen",
@@ -576,6 +581,174 @@ def test_softmax_kernels_match_pytorch(shape):
     (dx,) = bwd.run(None, {"dy": dy.numpy(), "y": y})
     ref = torch.ops.aten._softmax_backward_data(dy, torch.softmax(x, -1), -1, torch.float32)
     torch.testing.assert_close(torch.from_numpy(dx), ref, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ bf16 attention
+needs_bf16_gemm = pytest.mark.skipif(
+    not kernels.attention_available(), reason="PyTorch's library has no MKL bf16 GEMM (cblas_gemm_bf16bf16f32)"
+)
+BF16 = onnx.TensorProto.BFLOAT16
+
+
+def attention_sessions(mask: bool, kernel: str = "attention_bf16"):
+    """ORT sessions of an attention kernel and its backward (the mask input present or left out)."""
+    m = [("mask", F32, None)] if mask else []
+    fwd = aten_session(
+        kernel,
+        [("q", BF16, None), ("kt", BF16, None), ("v", BF16, None), *m, ("scale", F32, [])],
+        [("out", BF16, None), ("lse", F32, None)],
+        absent=() if mask else (3,),
+    )
+    bwd = aten_session(
+        f"{kernel}_backward",
+        [("dout", BF16, None), ("q", BF16, None), ("kt", BF16, None), ("v", BF16, None), ("out", BF16, None),
+         ("lse", F32, None), *m, ("scale", F32, [])],
+        [("dq", BF16, None), ("dkt", BF16, None), ("dv", BF16, None)],
+        absent=() if mask else (6,),
+    )  # fmt: skip
+    return fwd, bwd
+
+
+def run_attention(q, k, v, mask, scale, dout, layout: str = "heads"):
+    """out, dq, dk, dv of ortwrap's kernels, all [B, H, T, D] like q, k, v here: ``heads``,
+    attention_bf16 (it reads k^T); ``bthd``, attention_bthd_bf16 (it reads and writes [B, T, H, D])."""
+    bthd = layout == "bthd"
+    fwd, bwd = attention_sessions(mask is not None, "attention_bthd_bf16" if bthd else "attention_bf16")
+    if bthd:
+        q, k, v, dout = (t.transpose(1, 2).contiguous() for t in (q, k, v, dout))
+    kt = k if bthd else k.transpose(-1, -2).contiguous()
+    common = {"q": q, "kt": kt, "v": v, "scale": np.array(scale, dtype=np.float32)}
+    if mask is not None:
+        common["mask"] = mask.numpy()
+
+    def run(sess, feeds):
+        state.clear_pending()
+        try:
+            outs = sess.run_with_ort_values(None, {n: ort_value(t) for n, t in feeds.items()})
+        except Exception as e:
+            state.reraise_pending(e)
+            raise
+        return [torch.from_dlpack(o._ortvalue.to_dlpack()) for o in outs]
+
+    out, lse = run(fwd, common)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) if bthd else q.shape[:-1]
+    dq, dkt, dv = run(bwd, {**common, "dout": dout, "out": out, "lse": lse})
+    if bthd:
+        return tuple(t.transpose(1, 2) for t in (out, dq, dkt, dv))
+    return out, dq, dkt.transpose(-1, -2), dv
+
+
+def attention_reference(q, k, v, mask, scale, dout):
+    """out, dq, dk, dv in float64 (rows masked everywhere give 0, as flash attention's)."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-1, -2) * scale + (0 if mask is None else mask.double())
+    top = s.detach().amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(top.isfinite(), top, 0))
+    total = e.sum(-1, keepdim=True)
+    out = (e / torch.where(total == 0, 1, total)) @ v
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def relative_errors(got, ref):
+    errors = [float((a.double() - r).norm() / r.norm().clamp_min(1e-30)) for a, r in zip(got, ref)]
+    assert all(math.isfinite(x) for x in errors), errors
+    return errors
+
+
+def _mask(kind: str, shape, g):
+    b, _, t, s = shape
+    if kind == "none":
+        return None
+    if kind in ("causal", "causal-lowest"):  # the two exporters' is_causal masks (dynamo: float32's lowest)
+        fill = float("-inf") if kind == "causal" else torch.finfo(torch.float32).min
+        return torch.full((t, s), fill).triu(1)
+    if kind == "additive":  # a float mask per batch element, broadcast over heads
+        return torch.randn(b, 1, t, s, generator=g) * 2
+    if kind == "padding":  # a bool key-padding mask as the exporters write it; one row of keys masked everywhere
+        keep = torch.rand(b, 1, 1, s, generator=g) > 0.3
+        keep[0] = False
+        return torch.where(keep, 0.0, float("-inf"))
+    raise ValueError(kind)
+
+
+#: (B, H, T, S, D, E) and mask: GPT-2's shape, odd sizes across the kernel's 64-row blocks, T != S,
+#: one query, one key, head dims that differ (flash attention needs them equal: float64 only there)
+ATTENTION_CASES = [
+    ((2, 12, 256, 256, 64, 64), "causal"),
+    ((2, 3, 77, 77, 33, 33), "causal-lowest"),
+    ((2, 3, 130, 130, 16, 16), "none"),
+    ((2, 3, 70, 45, 24, 24), "additive"),
+    ((3, 2, 65, 100, 8, 8), "padding"),
+    ((1, 2, 1, 9, 8, 8), "none"),
+    ((1, 2, 9, 1, 8, 8), "causal"),
+    ((2, 2, 50, 40, 12, 20), "additive"),
+]
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("layout", ["heads", "bthd"])
+@pytest.mark.parametrize("shape,mask_kind", ATTENTION_CASES, ids=lambda c: str(c).replace(" ", ""))
+def test_attention_bf16_kernels_match_flash_attention(shape, mask_kind, layout):
+    """The output and q, k, v gradients of the bf16 attention kernels (heads-major, and reading the
+    projections' [B, T, H, D] layout in place): as close to a float64 run as PyTorch's flash
+    attention in bf16 (eager autocast's SDPA), and within bf16 rounding of it."""
+    from ortwrap._compat.torch import flash_attention_cpu
+
+    b, h, t, s, d, e = shape
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(b, h, t, d, generator=g) * 1.5).bfloat16()
+    k = (torch.randn(b, h, s, d, generator=g) * 1.5).bfloat16()
+    v = torch.randn(b, h, s, e, generator=g).bfloat16()
+    dout = torch.randn(b, h, t, e, generator=g).bfloat16()
+    mask = _mask(mask_kind, (b, h, t, s), g)
+    scale = 1 / math.sqrt(d)
+    got = run_attention(q, k, v, mask, scale, dout, layout)
+    assert all(x.dtype == torch.bfloat16 for x in got)
+    assert [tuple(x.shape) for x in got] == [(b, h, t, e), (b, h, t, d), (b, h, s, d), (b, h, s, e)]
+    ref = attention_reference(q, k, v, mask, scale, dout)
+    errors = relative_errors(got, ref)
+    assert max(errors) < 1e-2, errors
+    if d != e:
+        return
+    forward, backward = flash_attention_cpu()
+    out, lse = forward(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+    flash = [out, *backward(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)]
+    flash_errors = relative_errors(flash, ref)
+    assert all(a <= 1.15 * f + 1e-4 for a, f in zip(errors, flash_errors)), (errors, flash_errors)
+    for a, f in zip(got, flash):
+        torch.testing.assert_close(a.float(), f.float(), atol=2e-2 * float(f.abs().max()) + 1e-6, rtol=2e-2)
+
+
+@needs_bf16_gemm
+def test_attention_bf16_rows_masked_everywhere_give_zeros():
+    """A query whose keys are all masked (-inf) gets a zero output and zero gradients, as flash
+    attention gives (the exporters' SDPA turns such rows' NaNs into 0)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 6, 8, generator=g).bfloat16() for _ in range(4))
+    mask = torch.zeros(6, 6)
+    mask[2] = float("-inf")
+    out, dq, dk, dv = run_attention(q, k, v, mask, 0.5, dout)
+    assert (out[:, :, 2] == 0).all() and (dq[:, :, 2] == 0).all()
+    assert torch.isfinite(dk.float()).all() and torch.isfinite(dv.float()).all()
+    ref = attention_reference(q, k, v, mask, 0.5, dout)
+    assert max(relative_errors([out, dq, dk, dv], ref)) < 1e-2
+
+
+@needs_bf16_gemm
+def test_attention_bf16_input_errors_are_reported():
+    fwd, _ = attention_sessions(mask=False)
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    kt = torch.zeros(1, 2, 6, 4, dtype=torch.bfloat16)  # D = 6, not q's 8
+    feeds = {"q": ort_value(q), "kt": ort_value(kt), "v": ort_value(torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16))}
+    feeds["scale"] = ort_value(np.array(1.0, dtype=np.float32))
+    state.clear_pending()
+    with pytest.raises(RuntimeError, match=r"attention_bf16: kt must be \[..., D, S\]"):
+        try:
+            fwd.run_with_ort_values(None, feeds)
+        except Exception as e:
+            state.reraise_pending(e)
+            raise
 
 
 def test_kernel_input_errors_are_reported():

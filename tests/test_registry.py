@@ -12,8 +12,10 @@ from ortwrap.bridge.aten import NATIVE_PREFIX
 from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
 from ortwrap.passes.torch_gradients import TorchGradientsPass
 from ortwrap.registry import (
+    _OPS,
     GRADIENTS,
     KERNELS,
+    OPS_NAMESPACE,
     KernelTableError,
     check_kernel_table,
     kernel,
@@ -47,7 +49,11 @@ def test_every_forward_kernel_has_a_declared_backward_and_a_rewrite():
         back = kernel(k.gradient.backward)
         assert back.gradient is None
         if k.variant_of is not None:  # written in place of its kernel's nodes (passes/half_values.py)
-            assert not k.replaces and kernel(k.variant_of).replaces, k.name
+            assert not k.replaces and (kernel(k.variant_of).replaces or kernel(k.variant_of).replaces_ops), k.name
+        elif k.replaces_ops:  # written in place of some of ortwrap's PyTorch ops (passes/native_attention.py)
+            for replaced in k.replaces_ops:
+                namespace, op = replaced.split("::")
+                assert not k.replaces and namespace == OPS_NAMESPACE and op in _OPS, k.name
         else:
             assert k.replaces and hasattr(NativeCPUKernelsPass, k.rewrite)
         for op in k.replaces:

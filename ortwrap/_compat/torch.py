@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -315,6 +316,20 @@ def flash_attention_cpu() -> tuple[Callable[..., Any], Callable[..., Any]]:
     logsumexp)`` and its backward ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *,
     attn_mask, scale) -> (dq, dk, dv)``."""
     return _resolve(_FLASH_CPU), _resolve(_FLASH_CPU_BACKWARD)
+
+
+#: The library of the x86 Linux wheels that bundles MKL, whose ``cblas_gemm_bf16bf16f32`` (bf16 inputs,
+#: float32 result; AMX where the CPU has it) ortwrap's bf16 attention kernel calls (``kernels/_cpu.c``
+#: looks the symbol up in the already loaded library). Checked on 2.13.0 and 2.14.1 (MKL 2024, LP64).
+_MKL_LIBRARY = "libtorch_cpu.so"
+
+
+@functools.cache
+def bundled_mkl_library() -> str | None:
+    """The path of the loaded PyTorch library that bundles MKL (the kernel checks for the symbol it
+    needs), or None where the file is not there (other platforms, other builds)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", _MKL_LIBRARY)
+    return path if os.path.exists(path) else None
 
 
 @functools.cache

@@ -32,8 +32,14 @@ Each kernel is declared once, in ``ortwrap/registry.py`` (``KERNELS``): its name
 outputs, gradient, and the ONNX ops its rewrite replaces; ``_cpu.c``'s ``kOps`` carries the same
 signatures and :func:`install` checks the two agree.
 
-float32 only. ``erf`` is Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7); sums run in a
-fixed order, so results are deterministic.
+One more replaces a PyTorch op rather than ONNX ops: ``attention_bf16`` (and its backward), softmax
+attention on bf16 q, k^T, v, which ``passes/native_attention.py`` puts in place of PyTorch's flash
+attention on the native bf16 route (docs/performance.md, "bf16 attention"). Its GEMMs are MKL's
+``cblas_gemm_bf16bf16f32`` (bf16 inputs, float32 results), found in PyTorch's own library when the
+kernels load (:func:`attention_available`); the rest is C like the other kernels.
+
+float32, and bfloat16 where a kernel's signature says so. ``erf`` is Abramowitz & Stegun 7.1.26
+(absolute error <= 1.5e-7); sums run in a fixed order, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import warnings
 
 import torch
 
+from .._compat.torch import bundled_mkl_library
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
 from ..registry import KERNELS, check_kernel_table
@@ -65,6 +72,10 @@ def install() -> ctypes.CDLL:
     check_kernel_table(compiled_table(lib))
     lib.ortwrap_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_set_threads.restype = ctypes.c_int
+    lib.ortwrap_cpu_set_bf16_gemm.argtypes = [ctypes.c_char_p]
+    lib.ortwrap_cpu_set_bf16_gemm.restype = ctypes.c_int
+    mkl = bundled_mkl_library()
+    lib.ortwrap_bf16_gemm = mkl is not None and lib.ortwrap_cpu_set_bf16_gemm(mkl.encode()) == 0
     aten.set_native(ctypes.cast(lib.ortwrap_cpu_run, ctypes.c_void_p).value)
     for k in KERNELS:
         g = k.gradient
@@ -88,8 +99,19 @@ def compiled_table(lib: ctypes.CDLL) -> dict[str, str]:
     return table
 
 
+def attention_available() -> bool:
+    """Whether ``attention_bf16`` can run: the kernels load and PyTorch's library bundles MKL's bf16
+    GEMM (bf16 inputs, float32 results), which the kernel calls. ``passes/native_attention.py`` keeps
+    PyTorch's flash attention otherwise."""
+    try:
+        return bool(install().ortwrap_bf16_gemm)
+    except NativeBuildError:
+        return False
+
+
 def cached_bytes(release: bool = False) -> int:
-    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them."""
+    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them, and
+    the buffers MKL keeps for the attention kernels' GEMMs (4.3 MB per thread that ran one)."""
     lib = install()
     lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_cached_bytes.restype = ctypes.c_size_t

@@ -14,13 +14,15 @@
  * handed over as DLManagedTensors whose deleter returns their memory to a block cache.  Returns 0, or -1 with a
  * message in `err`.
  *
- * Only float32 tensors are computed here (the pass rewrites nothing else); every input is checked.
+ * float32 tensors, and bfloat16 where a kernel's signature says so (layer_norm_bf16, attention_bf16); every input is
+ * checked.
  * Results are deterministic: work is split into chunks whose bounds depend only on the sizes, and reductions across
  * rows are summed per chunk and then in chunk order, whichever thread ran which chunk.
  *
  * The DLPack structs below repeat _aten.c's on purpose: each file is compiled on its own and cached by its source.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -106,8 +108,13 @@ static void block_put(void* p, size_t size) {
   free(p);
 }
 
-/* Cached bytes, and release them all (tests; memory pressure). */
+static void (*g_gemm_release)(void);
+static atomic_int g_gemm_used; /* an attention kernel ran since the last release */
+
+/* Cached bytes, and release them all (tests; memory pressure; after each backward), with the buffers MKL keeps
+ * for the attention kernels' GEMMs if one ran since (MKL frees only those no GEMM is using). */
 size_t ortwrap_cpu_cached_bytes(int release) {
+  if (release && g_gemm_release != NULL && atomic_exchange(&g_gemm_used, 0)) g_gemm_release();
   pthread_mutex_lock(&g_cache.mu);
   size_t bytes = g_cache.bytes;
   if (release) {
@@ -267,16 +274,28 @@ typedef struct {
   DLManagedTensor managed;
   int64_t shape[MAX_DIMS];
   size_t bytes; /* of the data block */
+  int uncached; /* freed to the heap, not kept in the block cache */
 } Owned;
 
 static void owned_deleter(DLManagedTensor* self) {
   if (self == NULL) return;
-  block_put(self->dl_tensor.data, ((Owned*)self)->bytes);
+  if (((Owned*)self)->uncached)
+    free(self->dl_tensor.data);
+  else
+    block_put(self->dl_tensor.data, ((Owned*)self)->bytes);
   free(self);
 }
 
+static DLManagedTensor* new_tensor_in(int ndim, const int64_t* shape, uint8_t code, uint8_t bits, int uncached);
+
 /* A new contiguous float32/int tensor of the given shape (data 64-byte aligned, uninitialized). */
 static DLManagedTensor* new_tensor(int ndim, const int64_t* shape, uint8_t code, uint8_t bits) {
+  return new_tensor_in(ndim, shape, code, bits, 0);
+}
+
+/* new_tensor whose memory comes from (and goes back to) the heap: outputs that live from a forward to its backward
+ * (attention's), which the block cache would hold, unusable by anything else, until the end of the backward. */
+static DLManagedTensor* new_tensor_in(int ndim, const int64_t* shape, uint8_t code, uint8_t bits, int uncached) {
   if (ndim > MAX_DIMS) return NULL;
   Owned* o = (Owned*)calloc(1, sizeof(Owned));
   if (o == NULL) return NULL;
@@ -287,12 +306,13 @@ static DLManagedTensor* new_tensor(int ndim, const int64_t* shape, uint8_t code,
   }
   size_t bytes = (size_t)n * (bits / 8);
   size_t padded = bytes ? (bytes + 63) / 64 * 64 : 64;
-  void* data = block_get(padded);
+  void* data = uncached ? aligned_alloc(64, padded) : block_get(padded);
   if (data == NULL) {
     free(o);
     return NULL;
   }
   o->bytes = padded;
+  o->uncached = uncached;
   DLTensor* t = &o->managed.dl_tensor;
   t->data = data;
   t->device.device_type = kDLCPU;
@@ -1137,6 +1157,576 @@ static int op_cross_entropy_backward(Call* c, size_t n_in, DLManagedTensor** in,
 }
 
 /* ------------------------------------------------------------------------------------------ dispatch */
+/* ------------------------------------------------------------------------------------------ attention (bf16) */
+/* Softmax attention on bfloat16 q, k^T, v, forward and backward, as eager autocast's (PyTorch's CPU flash
+ * attention) computes it: the GEMMs read bf16 and accumulate in float32, the scores, softmax, log-sum-exp and
+ * the score gradients are float32; P (for P V and dV = P^T dO) and dS (for dQ and dK) are rounded to bf16 before
+ * their GEMMs, the results once at the end. Flash attention walks small key blocks with an online softmax and
+ * spends most of its time outside its GEMMs; here each block of BQ query rows sees all of its keys at once:
+ *
+ *   forward, per (batch x head, row block): S = q k^T (GEMM, float32) -> one pass per row: scale, mask, max,
+ *   exp, sum, P (unnormalized, bf16), lse -> O = P v / sum (GEMM, float32, then bf16);
+ *   backward: S again and dP = dO v^T (GEMMs, float32) -> one pass per row: P = exp(S - lse), delta = dO . O,
+ *   dS = P (dP - delta) (bf16) -> dQ = scale dS k, and dV += P^T dO, dK^T += scale q^T dS (float32 per head).
+ *
+ * Nothing T x T is kept between forward and backward (the backward recomputes S, one GEMM); the scratch is
+ * BQ x S per thread. A causal mask (the exporters' lower-triangular one, found in the mask's values) skips the
+ * key columns past each row block's last row: the GEMMs and passes do ~half the work.
+ *
+ * The GEMMs are MKL's cblas_gemm_bf16bf16f32 (bf16 inputs, float32 result; AMX where the CPU has it), which
+ * PyTorch's x86 wheels bundle: ortwrap_cpu_set_bf16_gemm finds it in the loaded torch library. Without it the
+ * attention kernels refuse to run and the pass keeps PyTorch's flash attention. Deterministic: one thread per
+ * (batch x head), fixed order within. */
+typedef void (*gemm_bf16_fn)(int layout, int transa, int transb, int m, int n, int k, float alpha, const uint16_t* a,
+                             int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc);
+typedef int (*gemm_threads_fn)(int);
+static gemm_bf16_fn g_gemm_bf16 = NULL;
+static gemm_threads_fn g_gemm_threads = NULL;
+static void (*g_gemm_release)(void) = NULL; /* frees MKL's idle packing buffers (4.3 MB per calling thread) */
+enum { kRowMajor = 101, kNoTrans = 111, kTrans = 112 };
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#define ATTN_WIDE __attribute__((target("prefer-vector-width=512"))) /* the row passes: 16 floats a step */
+#else
+#define ATTN_WIDE
+#endif
+/* query rows per block: fewer, larger GEMMs (MKL packs both operands of each) against the keys a causal mask
+ * lets a block skip; 128 rows was fastest for 256 keys, 64 for 1024-2048 (GPT-2's attention, one thread) */
+static inline int64_t attn_rows_per_block(int64_t s) { return s <= 256 ? 128 : 64; }
+#define MASKED_BELOW (-1.0e30f) /* a mask value this low zeroes its probability whatever the score */
+
+/* Find cblas_gemm_bf16bf16f32 in `library` (already loaded: PyTorch's); 0 if found. */
+int ortwrap_cpu_set_bf16_gemm(const char* library) {
+  void* h = dlopen(library, RTLD_NOW | RTLD_NOLOAD);
+  if (h == NULL) return -1;
+  gemm_bf16_fn gemm = (gemm_bf16_fn)dlsym(h, "cblas_gemm_bf16bf16f32");
+  gemm_threads_fn threads = (gemm_threads_fn)dlsym(h, "MKL_Set_Num_Threads_Local");
+  if (gemm == NULL || threads == NULL) return -1;
+  g_gemm_threads = threads;
+  g_gemm_release = (void (*)(void))dlsym(h, "mkl_serv_free_buffers");
+  g_gemm_bf16 = gemm;
+  return 0;
+}
+
+/* C[m x n] = alpha op(A) op(B) + beta C, row-major; ta/tb: A/B stored transposed */
+static inline void gemm16(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
+                          const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  g_gemm_bf16(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, (int)m, (int)n, (int)k, alpha, a, (int)lda, b,
+              (int)ldb, beta, c, (int)ldc);
+}
+
+/* Two layouts: heads-major, q [BH,T,D], kt [BH,D,S] (k transposed), v [BH,S,E], o and dout [BH,T,E]; or the
+ * projections' own ("bthd"), q [B,T,H,D], k [B,S,H,D], v [B,S,H,E], o and dout [B,T,H,E]: a head's rows are then
+ * H * width apart; each head's are copied into the thread's scratch (attn_gather) for the GEMMs, and its results
+ * written back into the layout, so the graph needs no Transposes into heads and back. */
+typedef struct {
+  const uint16_t *q, *k, *v, *o, *dout;
+  const float* mask;                     /* NULL, or at mask + mask_off[bh] + t * mask_rs + j * mask_cs */
+  const int64_t* mask_off;
+  int64_t mask_rs, mask_cs;
+  const float* lse_in; /* backward: the forward's lse */
+  uint16_t *out, *dq, *dk, *dv; /* dk: k's gradient in k's layout (kt's for heads-major) */
+  float* lse;                    /* [BH, T] in both layouts */
+  int64_t bh, t, s, d, e;
+  int64_t heads; /* H (bthd) */
+  int bthd;
+  float scale;
+  int causal;
+  int failed; /* scratch allocation failed somewhere */
+} Attention;
+
+/* Offset of head bh's first row in a tensor of `rows` x `width` per head, and the distance between its rows */
+static inline int64_t attn_off(const Attention* A, int64_t bh, int64_t rows, int64_t width) {
+  return A->bthd ? ((bh / A->heads) * rows * A->heads + bh % A->heads) * width : bh * rows * width;
+}
+static inline int64_t attn_ld(const Attention* A, int64_t width) { return A->bthd ? A->heads * width : width; }
+
+/* Head bh's rows of a [B, n, H, w] tensor copied to a contiguous [n, w] (bthd; rows H * w apart), or k's
+ * transposed to [w, n] (`transpose`), so that every GEMM reads contiguous, heads-major operands: MKL packs
+ * strided rows ~30% slower, and the copy of a head (a few tens of KB) stays in cache. */
+static void attn_gather(const Attention* A, const uint16_t* src, int64_t n, int64_t w, int transpose,
+                        uint16_t* restrict dst) {
+  const int64_t ld = A->heads * w;
+  if (transpose) { /* 16 source rows at a time: rows H * w apart fall in few L1 sets, 16 of them stay there */
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t i1 = i0 + 16 < n ? i0 + 16 : n;
+      for (int64_t c = 0; c < w; ++c)
+        for (int64_t i = i0; i < i1; ++i) dst[c * n + i] = src[i * ld + c];
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) memcpy(dst + i * w, src + i * ld, (size_t)w * sizeof(uint16_t));
+  }
+}
+
+/* query row t sees keys [0, valid) of the block's kv columns */
+static inline int64_t attn_valid(const Attention* A, int64_t t, int64_t kv) {
+  return A->causal ? (t + 1 < kv ? t + 1 : kv) : kv;
+}
+
+/* Row lengths padded to whole vectors: x[n..n16) = -inf (probability 0), n16 = n rounded up to 16, at most kv;
+ * returns n16. */
+static inline int64_t attn_pad(float* x, int64_t n, int64_t kv) {
+  int64_t n16 = (n + 15) / 16 * 16;
+  if (n16 > kv) n16 = kv;
+  for (int64_t j = n; j < n16; ++j) x[j] = -INFINITY;
+  return n16;
+}
+
+/* sum(a[c] * b[c]) of two bf16 rows, in float32 */
+static inline float attn_dot16(const uint16_t* restrict a, const uint16_t* restrict b, int64_t n) {
+  float acc[LANES] = {0};
+  int64_t c = 0;
+  for (; c + LANES <= n; c += LANES)
+    for (int k = 0; k < LANES; ++k) acc[k] += from_bf16(a[c + k]) * from_bf16(b[c + k]);
+  float s = 0.0f;
+  for (; c < n; ++c) s += from_bf16(a[c]) * from_bf16(b[c]);
+  for (int k = 0; k < LANES; ++k) s += acc[k];
+  return s;
+}
+
+/* x[0..n) = s * scale + mask row */
+static inline void attn_logits(const Attention* A, int64_t bh, int64_t t, float* restrict x, int64_t n) {
+  const float scale = A->scale;
+  if (A->mask == NULL) {
+    for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+  } else {
+    const float* restrict m = A->mask + A->mask_off[bh] + t * A->mask_rs;
+    if (A->mask_cs == 1)
+      for (int64_t j = 0; j < n; ++j) x[j] = x[j] * scale + m[j];
+    else
+      for (int64_t j = 0; j < n; ++j) x[j] = x[j] * scale + m[0];
+  }
+}
+
+/* p[j] = exp(x[j] - mx) rounded to bf16, j < n; returns the float32 sum of the exps */
+static inline float attn_exp_row(const float* restrict x, uint16_t* restrict p, int64_t n, float mx) {
+  float acc[LANES] = {0};
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES)
+    for (int k = 0; k < LANES; ++k) {
+      const float e = exp_nonpos(x[j + k] - mx);
+      p[j + k] = to_bf16(e);
+      acc[k] += e;
+    }
+  float s = 0.0f;
+  for (; j < n; ++j) {
+    const float e = exp_nonpos(x[j] - mx);
+    p[j] = to_bf16(e);
+    s += e;
+  }
+  for (int k = 0; k < LANES; ++k) s += acc[k];
+  return s;
+}
+
+ATTN_WIDE static void attention_part(void* p, int part, int parts) {
+  Attention* A = (Attention*)p;
+  int64_t b0, b1;
+  split(A->bh, part, parts, &b0, &b1);
+  const int64_t T = A->t, S = A->s, D = A->d, E = A->e, BQ = attn_rows_per_block(S);
+  size_t bytes = (size_t)BQ * S * (sizeof(float) + sizeof(uint16_t)) + (size_t)BQ * E * sizeof(float) +
+                 BQ * sizeof(float);
+  bytes = (bytes + 63) / 64 * 64;
+  const size_t copies = A->bthd ? (size_t)(T * D + D * S + S * E) * sizeof(uint16_t) : 0; /* q, k^T, v of a head */
+  bytes += (copies + 63) / 64 * 64;
+  char* scratch = (char*)block_get(bytes);
+  if (scratch == NULL) {
+    A->failed = 1;
+    return;
+  }
+  float* sc = (float*)scratch;                           /* [BQ, kv] scores */
+  uint16_t* pr = (uint16_t*)(sc + (size_t)BQ * S);  /* [BQ, kv] probabilities, unnormalized */
+  float* acc = (float*)(pr + (size_t)BQ * S);       /* [BQ, E] P v */
+  float* inv = acc + (size_t)BQ * E;                /* [BQ] 1 / sum */
+  uint16_t* cq = (uint16_t*)(scratch + (bytes - ((copies + 63) / 64 * 64))); /* bthd: the head's q, k^T, v */
+  uint16_t* ck = cq + T * D;
+  uint16_t* cv = ck + D * S;
+  const int64_t ldo = attn_ld(A, E);
+  int threads = g_gemm_threads(1);
+  for (int64_t bh = b0; bh < b1; ++bh) {
+    const uint16_t* q = A->q + attn_off(A, bh, T, D);
+    const uint16_t* kt = A->k + attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
+    const uint16_t* v = A->v + attn_off(A, bh, S, E);
+    if (A->bthd) {
+      attn_gather(A, q, T, D, 0, cq);
+      attn_gather(A, kt, S, D, 1, ck);
+      attn_gather(A, v, S, E, 0, cv);
+      q = cq, kt = ck, v = cv;
+    }
+    uint16_t* out = A->out + attn_off(A, bh, T, E);
+    float* lse = A->lse + bh * T;
+    for (int64_t r0 = 0; r0 < T; r0 += BQ) {
+      const int64_t rows = T - r0 < BQ ? T - r0 : BQ;
+      const int64_t kv = A->causal ? (r0 + rows < S ? r0 + rows : S) : S;
+      if (kv > 0 && D > 0) {
+        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
+      } else {
+        for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = r0 + i, n = attn_valid(A, t, kv);
+        float* restrict x = sc + i * kv;
+        uint16_t* restrict pi = pr + i * kv;
+        attn_logits(A, bh, t, x, n);
+        const int64_t n16 = attn_pad(x, n, kv);
+        const float mx = n > 0 ? row_max(x, n16) : -INFINITY;
+        if (mx == -INFINITY) { /* every key masked: output 0 (as flash attention's), lse +inf (P = 0 backward) */
+          for (int64_t j = 0; j < kv; ++j) pi[j] = 0;
+          inv[i] = 0.0f;
+          lse[t] = INFINITY;
+          continue;
+        }
+        const float l = attn_exp_row(x, pi, n16, mx);
+        for (int64_t j = n16; j < kv; ++j) pi[j] = 0;
+        inv[i] = 1.0f / l;
+        lse[t] = mx + logf(l);
+      }
+      if (kv > 0 && E > 0) gemm16(0, 0, rows, E, kv, 1.0f, pr, kv, v, E, 0.0f, acc, E);
+      for (int64_t i = 0; i < rows; ++i) {
+        uint16_t* restrict o = out + (r0 + i) * ldo;
+        const float* restrict a = acc + i * E;
+        const float w = inv[i];
+        if (kv > 0)
+          for (int64_t c = 0; c < E; ++c) o[c] = to_bf16(a[c] * w);
+        else
+          for (int64_t c = 0; c < E; ++c) o[c] = 0;
+      }
+    }
+  }
+  g_gemm_threads(threads);
+  block_put(scratch, bytes);
+}
+
+ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
+  Attention* A = (Attention*)p;
+  int64_t b0, b1;
+  split(A->bh, part, parts, &b0, &b1);
+  const int64_t T = A->t, S = A->s, D = A->d, E = A->e, BQ = attn_rows_per_block(S);
+  const int64_t dmax = D > E ? D : E;
+  size_t bytes = (size_t)BQ * S * 2 * (sizeof(float) + sizeof(uint16_t)) + (size_t)BQ * dmax * sizeof(float) +
+                 (size_t)S * (D + E) * sizeof(float);
+  bytes = (bytes + 63) / 64 * 64;
+  /* bthd: the head's q, k^T, v, out, dout */
+  const size_t copies = A->bthd ? (size_t)(T * D + D * S + S * E + 2 * T * E) * sizeof(uint16_t) : 0;
+  bytes += (copies + 63) / 64 * 64;
+  char* scratch = (char*)block_get(bytes);
+  if (scratch == NULL) {
+    A->failed = 1;
+    return;
+  }
+  float* sc = (float*)scratch;                          /* [BQ, kv] scores, then probabilities */
+  float* dp = sc + (size_t)BQ * S;                 /* [BQ, kv] dO v^T */
+  uint16_t* pr = (uint16_t*)(dp + (size_t)BQ * S); /* [BQ, kv] P (bf16) */
+  uint16_t* ds = pr + (size_t)BQ * S;              /* [BQ, kv] dS (bf16) */
+  float* dq = (float*)(ds + (size_t)BQ * S);       /* [BQ, D] */
+  float* dv = dq + (size_t)BQ * dmax;              /* [S, E] */
+  float* dk = dv + (size_t)S * E;                       /* [D, S]: k^T's gradient */
+  uint16_t* cq = (uint16_t*)(scratch + (bytes - ((copies + 63) / 64 * 64)));
+  uint16_t* ck = cq + T * D;
+  uint16_t* cv = ck + D * S;
+  uint16_t* co = cv + S * E;
+  uint16_t* cg = co + T * E;
+  const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E);
+  int threads = g_gemm_threads(1);
+  for (int64_t bh = b0; bh < b1; ++bh) {
+    const int64_t q_off = attn_off(A, bh, T, D), k_off = attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
+    const uint16_t* q = A->q + q_off;
+    const uint16_t* kt = A->k + k_off;
+    const uint16_t* v = A->v + attn_off(A, bh, S, E);
+    const uint16_t* o = A->o + attn_off(A, bh, T, E);
+    const uint16_t* go = A->dout + attn_off(A, bh, T, E);
+    if (A->bthd) {
+      attn_gather(A, q, T, D, 0, cq);
+      attn_gather(A, kt, S, D, 1, ck);
+      attn_gather(A, v, S, E, 0, cv);
+      attn_gather(A, o, T, E, 0, co);
+      attn_gather(A, go, T, E, 0, cg);
+      q = cq, kt = ck, v = cv, o = co, go = cg;
+    }
+    const float* lse = A->lse_in + bh * T;
+    for (int64_t j = 0; j < S * E; ++j) dv[j] = 0.0f;
+    for (int64_t j = 0; j < S * D; ++j) dk[j] = 0.0f;
+    for (int64_t r0 = 0; r0 < T; r0 += BQ) {
+      const int64_t rows = T - r0 < BQ ? T - r0 : BQ;
+      const int64_t kv = A->causal ? (r0 + rows < S ? r0 + rows : S) : S;
+      uint16_t* dqo = A->dq + q_off + r0 * ldq;
+      if (kv == 0) {
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t c = 0; c < D; ++c) dqo[i * ldq + c] = 0;
+        continue;
+      }
+      if (D > 0) {
+        gemm16(0, 0, rows, kv, D, 1.0f, q + r0 * D, D, kt, S, 0.0f, sc, kv);
+      } else {
+        for (int64_t j = 0; j < rows * kv; ++j) sc[j] = 0.0f;
+      }
+      if (E > 0) {
+        gemm16(0, 1, rows, kv, E, 1.0f, go + r0 * E, E, v, E, 0.0f, dp, kv);
+      } else {
+        for (int64_t j = 0; j < rows * kv; ++j) dp[j] = 0.0f;
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = r0 + i, n = attn_valid(A, t, kv);
+        float* restrict x = sc + i * kv;
+        const float* restrict g = dp + i * kv;
+        uint16_t* restrict pi = pr + i * kv;
+        uint16_t* restrict si = ds + i * kv;
+        const float m = lse[t];
+        if (m == INFINITY) {
+          for (int64_t j = 0; j < kv; ++j) pi[j] = si[j] = 0;
+          continue;
+        }
+        const float delta = attn_dot16(go + t * E, o + t * E, E);
+        attn_logits(A, bh, t, x, n);
+        const int64_t n16 = attn_pad(x, n, kv);
+        for (int64_t j = 0; j < n16; ++j) { /* (the scale goes into dS's GEMMs, as flash attention applies it) */
+          const float pj = exp_nonpos(x[j] - m);
+          pi[j] = to_bf16(pj);
+          si[j] = to_bf16(pj * (g[j] - delta));
+        }
+        for (int64_t j = n16; j < kv; ++j) pi[j] = si[j] = 0;
+      }
+      if (E > 0) gemm16(1, 0, kv, E, rows, 1.0f, pr, kv, go + r0 * E, E, 1.0f, dv, E);
+      if (D > 0) { /* dQ = scale dS (k^T)^T, dK^T += scale q^T dS */
+        gemm16(0, 1, rows, D, kv, A->scale, ds, kv, kt, S, 0.0f, dq, D);
+        gemm16(1, 0, D, kv, rows, A->scale, q + r0 * D, D, ds, kv, 1.0f, dk, S);
+      }
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t c = 0; c < D; ++c) dqo[i * ldq + c] = to_bf16(dq[i * D + c]);
+    }
+    uint16_t* dvo = A->dv + attn_off(A, bh, S, E);
+    uint16_t* dko = A->dk + k_off;
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t c = 0; c < E; ++c) dvo[j * ldv + c] = to_bf16(dv[j * E + c]);
+    if (A->bthd) { /* k's layout, [S, D] rows H * D apart, from k^T's gradient */
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t c = 0; c < D; ++c) dko[j * ldk + c] = to_bf16(dk[c * S + j]);
+    } else {
+      for (int64_t j = 0; j < S * D; ++j) dko[j] = to_bf16(dk[j]);
+    }
+  }
+  g_gemm_threads(threads);
+  block_put(scratch, bytes);
+}
+
+#define BF16_IN(idx, name, var)                                            \
+  DLTensor* var;                                                           \
+  if (check(c, (idx) < n_in ? in[idx] : NULL, name, kDLBfloat, 16, &var)) \
+  return -1
+
+/* Shapes of q [..., T, D], kt [..., D, S], v [..., S, E] (same leading dims; bthd: q [B, T, H, D], k [B, S, H, D],
+ * v [B, S, H, E]), the optional float32 mask (broadcastable to [..., T, S], bthd: [B, H, T, S]: per-(batch x head)
+ * offsets into it, row and column strides) and the scale;
+ * the mask is dropped for `causal` where it is the exporters' lower-triangular one (0 on and below the diagonal,
+ * <= MASKED_BELOW above: skipping those keys is exact). `mask_off` is malloc'ed (caller frees). */
+static int attention_geometry(Call* c, size_t n_in, DLManagedTensor** in, size_t first, Attention* A,
+                              int64_t** mask_off) {
+  BF16_IN(first, "q", q);
+  BF16_IN(first + 1, A->bthd ? "k" : "kt", kt);
+  BF16_IN(first + 2, "v", v);
+  const int r = q->ndim;
+  int64_t lead[MAX_DIMS]; /* the scores' leading dims: [..., T, S] */
+  if (A->bthd) {
+    if (r != 4 || kt->ndim != 4 || v->ndim != 4)
+      return fail(c, "q, k and v must be [B, T, H, D], [B, S, H, D], [B, S, H, E]");
+    A->heads = q->shape[2];
+    A->t = q->shape[1];
+    A->d = q->shape[3];
+    A->s = kt->shape[1];
+    A->e = v->shape[3];
+    if (kt->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || kt->shape[2] != A->heads ||
+        v->shape[2] != A->heads || kt->shape[3] != A->d || v->shape[1] != A->s)
+      return fail(c, "k must be [B, S, H, D] and v [B, S, H, E] for q [B, T, H, D]");
+    lead[0] = q->shape[0];
+    lead[1] = A->heads;
+    A->bh = lead[0] * lead[1];
+  } else {
+    if (r < 2 || kt->ndim != r || v->ndim != r) return fail(c, "q, kt and v must have the same rank >= 2");
+    int64_t bh = 1;
+    for (int i = 0; i < r - 2; ++i) {
+      if (kt->shape[i] != q->shape[i] || v->shape[i] != q->shape[i])
+        return fail(c, "q, kt and v must have the same leading dimensions");
+      lead[i] = q->shape[i];
+      bh *= q->shape[i];
+    }
+    A->bh = bh;
+    A->t = q->shape[r - 2];
+    A->d = q->shape[r - 1];
+    A->s = kt->shape[r - 1];
+    A->e = v->shape[r - 1];
+    if (kt->shape[r - 2] != A->d || v->shape[r - 2] != A->s)
+      return fail(c, "kt must be [..., D, S] and v [..., S, E] for q [..., T, D]");
+  }
+  if (A->t > INT32_MAX || A->s > INT32_MAX || A->bthd * A->heads * (A->d > A->e ? A->d : A->e) > INT32_MAX ||
+      A->d > INT32_MAX || A->e > INT32_MAX)
+    return fail(c, "dimensions beyond 2^31 are not supported");
+  A->q = data_of(q);
+  A->k = data_of(kt);
+  A->v = data_of(v);
+  if (scalar_f32(c, n_in, in, first + 4, "scale", &A->scale)) return -1;
+  A->mask = NULL;
+  A->causal = 0;
+  *mask_off = NULL;
+  DLManagedTensor* mm = first + 3 < n_in ? in[first + 3] : NULL;
+  if (mm == NULL) return 0;
+  DLTensor* m;
+  if (check(c, mm, "mask", kDLFloat, 32, &m)) return -1;
+  if (m->ndim > r) return fail(c, "the mask has a higher rank than q");
+  /* strides of the mask broadcast to [..., T, S] (right-aligned; size-1 dims stride 0) */
+  int64_t stride[MAX_DIMS] = {0}, full[MAX_DIMS];
+  for (int i = 0; i < r - 2; ++i) full[i] = lead[i];
+  full[r - 2] = A->t;
+  full[r - 1] = A->s;
+  int64_t st = 1, lead_numel = 1;
+  for (int i = m->ndim - 1; i >= 0; --i) {
+    const int k = r - m->ndim + i;
+    if (m->shape[i] != 1 && m->shape[i] != full[k]) return fail(c, "the mask does not broadcast to the scores");
+    stride[k] = m->shape[i] == 1 ? 0 : st;
+    if (k < r - 2 && m->shape[i] != 1) lead_numel *= m->shape[i];
+    st *= m->shape[i];
+  }
+  const float* md = data_of(m);
+  A->mask_rs = stride[r - 2];
+  A->mask_cs = stride[r - 1];
+  if (lead_numel == 1 && A->mask_rs == A->s && A->mask_cs == 1) { /* one [T, S] mask: causal? */
+    int causal = 1;
+    for (int64_t t = 0; t < A->t && causal; ++t) {
+      const float* row = md + t * A->s;
+      for (int64_t j = 0; j < A->s; ++j)
+        if (j <= t ? row[j] != 0.0f : !(row[j] <= MASKED_BELOW)) {
+          causal = 0;
+          break;
+        }
+    }
+    if (causal) {
+      A->causal = 1;
+      return 0;
+    }
+  }
+  const int64_t bh = A->bh;
+  int64_t* off = (int64_t*)malloc(sizeof(int64_t) * (size_t)(bh > 0 ? bh : 1));
+  if (off == NULL) return fail(c, "out of memory");
+  for (int64_t b = 0; b < bh; ++b) {
+    int64_t rest = b, o = 0;
+    for (int i = r - 3; i >= 0; --i) {
+      o += (rest % full[i]) * stride[i];
+      rest /= full[i];
+    }
+    off[b] = o;
+  }
+  A->mask = md;
+  A->mask_off = off;
+  *mask_off = off;
+  return 0;
+}
+
+static int attention_chunks(const Attention* A) {
+  int64_t k = A->bh < MAX_CHUNKS ? A->bh : MAX_CHUNKS;
+  return k < 1 ? 1 : (int)k;
+}
+
+/* attention_bf16(q, kt, v, mask?, scale) -> out [..., T, E] (bf16), lse [..., T] (float32);
+ * attention_bthd_bf16(q, k, v, mask?, scale) -> out [B, T, H, E], lse [B, H, T] */
+static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
+  if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
+  Attention A;
+  memset(&A, 0, sizeof A);
+  A.bthd = bthd;
+  int64_t* mask_off;
+  if (attention_geometry(c, n_in, in, 0, &A, &mask_off)) return -1;
+  const DLTensor* q = &in[0]->dl_tensor;
+  int64_t shape[MAX_DIMS], lse_shape[MAX_DIMS];
+  for (int i = 0; i < q->ndim; ++i) shape[i] = lse_shape[i] = q->shape[i];
+  shape[q->ndim - 1] = A.e;
+  if (bthd) { /* [B, H, T] */
+    lse_shape[1] = A.heads;
+    lse_shape[2] = A.t;
+  }
+  DLManagedTensor* o = new_tensor_in(q->ndim, shape, kDLBfloat, 16, 1);
+  DLManagedTensor* lse = new_tensor_in(q->ndim - 1, lse_shape, kDLFloat, 32, 1);
+  if (o == NULL || lse == NULL) {
+    owned_deleter(o);
+    owned_deleter(lse);
+    free(mask_off);
+    return fail(c, "out of memory");
+  }
+  A.out = o->dl_tensor.data;
+  A.lse = lse->dl_tensor.data;
+  atomic_store(&g_gemm_used, 1);
+  if (A.bh > 0 && A.t > 0) parallel(attention_part, &A, attention_chunks(&A));
+  free(mask_off);
+  if (A.failed) {
+    owned_deleter(o);
+    owned_deleter(lse);
+    return fail(c, "out of memory");
+  }
+  out[0] = o;
+  out[1] = lse;
+  return 0;
+}
+
+/* attention_bf16_backward(dout, q, kt, v, out, lse, mask?, scale) -> dq, dkt, dv (bf16, the inputs' shapes);
+ * attention_bthd_bf16_backward(dout, q, k, v, out, lse, mask?, scale) -> dq, dk, dv */
+static int attention_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
+  if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
+  BF16_IN(0, "dout", dout);
+  BF16_IN(4, "out", o);
+  FLOAT_IN(5, "lse", lse);
+  /* q, k(t), v at 1..3, mask at 6, scale at 7: attention_geometry reads [q, kt, v, mask, scale] from `first` */
+  DLManagedTensor* args[5] = {in[1], in[2], in[3], n_in > 6 ? in[6] : NULL, n_in > 7 ? in[7] : NULL};
+  Attention A;
+  memset(&A, 0, sizeof A);
+  A.bthd = bthd;
+  int64_t* mask_off;
+  if (attention_geometry(c, 5, args, 0, &A, &mask_off)) return -1;
+  const DLTensor* q = &in[1]->dl_tensor;
+  const int r = q->ndim;
+  if (dout->ndim != r || o->ndim != r || lse->ndim != r - 1 || numel(lse) != A.bh * A.t ||
+      numel(dout) != A.bh * A.t * A.e || numel(o) != A.bh * A.t * A.e) {
+    free(mask_off);
+    return fail(c, "dout, out and lse do not match q, k and v");
+  }
+  A.dout = data_of(dout);
+  A.o = data_of(o);
+  A.lse_in = data_of(lse);
+  DLManagedTensor* g[3] = {new_tensor_in(r, q->shape, kDLBfloat, 16, 1),
+                           new_tensor_in(r, in[2]->dl_tensor.shape, kDLBfloat, 16, 1),
+                           new_tensor_in(r, in[3]->dl_tensor.shape, kDLBfloat, 16, 1)};
+  if (g[0] == NULL || g[1] == NULL || g[2] == NULL) A.failed = 1;
+  if (!A.failed) {
+    A.dq = g[0]->dl_tensor.data;
+    A.dk = g[1]->dl_tensor.data;
+    A.dv = g[2]->dl_tensor.data;
+    if (A.t == 0) { /* no queries: dk, dv are 0 */
+      memset(A.dk, 0, (size_t)numel(&g[1]->dl_tensor) * 2);
+      memset(A.dv, 0, (size_t)numel(&g[2]->dl_tensor) * 2);
+    } else if (A.bh > 0) {
+      atomic_store(&g_gemm_used, 1);
+      parallel(attention_backward_part, &A, attention_chunks(&A));
+    }
+  }
+  free(mask_off);
+  if (A.failed) {
+    for (int i = 0; i < 3; ++i) owned_deleter(g[i]);
+    return fail(c, "out of memory");
+  }
+  for (int i = 0; i < 3; ++i) out[i] = g[i];
+  return 0;
+}
+
+static int op_attention_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return attention_forward_op(c, n_in, in, out, 0);
+}
+static int op_attention_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                      DLManagedTensor** out) {
+  return attention_backward_op(c, n_in, in, out, 0);
+}
+static int op_attention_bthd_bf16(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return attention_forward_op(c, n_in, in, out, 1);
+}
+static int op_attention_bthd_bf16_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                           DLManagedTensor** out) {
+  return attention_backward_op(c, n_in, in, out, 1);
+}
+
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
 /* Each kernel's signature, as ortwrap/registry.py declares it (kernels.install compares the two when the library
  * loads): one character per input, then '>' and one per output; f float32 tensor, h bfloat16 tensor, i int64
@@ -1160,6 +1750,10 @@ static const struct {
     {"softmax_backward", op_softmax_backward, "ff>f"},
     {"cross_entropy", op_cross_entropy, "fiII>ff"},
     {"cross_entropy_backward", op_cross_entropy_backward, "ffiII>f"},
+    {"attention_bf16", op_attention_bf16, "hhhf?F>hf"},
+    {"attention_bf16_backward", op_attention_bf16_backward, "hhhhhff?F>hhh"},
+    {"attention_bthd_bf16", op_attention_bthd_bf16, "hhhf?F>hf"},
+    {"attention_bthd_bf16_backward", op_attention_bthd_bf16_backward, "hhhhhff?F>hhh"},
 };
 
 /* The k-th kernel's name and signature (0 <= k); returns 0, or -1 past the end. */

@@ -28,6 +28,7 @@ from .half_precision import HalfPrecisionOnCPUPass
 from .half_values import HalfValuesOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
+from .native_attention import NativeAttentionPass
 from .native_cpu_kernels import NativeCPUKernelsPass
 from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
@@ -126,6 +127,9 @@ def default_passes(
     if device_type == "cpu" and native_bf16:
         # bf16 values between the bf16 GEMMs, as eager keeps them (after ortwrap's GELU kernel is in).
         passes.append(HalfValuesOnCPUPass())
+        if with_backward and native_kernels:
+            # bf16 attention on ortwrap's kernel instead of PyTorch's flash attention (after the pass above).
+            passes.append(NativeAttentionPass())
     if device_type == "cpu":
         # Last of the rewrites: the float64 ops ORT's CPU provider cannot run or differentiate
         # (of the graph as the rewrites above leave it) run as PyTorch ops.
