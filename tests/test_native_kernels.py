@@ -720,6 +720,48 @@ def test_attention_bf16_kernels_match_flash_attention(shape, mask_kind, layout):
         torch.testing.assert_close(a.float(), f.float(), atol=2e-2 * float(f.abs().max()) + 1e-6, rtol=2e-2)
 
 
+@pytest.mark.parametrize("gemm", ["mkl", "own"])
+@pytest.mark.parametrize("shape,mask_kind", ATTENTION_CASES[:5], ids=lambda c: str(c).replace(" ", ""))
+def test_attention_bf16_kernels_match_with_each_gemm(gemm, shape, mask_kind):
+    """MKL's bf16 GEMM and ortwrap's own (AVX512-BF16, odd k and ragged row/column tiles here) give the
+    attention kernels the same function: within bf16 rounding of a float64 run and of each other."""
+    if gemm not in kernels.attention_gemms():
+        pytest.skip(f"no {gemm} bf16 GEMM here: {kernels.attention_gemms()}")
+    b, h, t, s, d, e = shape
+    g = torch.Generator().manual_seed(1)
+    q, k = ((torch.randn(b, h, n, d, generator=g) * 1.5).bfloat16() for n in (t, s))
+    v, dout = (torch.randn(b, h, n, e, generator=g).bfloat16() for n in (s, t))
+    mask = _mask(mask_kind, (b, h, t, s), g)
+    ref = attention_reference(q, k, v, mask, 1 / math.sqrt(d), dout)
+    chosen = kernels.attention_gemm()
+    kernels.set_attention_gemm(gemm)
+    try:
+        got = {layout: run_attention(q, k, v, mask, 1 / math.sqrt(d), dout, layout) for layout in ("heads", "bthd")}
+    finally:
+        kernels.set_attention_gemm(chosen)
+    for layout, outs in got.items():
+        errors = relative_errors(outs, ref)
+        assert max(errors) < 1e-2, (layout, errors)
+    for a, r in zip(got["heads"], got["bthd"]):  # the same GEMMs on copies of the same rows
+        torch.testing.assert_close(a.float(), r.float(), atol=2e-2 * float(r.float().abs().max()) + 1e-6, rtol=2e-2)
+
+
+def test_attention_gemm_choice():
+    """MKL's bf16 GEMM on Intel (AMX / its AVX512-BF16 kernels), ortwrap's own where it was compiled on
+    other CPUs (MKL's bf16 path there ran at its float32 rate), whichever exists otherwise."""
+    choose = kernels.choose_attention_gemm
+    assert choose(mkl=True, own=True, intel=True) == "mkl"
+    assert choose(mkl=True, own=False, intel=True) == "mkl"
+    assert choose(mkl=False, own=True, intel=True) == "own"
+    assert choose(mkl=True, own=True, intel=False) == "own"
+    assert choose(mkl=True, own=False, intel=False) == "mkl"
+    assert choose(mkl=False, own=True, intel=False) == "own"
+    assert choose(mkl=False, own=False, intel=False) is None
+    assert kernels.attention_gemm() in kernels.attention_gemms() or not kernels.attention_gemms()
+    with pytest.raises(ValueError, match="not available"):
+        kernels.set_attention_gemm("cublas")
+
+
 @needs_bf16_gemm
 def test_attention_bf16_rows_masked_everywhere_give_zeros():
     """A query whose keys are all masked (-inf) gets a zero output and zero gradients, as flash

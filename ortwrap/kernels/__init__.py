@@ -36,7 +36,9 @@ One more replaces a PyTorch op rather than ONNX ops: ``attention_bf16`` (and its
 attention on bf16 q, k^T, v, which ``passes/native_attention.py`` puts in place of PyTorch's flash
 attention on the native bf16 route (docs/performance.md, "bf16 attention"). Its GEMMs are MKL's
 ``cblas_gemm_bf16bf16f32`` (bf16 inputs, float32 results), found in PyTorch's own library when the
-kernels load (:func:`attention_available`); the rest is C like the other kernels.
+kernels load (:func:`attention_available`), or on CPUs other than Intel's with AVX512-BF16 (where
+MKL's bf16 path runs at its float32 rate) ``_cpu.c``'s own AVX512-BF16 GEMM
+(:func:`choose_attention_gemm`); the rest is C like the other kernels.
 
 float32, and bfloat16 where a kernel's signature says so. ``erf`` is Abramowitz & Stegun 7.1.26
 (absolute error <= 1.5e-7); sums run in a fixed order, so results are deterministic.
@@ -51,7 +53,7 @@ import warnings
 
 import torch
 
-from .._compat.torch import bundled_mkl_library
+from .._compat.torch import bundled_mkl_library, cpu_is_intel
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
 from ..registry import KERNELS, check_kernel_table
@@ -75,7 +77,14 @@ def install() -> ctypes.CDLL:
     lib.ortwrap_cpu_set_bf16_gemm.argtypes = [ctypes.c_char_p]
     lib.ortwrap_cpu_set_bf16_gemm.restype = ctypes.c_int
     mkl = bundled_mkl_library()
-    lib.ortwrap_bf16_gemm = mkl is not None and lib.ortwrap_cpu_set_bf16_gemm(mkl.encode()) == 0
+    found = mkl is not None and lib.ortwrap_cpu_set_bf16_gemm(mkl.encode()) == 0
+    lib.ortwrap_cpu_set_bf16_gemm_kind.argtypes = [ctypes.c_int]
+    lib.ortwrap_cpu_set_bf16_gemm_kind.restype = ctypes.c_int
+    own = bool(lib.ortwrap_cpu_own_bf16_gemm())
+    lib.ortwrap_bf16_gemms = [k for k, ok in (("mkl", found), ("own", own)) if ok]
+    lib.ortwrap_bf16_gemm = choose_attention_gemm(mkl=found, own=own, intel=cpu_is_intel())
+    if lib.ortwrap_bf16_gemm is not None:
+        lib.ortwrap_cpu_set_bf16_gemm_kind(int(lib.ortwrap_bf16_gemm == "own"))
     aten.set_native(ctypes.cast(lib.ortwrap_cpu_run, ctypes.c_void_p).value)
     for k in KERNELS:
         g = k.gradient
@@ -99,14 +108,51 @@ def compiled_table(lib: ctypes.CDLL) -> dict[str, str]:
     return table
 
 
-def attention_available() -> bool:
-    """Whether ``attention_bf16`` can run: the kernels load and PyTorch's library bundles MKL's bf16
-    GEMM (bf16 inputs, float32 results), which the kernel calls. ``passes/native_attention.py`` keeps
-    PyTorch's flash attention otherwise."""
+def choose_attention_gemm(*, mkl: bool, own: bool, intel: bool) -> str | None:
+    """The bf16 GEMM the attention kernels call: ``"mkl"`` (``cblas_gemm_bf16bf16f32`` from PyTorch's
+    library), ``"own"`` (``_cpu.c``'s AVX512-BF16 GEMM, compiled where the CPU has the instructions) or
+    None (neither: flash attention stays).
+
+    MKL picks its bf16 kernels by CPU vendor: on Intel it runs AMX or its AVX512-BF16 kernels, on an
+    AMD EPYC with avx512_bf16 it ran the attention's GEMMs at ~90 GFLOP/s, its float32 rate, where
+    the own GEMM ran ~150 (docs/performance.md, "bf16 attention on AMD"). So: MKL on Intel, the own
+    GEMM elsewhere where it was compiled, MKL where it was not.
+    """
+    if mkl and (intel or not own):
+        return "mkl"
+    return "own" if own else None
+
+
+def attention_gemm() -> str | None:
+    """The bf16 GEMM the attention kernels call now (:func:`choose_attention_gemm`), None if none."""
     try:
-        return bool(install().ortwrap_bf16_gemm)
+        return install().ortwrap_bf16_gemm
     except NativeBuildError:
-        return False
+        return None
+
+
+def attention_gemms() -> list[str]:
+    """The bf16 GEMMs the attention kernels can call in this process (``"mkl"``, ``"own"``)."""
+    try:
+        return list(install().ortwrap_bf16_gemms)
+    except NativeBuildError:
+        return []
+
+
+def set_attention_gemm(kind: str) -> None:
+    """Make the attention kernels call ``kind`` (one of :func:`attention_gemms`; tests, benchmarks)."""
+    lib = install()
+    if kind not in lib.ortwrap_bf16_gemms:
+        raise ValueError(f"bf16 GEMM {kind!r} is not available here: {lib.ortwrap_bf16_gemms}")
+    lib.ortwrap_cpu_set_bf16_gemm_kind(int(kind == "own"))
+    lib.ortwrap_bf16_gemm = kind
+
+
+def attention_available() -> bool:
+    """Whether ``attention_bf16`` can run: the kernels load and a bf16 GEMM (bf16 inputs, float32
+    results) is there for it to call (:func:`choose_attention_gemm`). ``passes/native_attention.py``
+    keeps PyTorch's flash attention otherwise."""
+    return attention_gemm() is not None
 
 
 def cached_bytes(release: bool = False) -> int:

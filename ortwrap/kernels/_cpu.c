@@ -1174,8 +1174,9 @@ static int op_cross_entropy_backward(Call* c, size_t n_in, DLManagedTensor** in,
  * key columns past each row block's last row: the GEMMs and passes do ~half the work.
  *
  * The GEMMs are MKL's cblas_gemm_bf16bf16f32 (bf16 inputs, float32 result; AMX where the CPU has it), which
- * PyTorch's x86 wheels bundle: ortwrap_cpu_set_bf16_gemm finds it in the loaded torch library. Without it the
- * attention kernels refuse to run and the pass keeps PyTorch's flash attention. Deterministic: one thread per
+ * PyTorch's x86 wheels bundle: ortwrap_cpu_set_bf16_gemm finds it in the loaded torch library; or, on CPUs other
+ * than Intel's with AVX512-BF16, gemm16_own below (kernels/__init__.py chooses). Without either the attention
+ * kernels refuse to run and the pass keeps PyTorch's flash attention. Deterministic: one thread per
  * (batch x head), fixed order within. */
 typedef void (*gemm_bf16_fn)(int layout, int transa, int transb, int m, int n, int k, float alpha, const uint16_t* a,
                              int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc);
@@ -1207,9 +1208,168 @@ int ortwrap_cpu_set_bf16_gemm(const char* library) {
   return 0;
 }
 
+
+/* ortwrap's own bf16 GEMM, for CPUs with AVX512-BF16 where MKL's cblas_gemm_bf16bf16f32 takes a slow path
+ * (MKL dispatches its bf16 kernels by vendor: on an AMD EPYC with avx512_bf16 it ran ~90 GFLOP/s on the
+ * attention's shapes, at its float32 rate, where PyTorch's oneDNN bf16 GEMM ran 160-200). VDPBF16PS multiplies
+ * pairs of bf16 along k and adds both products into a float32 lane: A's pairs (A[i,2p], A[i,2p+1]) are broadcast
+ * from [kp, m] (kp = ceil(k/2), zero-padded), B's pairs (B[2p,j], B[2p+1,j]) read 16 columns at a time from
+ * [kp, n rounded up to 16]; both packed per call into the thread's scratch (reused, never shrunk: at most
+ * (m + n) * k * 2 bytes, 0.3 MB on GPT-2's shapes), a GEMM's packing is ~1/(2 min(m, n)) of its work. Sums in
+ * float32 over k in order, two products at a time (as AMX's and MKL's bf16 kernels, in another order). Chosen
+ * per process by kernels/__init__.py (`ortwrap_cpu_set_bf16_gemm_kind`). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define OWN_GEMM16 1
+#define G16_MR 12 /* rows per micro-tile: 12 x 32 float32 accumulators = 24 zmm registers */
+static __thread uint32_t* t_g16_pack;
+static __thread size_t t_g16_cap;
+
+static inline uint32_t g16_pair(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+/* dst[p, c] = (X[2p, c], X[2p+1, c]) for X[r, c] = src[r * ld + c], r < k, c < cols; dst row stride dld,
+ * columns up to dld zero-filled; odd k: the last pair's high half 0 */
+static void g16_pack_rows(const uint16_t* src, int64_t ld, int64_t k, int64_t cols, uint32_t* dst, int64_t dld) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t p = 0; 2 * p < k; ++p) {
+    const uint16_t* r0 = src + 2 * p * ld;
+    const uint16_t* r1 = 2 * p + 1 < k ? r0 + ld : NULL;
+    uint32_t* d = dst + p * dld;
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+      const __m512i a = _mm512_loadu_si512(r0 + c);
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(d + c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(d + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+    for (; c < cols; ++c) d[c] = g16_pair(r0[c], r1 ? r1[c] : 0);
+    for (; c < dld; ++c) d[c] = 0;
+  }
+}
+
+/* dst[p, r] = (X[r, 2p], X[r, 2p+1]) for X[r, c] = src[r * ld + c], r < rows, c < k; columns up to dld zero */
+static void g16_pack_cols(const uint16_t* src, int64_t ld, int64_t k, int64_t rows, uint32_t* dst, int64_t dld) {
+  const int64_t kp = (k + 1) / 2, even = k / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * ld;
+    for (int64_t p = 0; p < even; ++p) {
+      uint32_t x;
+      memcpy(&x, s + 2 * p, 4);
+      dst[p * dld + r] = x;
+    }
+    if (even < kp) dst[even * dld + r] = s[k - 1];
+  }
+  for (int64_t p = 0; p < kp; ++p)
+    for (int64_t r = rows; r < dld; ++r) dst[p * dld + r] = 0;
+}
+
+/* C[i0 + r, j0 + c] for r < MR, c < 32 (mask: the columns < n): alpha sum_p Ap[p, i] . Bp[p, j] + beta C */
+static inline __attribute__((always_inline)) void g16_tile(const int MR, int64_t kp, const uint32_t* ap, int64_t m,
+                                                           const uint32_t* bp, int64_t np, float alpha, float beta,
+                                                           float* c, int64_t ldc, __mmask16 m0, __mmask16 m1) {
+  __m512 acc[G16_MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bp + p * np);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bp + p * np + 16);
+    const uint32_t* a = ap + p * m;
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[r]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int r = 0; r < MR; ++r) {
+    float* cr = c + r * ldc;
+    __m512 y0 = _mm512_mul_ps(acc[r][0], va), y1 = _mm512_mul_ps(acc[r][1], va);
+    if (beta != 0.0f) {
+      y0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, cr), vb, y0);
+      y1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, cr + 16), vb, y1);
+    }
+    _mm512_mask_storeu_ps(cr, m0, y0);
+    _mm512_mask_storeu_ps(cr + 16, m1, y1);
+  }
+}
+
+#define G16_TILE(R) \
+  case R: g16_tile(R, kp, ap + i, m, bp + j, np, alpha, beta, c + i * ldc + j, ldc, m0, m1); break
+
+/* the same contract as gemm16's (beta 0 does not read C) */
+static void gemm16_own(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a,
+                       int64_t lda, const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  const int64_t kp = (k + 1) / 2, np = (n + 31) / 32 * 32;
+  const size_t need = (size_t)kp * (size_t)(m + np);
+  if (need > t_g16_cap) {
+    uint32_t* grown = realloc(t_g16_pack, need * sizeof(uint32_t));
+    if (grown == NULL) abort(); /* as MKL's GEMM: no error path; the scratch is small */
+    t_g16_pack = grown;
+    t_g16_cap = need;
+  }
+  uint32_t* ap = t_g16_pack;          /* [kp, m] */
+  uint32_t* bp = t_g16_pack + kp * m; /* [kp, np] */
+  if (ta) /* A stored [k, m] */
+    g16_pack_rows(a, lda, k, m, ap, m);
+  else
+    g16_pack_cols(a, lda, k, m, ap, m);
+  if (tb) /* B stored [n, k] */
+    g16_pack_cols(b, ldb, k, n, bp, np);
+  else
+    g16_pack_rows(b, ldb, k, n, bp, np);
+  for (int64_t j = 0; j < n; j += 32) {
+    const int64_t w = n - j < 32 ? n - j : 32;
+    const __mmask16 m0 = (__mmask16)(w >= 16 ? 0xFFFF : (1u << w) - 1);
+    const __mmask16 m1 = (__mmask16)(w >= 32 ? 0xFFFF : w > 16 ? (1u << (w - 16)) - 1 : 0);
+    int64_t i = 0;
+    for (; i + G16_MR <= m; i += G16_MR) g16_tile(G16_MR, kp, ap + i, m, bp + j, np, alpha, beta, c + i * ldc + j,
+                                                  ldc, m0, m1);
+    switch (m - i) {
+      G16_TILE(11); G16_TILE(10); G16_TILE(9); G16_TILE(8); G16_TILE(7); G16_TILE(6);
+      G16_TILE(5); G16_TILE(4); G16_TILE(3); G16_TILE(2); G16_TILE(1);
+      default: break;
+    }
+  }
+}
+#endif
+
+static int g_gemm_own = 0; /* 1: gemm16_own, else MKL's */
+
+/* 1: ortwrap's own bf16 GEMM for the attention kernels, 0: MKL's; -1 if that one is not there (own: not compiled
+ * for this CPU, no AVX512-BF16; MKL: not found in PyTorch's library) */
+int ortwrap_cpu_set_bf16_gemm_kind(int own) {
+#ifdef OWN_GEMM16
+  if (own) {
+    g_gemm_own = 1;
+    return 0;
+  }
+#else
+  if (own) return -1;
+#endif
+  if (g_gemm_bf16 == NULL) return -1;
+  g_gemm_own = 0;
+  return 0;
+}
+
+/* whether gemm16_own was compiled (this CPU has AVX512-BF16) */
+int ortwrap_cpu_own_bf16_gemm(void) {
+#ifdef OWN_GEMM16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 /* C[m x n] = alpha op(A) op(B) + beta C, row-major; ta/tb: A/B stored transposed */
 static inline void gemm16(int ta, int tb, int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* a, int64_t lda,
                           const uint16_t* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+#ifdef OWN_GEMM16
+  if (g_gemm_own) {
+    gemm16_own(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+#endif
   g_gemm_bf16(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, (int)m, (int)n, (int)k, alpha, a, (int)lda, b,
               (int)ldb, beta, c, (int)ldc);
 }
@@ -1340,7 +1500,7 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
   uint16_t* ck = cq + T * D;
   uint16_t* cv = ck + D * S;
   const int64_t ldo = attn_ld(A, E);
-  int threads = g_gemm_threads(1);
+  int threads = g_gemm_threads ? g_gemm_threads(1) : 1;
   for (int64_t bh = b0; bh < b1; ++bh) {
     const uint16_t* q = A->q + attn_off(A, bh, T, D);
     const uint16_t* kt = A->k + attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
@@ -1391,7 +1551,7 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
       }
     }
   }
-  g_gemm_threads(threads);
+  if (g_gemm_threads) g_gemm_threads(threads);
   block_put(scratch, bytes);
 }
 
@@ -1425,7 +1585,7 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
   uint16_t* co = cv + S * E;
   uint16_t* cg = co + T * E;
   const int64_t ldq = attn_ld(A, D), ldk = A->bthd ? attn_ld(A, D) : S, ldv = attn_ld(A, E);
-  int threads = g_gemm_threads(1);
+  int threads = g_gemm_threads ? g_gemm_threads(1) : 1;
   for (int64_t bh = b0; bh < b1; ++bh) {
     const int64_t q_off = attn_off(A, bh, T, D), k_off = attn_off(A, bh, A->bthd ? S : D, A->bthd ? D : S);
     const uint16_t* q = A->q + q_off;
@@ -1503,7 +1663,7 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
       for (int64_t j = 0; j < S * D; ++j) dko[j] = to_bf16(dk[j]);
     }
   }
-  g_gemm_threads(threads);
+  if (g_gemm_threads) g_gemm_threads(threads);
   block_put(scratch, bytes);
 }
 
@@ -1626,7 +1786,8 @@ static int attention_chunks(const Attention* A) {
 /* attention_bf16(q, kt, v, mask?, scale) -> out [..., T, E] (bf16), lse [..., T] (float32);
  * attention_bthd_bf16(q, k, v, mask?, scale) -> out [B, T, H, E], lse [B, H, T] */
 static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
-  if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
+  if (g_gemm_bf16 == NULL && !g_gemm_own)
+    return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
   Attention A;
   memset(&A, 0, sizeof A);
   A.bthd = bthd;
@@ -1666,7 +1827,8 @@ static int attention_forward_op(Call* c, size_t n_in, DLManagedTensor** in, DLMa
 /* attention_bf16_backward(dout, q, kt, v, out, lse, mask?, scale) -> dq, dkt, dv (bf16, the inputs' shapes);
  * attention_bthd_bf16_backward(dout, q, k, v, out, lse, mask?, scale) -> dq, dk, dv */
 static int attention_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, int bthd) {
-  if (g_gemm_bf16 == NULL) return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
+  if (g_gemm_bf16 == NULL && !g_gemm_own)
+    return fail(c, "no bf16 GEMM (cblas_gemm_bf16bf16f32) was found in PyTorch's library");
   BF16_IN(0, "dout", dout);
   BF16_IN(4, "out", o);
   FLOAT_IN(5, "lse", lse);
