@@ -18,14 +18,15 @@ whose mask, if any, is float32 with one ``org.pytorch.aten::ATen`` node of ortwr
 The kernel computes what flash attention computes, with the same roundings (float32 scores,
 softmax and score gradients; P and dS rounded to bf16 for their GEMMs), from whole rows of scores
 per block of 128 queries (64 past 256 keys): bf16 GEMMs with float32 results (MKL's, bundled with
-PyTorch: AMX here) and one vectorized pass per row between them, the keys above a causal mask's
+PyTorch: AMX on Intel; on other CPUs with AVX512-BF16 ``_cpu.c``'s own, ``kernels.choose_attention_gemm``)
+and one vectorized pass per row between them, the keys above a causal mask's
 diagonal skipped. GPT-2 small's attention (4 x 12 heads, 256 tokens, causal) takes ~8-10 ms
 forward and backward on one thread against ~22 ms for flash attention (``docs/performance.md``,
 "bf16 attention"). Like flash attention it keeps only q, k^T, v, the output and the log-sum-exp
 for the backward, which recomputes the scores; the flash op's copies of its operands go.
 
 Nothing changes where ``kernels.attention_available()`` is false (no MKL bf16 GEMM in the PyTorch
-build): PyTorch's flash attention stays.
+build and no AVX512-BF16 for the own one): PyTorch's flash attention stays.
 """
 
 from __future__ import annotations
