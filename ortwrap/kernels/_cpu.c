@@ -1224,6 +1224,7 @@ int ortwrap_cpu_set_bf16_gemm(const char* library) {
 #define G16_MR 12 /* rows per micro-tile: 12 x 32 float32 accumulators = 24 zmm registers */
 static __thread uint32_t* t_g16_pack;
 static __thread size_t t_g16_cap;
+static __thread int t_g16_failed; /* a GEMM found no scratch: the calling kernel part reports it (g16_failed) */
 
 static inline uint32_t g16_pair(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
 
@@ -1309,7 +1310,10 @@ static void gemm16_own(int ta, int tb, int64_t m, int64_t n, int64_t k, float al
   const size_t need = (size_t)kp * (size_t)(m + np);
   if (need > t_g16_cap) {
     uint32_t* grown = realloc(t_g16_pack, need * sizeof(uint32_t));
-    if (grown == NULL) abort(); /* as MKL's GEMM: no error path; the scratch is small */
+    if (grown == NULL) { /* skipped: the attention part that called it fails with "out of memory" */
+      t_g16_failed = 1;
+      return;
+    }
     t_g16_pack = grown;
     t_g16_cap = need;
   }
@@ -1346,6 +1350,17 @@ static void gemm16_own(int ta, int tb, int64_t m, int64_t n, int64_t k, float al
 #endif
 
 static int g_gemm_own = 0; /* 1: gemm16_own, else MKL's */
+
+/* whether a gemm16_own call of this thread found no scratch since the last call (then cleared) */
+static inline int g16_failed(void) {
+#ifdef OWN_GEMM16
+  const int f = t_g16_failed;
+  t_g16_failed = 0;
+  return f;
+#else
+  return 0;
+#endif
+}
 
 /* 1: ortwrap's own bf16 GEMM for the attention kernels, 0: MKL's; -1 if that one is not there (own: not compiled
  * for this CPU, no AVX512-BF16; MKL: not found in PyTorch's library) */
@@ -1563,6 +1578,7 @@ ATTN_WIDE static void attention_part(void* p, int part, int parts) {
     }
   }
   if (g_gemm_threads) g_gemm_threads(threads);
+  if (g16_failed()) A->failed = 1;
   block_put(scratch, bytes);
 }
 
@@ -1675,6 +1691,7 @@ ATTN_WIDE static void attention_backward_part(void* p, int part, int parts) {
     }
   }
   if (g_gemm_threads) g_gemm_threads(threads);
+  if (g16_failed()) A->failed = 1;
   block_put(scratch, bytes);
 }
 
