@@ -396,6 +396,21 @@ def test_recompute_on_the_native_route(recompute):
         assert not any(op.startswith("ortwrap_ops::") for op in stashed), stashed
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_native_route_sessions_run_without_the_cpu_arena(route):
+    """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
+    as those GEMMs' tensors do, not from ORT's CPU arena (runtime/session.py ``uses_cpu_arena``);
+    other graphs keep the arena. The training still matches eager autocast."""
+    w = check_parity(mlp, mlp_inputs, autocast=autocast(torch.bfloat16), wrap_options={"half_compute": route}, **BF16)
+    runners = [p.runner for p in w.programs()]
+    assert runners
+    for runner in runners:
+        assert runner._session.get_session_options().enable_cpu_mem_arena is (route == "float32")
+    plain = ORTWrap(mlp(), fallback=False)
+    plain(torch.randn(4, 12)).sum().backward()
+    assert all(p.runner._session.get_session_options().enable_cpu_mem_arena for p in plain.programs())
+
+
 class MaskedAttention(nn.Module):
     """Self-attention with a key-padding mask given as an input (bool, or additive float), whose
     head dim (12) is no power of two: SDPA's scale is then no power of two either."""
