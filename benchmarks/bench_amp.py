@@ -100,6 +100,7 @@ VARIANTS = {
     "ortwrap fp32": ({}, False),
     "ortwrap bf16": ({}, True),  # half_compute="auto": the native route where bf16 is native
     "ortwrap bf16 f32": ({"half_compute": "float32"}, True),  # the emulated route, forced
+    "ortwrap bf16 layers": ({"recompute": "layers"}, True),  # layer-wise activation recompute
 }
 ADAPTER_VARIANTS = {
     "eager": (None, False),

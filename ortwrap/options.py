@@ -113,7 +113,8 @@ class Options:
         f"On CPU, how the bfloat16 parts of a graph (torch.autocast, a model.to(torch.bfloat16)) compute, one of "
         f"{', '.join(_HALF_COMPUTE)}. 'float32': everything between eager's bf16 boundaries in float32 (ONNX "
         "Runtime has no bf16 CPU kernels). 'native': the bf16 MatMul/Gemm (Linear layers, attention matmuls) run "
-        "as PyTorch's bf16 GEMMs inside the graph, saving bf16 copies for the backward as eager autocast does; the "
+        "as PyTorch's bf16 GEMMs inside the graph, saving bf16 copies of their inputs for the backward as eager autocast does (of the weights "
+        "only with recompute='none'); the "
         "rest in float32. 'auto': 'native' where the CPU has bf16 instructions (AVX512-BF16 or AMX), else "
         "'float32' (docs/performance.md). float16 always computes in float32.",
     )
@@ -140,7 +141,8 @@ class Options:
         "Activation recompute, one of none, cheap, layers. 'cheap' (the default) recomputes in the backward the "
         "stashed activations that a few cheap forward nodes compute from values the backward keeps anyway: the "
         "attention probabilities (from the scaled q and k^T and the mask), the GELU and LayerNorm outputs; about "
-        "1% more work, a transformer's activation memory down by ~40%. 'layers' keeps only the residual stream "
+        "1% more work, a transformer's activation memory down by ~40%; on the native bf16 route also the bf16 "
+        "GELU, and the bf16 weight copies (the backward casts the weights again). 'layers' keeps only the residual stream "
         "between sublayers (checkpoints) from the forward to the backward and recomputes the rest of each segment "
         "in the backward: much less memory for activations, for about one more forward per step. 'none' keeps "
         "every activation the backward reads (docs/performance.md).",

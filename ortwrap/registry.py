@@ -945,6 +945,20 @@ def _dtypes(codes) -> list:
     return [getattr(torch, _FLOAT_CODES[int(c)]) for c in codes]
 
 
+#: A last ``dtypes`` code of the bf16 GEMM ops (``linear``, ``matmul`` and their variants): return
+#: an empty tensor in place of the weight's bf16 copy, whose backward casts the weight itself again
+#: (``grad.recompute._recast_weight_copies``).
+NO_WEIGHT_COPY = -1
+
+
+def _weight_copy(wc, dtypes, n_inputs: int):
+    """``wc`` (the weight's copy in the compute dtype), or an empty tensor where ``dtypes`` (of an op
+    with ``n_inputs`` float inputs) ends with :data:`NO_WEIGHT_COPY`."""
+    if len(dtypes) > 2 + n_inputs and int(dtypes[-1]) == NO_WEIGHT_COPY:
+        return wc.new_empty(0)
+    return wc
+
+
 def _saved(x, dtype):
     """``x`` in ``dtype`` for the backward. A tensor already in it is returned as it is: the ATen
     bridge copies a result that shares an input's memory (ORT owns the input)."""
@@ -960,7 +974,7 @@ def _linear(x, w, b, dtypes: list[int]):
 
     compute, result = _dtypes(dtypes[:2])
     xc, wc = _saved(x, compute), _saved(w, compute)
-    return F.linear(xc, wc, None if b is None else b.to(compute)).to(result), xc, wc
+    return F.linear(xc, wc, None if b is None else b.to(compute)).to(result), xc, _weight_copy(wc, dtypes, 3)
 
 
 def _matmul(a, b, dtypes: list[int]):
@@ -970,7 +984,7 @@ def _matmul(a, b, dtypes: list[int]):
 
     compute, result = _dtypes(dtypes[:2])
     ac, bc = _saved(a, compute), _saved(b, compute)
-    return torch.matmul(ac, bc).to(result), ac, bc
+    return torch.matmul(ac, bc).to(result), ac, _weight_copy(bc, dtypes, 2)
 
 
 def _attention(q, kt, v, mask, scale: float, dtypes: list[int]):
@@ -1002,7 +1016,7 @@ def _linear_keep_input_half(x, w, b, dtypes: list[int]):
     compute, result = _dtypes(dtypes[:2])
     wc = _saved(w, compute)
     y = F.linear(x, wc, None if b is None else b.to(compute))
-    return y.to(result), wc, y
+    return y.to(result), _weight_copy(wc, dtypes, 3), y
 
 
 def _attention_keep_inputs(q, kt, v, mask, scale: float, dtypes: list[int]):
@@ -1181,7 +1195,8 @@ def _linear_bf16_backward(grad, xc, wc, dtypes: list[int], output_mask: list[boo
     """:func:`_linear_backward` of :func:`_linear` with each gradient cast once, from the compute
     dtype to its input's dtype (``dtypes`` [compute, result, x, w, b]): a bf16 dx of a float32
     output gradient is not widened to float32 and narrowed again."""
-    return _linear_grads(grad.to(wc.dtype), xc, wc, _dtypes(dtypes[2:5]), output_mask)
+    compute = _dtypes(dtypes[:1])[0]
+    return _linear_grads(grad.to(compute), xc, wc.to(compute), _dtypes(dtypes[2:5]), output_mask)
 
 
 def _linear_bf16_backward_half(grad, grad_half, xc, wc, dtypes: list[int], output_mask: list[bool]):
@@ -1189,10 +1204,11 @@ def _linear_bf16_backward_half(grad, grad_half, xc, wc, dtypes: list[int], outpu
     summed as eager autocast sums them (the float32 one rounded to the compute dtype first, then
     added in it: eager's bf16 result had both readers). Either may be absent (no gradient reaches
     that result: ``OPTIONAL_GRADIENT_OPS``)."""
-    g = None if grad is None else grad.to(wc.dtype)
+    compute = _dtypes(dtypes[:1])[0]
+    g = None if grad is None else grad.to(compute)
     if grad_half is not None:
-        g = grad_half.to(wc.dtype) if g is None else g + grad_half.to(wc.dtype)
-    return _linear_grads(g, xc, wc, _dtypes(dtypes[2:5]), output_mask)
+        g = grad_half.to(compute) if g is None else g + grad_half.to(compute)
+    return _linear_grads(g, xc, wc.to(compute), _dtypes(dtypes[2:5]), output_mask)
 
 
 def _linear_grads(g, xc, wc, types: list, output_mask: list[bool]):
@@ -1214,6 +1230,7 @@ def _matmul_bf16_backward(grad, ac, bc, dtypes: list[int], output_mask: list[boo
     import torch
 
     types = _dtypes(dtypes[2:4])
+    bc = bc.to(ac.dtype)  # the weight itself where the backward reads it (grad/recompute.py)
     g = grad.to(ac.dtype)
     if not output_mask[0]:
         da = torch.empty(0, dtype=types[0])

@@ -135,11 +135,14 @@ def test_native_route_computes_as_eager_autocast(route):
     [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
     ids=["bf16-x-f32-result", "bf16-x-bf16-result", "f32-x"],
 )
-def test_linear_ops_compute_as_eager_autocast(x_dtype, result):
+@pytest.mark.parametrize("recast", [False, True], ids=["weight-copy", "recast"])
+def test_linear_ops_compute_as_eager_autocast(x_dtype, result, recast):
     """ortwrap's bf16 linear op and its backward op, called as the graph calls them, give eager
     autocast's output and gradients bit for bit, each in eager's dtype: a float32 output gradient
-    (a residual add read the result) gives a bf16 dx where x is bf16, a float32 one where x is."""
-    from ortwrap.registry import define_ops
+    (a residual add read the result) gives a bf16 dx where x is bf16, a float32 one where x is.
+    ``recast`` (recompute="cheap"/"layers", grad/recompute.py): the forward returns no weight copy
+    (an empty tensor) and the backward op reads the float32 weight itself, with the same results."""
+    from ortwrap.registry import NO_WEIGHT_COPY, define_ops
 
     define_ops()
     torch.manual_seed(0)
@@ -151,13 +154,19 @@ def test_linear_ops_compute_as_eager_autocast(x_dtype, result):
     y.to(result).backward(grad)
     codes = {torch.bfloat16: 15, torch.float32: 6}
     dtypes = [15, codes[result], codes[x_dtype], 6, 6]
+    forward_dtypes = [*dtypes, NO_WEIGHT_COPY] if recast else dtypes
     ops = torch.ops.ortwrap_ops
     with torch.no_grad():
         if x_dtype is torch.bfloat16:  # passes/half_values.py: the backward reads x itself
-            ours, wc = ops.linear_keep_input(x, w, b, dtypes)
+            ours, wc = ops.linear_keep_input(x, w, b, forward_dtypes)
             xc = x
         else:
-            ours, xc, wc = ops.linear(x, w, b, dtypes)
+            ours, xc, wc = ops.linear(x, w, b, forward_dtypes)
+        if recast:
+            assert wc.numel() == 0
+            wc = w.detach()
+        else:
+            assert wc.dtype == torch.bfloat16 and wc.shape == w.shape
         grads = ops.linear_bf16_backward(grad, xc, wc, dtypes, [True, True, True])
     for a, e in zip((ours, *grads), (y.to(result), x.grad, w.grad, b.grad)):
         assert a.dtype == e.dtype and torch.equal(a, e), (a.dtype, e.dtype, (a.float() - e.float()).abs().max())
@@ -287,8 +296,8 @@ def test_gpt_block_with_a_function_under_autocast(route):
 
 @pytest.mark.parametrize(
     "route,recompute",
-    [("float32", "none"), ("native", "none"), ("native", "layers")],
-    ids=["float32", "native", "native-recompute"],
+    [("float32", "none"), ("native", "none"), ("native", "cheap"), ("native", "layers")],
+    ids=["float32", "native", "native-cheap", "native-recompute"],
 )
 def test_tiny_gpt_under_autocast(route, recompute):
     """The benchmark's LM (tied head, attention matmuls, loss inside): every linear and the
@@ -331,6 +340,75 @@ def test_tiny_gpt_under_autocast(route, recompute):
             else:
                 assert_route(w, route, op="attention_keep_inputs", backward=False)
                 assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
+
+
+@pytest.mark.parametrize("recompute", ["cheap", "layers"])
+def test_recompute_on_the_native_route(recompute):
+    """Activation recompute copies ortwrap's own PyTorch ops (``ortwrap_ops::``) as it copies its
+    CPU kernels: ``"cheap"`` recomputes the bf16 GELU from its input (stashed anyway for its
+    backward: eager keeps both) and never a GEMM or an attention (before, it recomputed each
+    attention to drop its log-sum-exp); ``"layers"`` recomputes the bf16 GEMMs too (their bf16
+    copies of the weights included), so that no GEMM's output or weight copy stays stashed."""
+    sys.path.insert(0, "examples")
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    from ortwrap.grad.recompute import SUFFIX, stashed_values
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=40, d=32, heads=2, layers=2, max_len=32)
+    data = torch.randint(0, 40, (2, 17))
+    w = ORTWrap(TinyGPT(cfg), fallback=False, build_cache=False, half_compute="native", recompute=recompute)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = w(data[:, :-1], data[:, 1:])[0]
+    loss.float().backward()
+    graph = w.last_artifacts.graph.model().graph
+
+    def operator(n: onnx.NodeProto) -> str:
+        return next((a.s.decode() for a in n.attribute if a.name == "operator"), n.op_type)
+
+    copied = {operator(n) for n in graph.node if n.name.endswith(SUFFIX)}
+    producer = {o: operator(n) for n in graph.node for o in n.output}
+    stashed = {producer.get(x, "") for x in stashed_values(w.last_artifacts.graph.model())}
+    heavy = {op for op in copied if any(k in op for k in ("linear", "matmul", "attention"))}
+    assert "ortwrap_ops::gelu" in copied and "ortwrap_ops::gelu" not in stashed, (copied, stashed)
+    # No bf16 weight copy is kept: every GEMM's backward reads its float32 weight (a parameter)
+    # and casts it again, and the forward returns an empty copy (ORT keeps an output nothing reads
+    # until the end of the run).
+    from ortwrap.registry import NO_WEIGHT_COPY
+
+    params = {i.name for i in graph.input} & {n for n, _ in w.named_parameters()} | {
+        i.name for i in graph.input if "weight" in i.name
+    }
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    gemms = [n for n in graph.node if operator(n).startswith("ortwrap_ops::linear") and SUFFIX not in n.name]
+    forward_gemms = [n for n in gemms if "backward" not in operator(n)]
+    backward_gemms = [n for n in gemms if "backward" in operator(n)]
+    assert forward_gemms and backward_gemms
+    for n in forward_gemms:
+        assert n.input[1] in params and inits[n.input[-1]][-1] == NO_WEIGHT_COPY, n
+    for n in backward_gemms:
+        assert n.input[3 if operator(n).endswith("_half") else 2] in params, n
+    if recompute == "cheap":
+        assert not heavy, copied
+        assert any(op.startswith("ortwrap_ops::linear") for op in stashed), stashed
+    else:
+        assert any(op.startswith("ortwrap_ops::linear") for op in heavy), copied
+        assert not any(op.startswith("ortwrap_ops::") for op in stashed), stashed
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_native_route_sessions_run_without_the_cpu_arena(route):
+    """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
+    as those GEMMs' tensors do, not from ORT's CPU arena (runtime/session.py ``uses_cpu_arena``);
+    other graphs keep the arena. The training still matches eager autocast."""
+    w = check_parity(mlp, mlp_inputs, autocast=autocast(torch.bfloat16), wrap_options={"half_compute": route}, **BF16)
+    runners = [p.runner for p in w.programs()]
+    assert runners
+    for runner in runners:
+        assert runner._session.get_session_options().enable_cpu_mem_arena is (route == "float32")
+    plain = ORTWrap(mlp(), fallback=False)
+    plain(torch.randn(4, 12)).sum().backward()
+    assert all(p.runner._session.get_session_options().enable_cpu_mem_arena for p in plain.programs())
 
 
 class MaskedAttention(nn.Module):

@@ -37,8 +37,14 @@ step needs beyond parameters, gradients and optimizer state.
    gradients that read the recomputed values run at the very end of ORT's backward and ``"cheap"``
    held more memory than no recompute at all (docs/performance.md, "Memory").
 
+On the native bf16 route (``passes/half_matmul.py``) both modes also stop stashing the bf16
+weight copies of the GEMM ops: their backward casts the weight again (:func:`_recast_weight_copies`).
+``"cheap"`` treats ortwrap's GEMM and attention ops (``ortwrap_ops::``, ``ortwrap_cpu::``) as heavy,
+and recomputes PyTorch's bf16 GELU (``ortwrap_ops::gelu``) from its stashed input; ``"layers"``
+recomputes the bf16 GEMMs as well.
+
 Not recomputed (kept stashed): random ops (dropout), PythonOps and ATen nodes other than
-ortwrap's own CPU kernels, nodes with subgraphs, and the values the forward returns. ORT's common
+ortwrap's own CPU kernels and ops, nodes with subgraphs, and the values the forward returns. ORT's common
 subexpression elimination would merge the copies back into the originals: sessions of recomputed
 graphs disable it (``runtime.session``).
 """
@@ -52,6 +58,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ..registry import NO_WEIGHT_COPY, OPS_NAMESPACE
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_values"]
 
@@ -79,6 +86,10 @@ _HEAVY = frozenset(
         "RNN",
     }
 )
+#: ATen nodes of ortwrap's own ops (``ortwrap_ops::``, PyTorch's GEMMs and attention on the
+#: native bf16 and torch-GEMM routes, ``passes/half_matmul.py``; ``ortwrap_cpu::`` kernels) whose
+#: operator names one of these: heavy as :data:`_HEAVY`'s ops are.
+_HEAVY_ATEN = ("linear", "matmul", "attention")
 #: ``"cheap"`` recomputes a product of two activations (attention scores, ``q @ k^T``) when its
 #: reduction dimension is a known size at most this: that many multiply-adds per element it frees.
 MAX_CHEAP_REDUCTION = 128
@@ -194,8 +205,17 @@ def _recomputable(node: onnx.NodeProto) -> bool:
     if node.op_type in _NOT_RECOMPUTABLE or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
         return False
     if node.domain == ATEN_DOMAIN:
-        return _aten_operator(node).startswith(NATIVE_PREFIX)
+        # ortwrap's CPU kernels and its own PyTorch ops (registry ``_OPS``: deterministic, no state)
+        return _aten_operator(node).startswith((NATIVE_PREFIX, OPS_NAMESPACE + "::"))
     return node.domain in ("", "ai.onnx", "com.microsoft")
+
+
+def _heavy(node: onnx.NodeProto) -> bool:
+    """A GEMM, convolution or attention: ``"cheap"`` does not recompute it (but see :func:`_cheap_chains`)."""
+    if node.domain == ATEN_DOMAIN:
+        op = _aten_operator(node)
+        return op.startswith((NATIVE_PREFIX, OPS_NAMESPACE + "::")) and any(k in op for k in _HEAVY_ATEN)
+    return node.op_type in _HEAVY
 
 
 class _Cycle(AssertionError):
@@ -329,10 +349,12 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
     graph = model.graph
     nodes = list(graph.node)
     yi = _yield_index(nodes)
-    before = tuple(stashed_values(model))
+    stashed_before = tuple(stashed_values(model))
     if yi is None or mode == "none":
-        return RecomputeReport(mode, before, before)
+        return RecomputeReport(mode, stashed_before, stashed_before)
     forward, yield_node, backward = nodes[:yi], nodes[yi], nodes[yi + 1 :]
+    recast = _recast_weight_copies(graph, forward, backward)
+    before = tuple(stashed_values(model)) if recast else stashed_before
     producer: dict[str, int] = {o: i for i, n in enumerate(forward) for o in n.output if o}
     elem = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
     value_info = {v.name: v for v in graph.value_info}
@@ -364,7 +386,9 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
             cut_positions.append(i)
             cut_values.append(outs[0])
     if not cut_positions:
-        return RecomputeReport(mode, before, before, notes=["no checkpoint found: nothing recomputed"])
+        return RecomputeReport(
+            mode, stashed_before, before, recomputed_values=recast, notes=["no checkpoint found: nothing recomputed"]
+        )
     checkpoints = set(cut_values)
 
     def segment(i: int) -> int:
@@ -410,7 +434,9 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
         chains, recomputed = _cheap_chains(before, forward, producer, elem, data, segment, in_chain, graph)
     if not recomputed:
         return ordering_only(
-            RecomputeReport(mode, before, before, tuple(cut_values), notes=["no stashed value is recomputable"])
+            RecomputeReport(
+                mode, stashed_before, before, tuple(cut_values), recast, notes=["no stashed value is recomputable"]
+            )
         )
 
     produced_backward = {o for n in backward for o in n.output if o}
@@ -527,13 +553,76 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
     after = tuple(stashed_values(model))
     return RecomputeReport(
         mode,
-        before,
+        stashed_before,
         after,
         tuple(cut_values),
-        tuple(recomputed),
+        (*recast, *recomputed),
         sum(len(c) for c in chains.values()),
         notes,
     )
+
+
+#: ortwrap's bf16 GEMM ops (``passes/half_matmul.py``) whose forward returns the bf16 copy of its
+#: weight (input 1) for the backward: operator -> the index of that output.
+_WEIGHT_COPY_OUTPUT = {
+    f"{OPS_NAMESPACE}::linear": 2,
+    f"{OPS_NAMESPACE}::matmul": 2,
+    f"{OPS_NAMESPACE}::linear_keep_input": 1,
+    f"{OPS_NAMESPACE}::linear_keep_input_half": 1,
+}
+#: Their backward ops: operator -> the index of the input that reads the weight copy (they cast
+#: what they get there to the compute dtype, ``registry._linear_bf16_backward``).
+_WEIGHT_COPY_INPUT = {
+    f"{OPS_NAMESPACE}::linear_bf16_backward": 2,
+    f"{OPS_NAMESPACE}::linear_bf16_backward_half": 3,
+    f"{OPS_NAMESPACE}::matmul_bf16_backward": 2,
+}
+
+
+def _recast_weight_copies(graph, forward, backward) -> tuple[str, ...]:
+    """Backward GEMMs of the native bf16 route read their weight itself (a graph input: a
+    parameter, which the step keeps anyway) instead of the bf16 copy the forward made, and cast it
+    again; the forward op is told not to return the copy (``registry.NO_WEIGHT_COPY`` after its
+    ``dtypes``). ORT 1.19.2 keeps an output that nothing reads until the end of the run, so the
+    copy has to go, not only its readers: half the parameters' size (174 MiB on GPT-2 small) less
+    from the forward to the end of the backward, for one cast of the weights per step more than
+    eager autocast (which keeps its cast weights for the backward). Returns the copies (in place)."""
+    inputs = {i.name for i in graph.input}
+    inits = {i.name: i for i in graph.initializer}
+    copies: dict[str, onnx.NodeProto] = {}  # weight copy -> the forward node that returns it
+    for n in forward:
+        k = _WEIGHT_COPY_OUTPUT.get(_aten_operator(n)) if n.domain == ATEN_DOMAIN else None
+        if k is not None and len(n.output) > k and n.output[k] and n.input[1] in inputs and n.input[-1] in inits:
+            copies[n.output[k]] = n
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in (*forward, *backward):
+        for k, x in enumerate(n.input):
+            if x in copies:
+                readers.setdefault(x, []).append((n, k))
+    recast: list[str] = []
+    flagged: dict[str, str] = {}  # dtypes initializer -> the same with NO_WEIGHT_COPY appended
+    for copy_name, fwd in copies.items():
+        uses = readers.get(copy_name, [])
+        if not uses or not all(
+            n.domain == ATEN_DOMAIN and _WEIGHT_COPY_INPUT.get(_aten_operator(n)) == k for n, k in uses
+        ):
+            continue
+        for n, k in uses:
+            n.input[k] = fwd.input[1]
+        dtypes = fwd.input[-1]
+        if dtypes not in flagged:
+            codes = [*onnx.numpy_helper.to_array(inits[dtypes]).tolist(), NO_WEIGHT_COPY]
+            flagged[dtypes] = f"{dtypes}/no_weight_copy"
+            graph.initializer.append(
+                onnx.helper.make_tensor(flagged[dtypes], onnx.TensorProto.INT64, [len(codes)], codes)
+            )
+        fwd.input[len(fwd.input) - 1] = flagged[dtypes]
+        recast.append(copy_name)
+    dropped = set(recast)
+    for v in graph.value_info:
+        if v.name in dropped:  # now empty: the type stays (ORT needs it for an ATen output), not the shape
+            v.type.tensor_type.ClearField("shape")
+    return tuple(recast)
 
 
 def _layers_chains(before, forward, producer, elem, segment, in_chain) -> tuple[dict[int, set[int]], list[str]]:
@@ -588,7 +677,7 @@ def _cheap_chains(
     def cheap(j: int, scores: bool) -> bool:
         """``scores``: node ``j`` feeds a softmax through the chain (attention scores)."""
         n = forward[j]
-        if n.op_type not in _HEAVY:
+        if not _heavy(n):
             return True
         if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or not all(x in data for x in n.input):
             return False

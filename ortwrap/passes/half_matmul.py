@@ -26,7 +26,9 @@ The op casts its inputs to bf16 inside PyTorch (vectorized, faster than ORT's ``
 bf16 GEMM and returns the result rounded to bf16, as eager autocast's is, widened to float32 for
 the elementwise ops, LayerNorm and softmax that follow (ORT kernels, float32). In a training graph
 it also returns its bf16 copies of both operands, which only the backward op reads: ORT keeps those
-for the backward, as eager autocast keeps its bf16 operands, and can free the float32 ones.
+for the backward, as eager autocast keeps its bf16 operands, and can free the float32 ones. (With
+``recompute`` "cheap" or "layers" the weight's copy is not returned: its backward casts the weight
+again, ``grad/recompute.py``.)
 
 Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``: ``dX = dY W`` and
 ``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as

@@ -14,6 +14,7 @@ from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..kernels import release_cached
 from ..options import Options
+from ..registry import DTYPE_ARGUMENT_OPS
 from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
@@ -48,9 +49,26 @@ def _has_bool_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> bool:
     return any(types.get(name, 9) == 9 for name in graph.info.user_output_names)
 
 
-def session_options(options: Options) -> ort.SessionOptions:
-    """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``)."""
+#: Operators of the native bf16 route's GEMM ops (``registry.DTYPE_ARGUMENT_OPS``), as the built
+#: graph's bytes spell them.
+_TORCH_GEMM_OPERATORS = tuple(op.encode() for op in sorted(DTYPE_ARGUMENT_OPS))
+
+
+def uses_cpu_arena(graph: TrainingGraph) -> bool:
+    """Whether ``graph``'s session allocates from ORT's CPU arena: not where PyTorch's bf16 GEMMs run
+    inside it (the native bf16 route, ``passes/half_matmul.py``). Their results, the gradients and
+    the weights' casts are PyTorch's tensors from glibc's heap; the arena would keep its own
+    high-water mark of ORT's values (~255 MiB of regions on GPT-2 small, doubling as it grows) next
+    to that heap, whose free blocks ORT's values can use instead (docs/performance.md, "Peak
+    memory of the native bf16 route")."""
+    return not any(op in graph.model_bytes for op in _TORCH_GEMM_OPERATORS)
+
+
+def session_options(options: Options, *, cpu_arena: bool = True) -> ort.SessionOptions:
+    """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``);
+    ``cpu_arena``: ORT's CPU memory arena (:func:`uses_cpu_arena`)."""
     so = ort.SessionOptions()
+    so.enable_cpu_mem_arena = cpu_arena
     threads = options.intra_op_threads or torch.get_num_threads()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -114,7 +132,7 @@ def _create_session(
     try:
         sess = ort.InferenceSession(
             graph.model_bytes,
-            session_options(options),
+            session_options(options, cpu_arena=uses_cpu_arena(graph)),
             providers,
             provider_options,
             disabled_optimizers=disabled,
