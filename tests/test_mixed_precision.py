@@ -451,6 +451,38 @@ def test_autocast_state_selects_the_graph():
     assert len(w.programs()) == 4, seen
 
 
+class T5Attention(nn.Module):
+    """T5's attention: an in-place add of the position bias to the scores, a view after a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.o = nn.Linear(16, 16, bias=False)
+        self.bias = nn.Parameter(torch.randn(1, 2, 1, 1))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+        scores = torch.matmul(q, k.transpose(3, 2))
+        scores += self.bias
+        w = torch.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.o(torch.matmul(w, v).transpose(1, 2).contiguous().view(b, -1, 16))
+
+
+def test_in_place_ops_under_autocast():
+    """torch.export puts an autocast region in a submodule (``wrap_with_autocast``): its in-place
+    ops must be functionalized and its views re-run as reshapes like the top graph's (the dynamo
+    translation failed with "Tensor dtype mismatch", T5 with "Cannot view a tensor")."""
+    w = check_parity(
+        T5Attention,
+        lambda b, g: ((torch.randn(b, 5 + b, 16, generator=g),), {}),
+        autocast=autocast(torch.bfloat16),
+        lr=0.005,
+        **BF16,
+    )
+    assert w.fallback_reason is None
+
+
 @pytest.mark.parametrize("model, user_forward", [("ResNetish", False), ("ConvNeXtish", True)])
 def test_capture_ignores_autocast_cast_cache(exporter, model, user_forward):
     """Autocast caches the bf16 copy of each weight it casts until the outermost autocast region
