@@ -16,7 +16,7 @@ import sys
 import onnx
 import pytest
 import torch
-from parity import check_parity, gemm_op_counts, seq_len
+from parity import assert_close, check_parity, gemm_op_counts, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
@@ -527,6 +527,69 @@ def test_autocast_state_selects_the_graph():
         seen.append(w.export_count)
     # fp32, bf16, (fp32 again: reused), fp16, (bf16 again: reused), bf16 without the cast cache
     assert len(w.programs()) == 4, seen
+
+
+class T5Attention(nn.Module):
+    """T5's attention: an in-place add of the position bias to the scores, a view after a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.o = nn.Linear(16, 16, bias=False)
+        self.bias = nn.Parameter(torch.randn(1, 2, 1, 1))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, -1))
+        scores = torch.matmul(q, k.transpose(3, 2))
+        scores += self.bias
+        w = torch.softmax(scores.float(), dim=-1).type_as(scores)
+        return self.o(torch.matmul(w, v).transpose(1, 2).contiguous().view(b, -1, 16))
+
+
+def test_in_place_ops_under_autocast():
+    """torch.export puts an autocast region in a submodule (``wrap_with_autocast``): its in-place
+    ops must be functionalized and its views re-run as reshapes like the top graph's (the dynamo
+    translation failed with "Tensor dtype mismatch", T5 with "Cannot view a tensor")."""
+    w = check_parity(
+        T5Attention,
+        lambda b, g: ((torch.randn(b, 5 + b, 16, generator=g),), {}),
+        autocast=autocast(torch.bfloat16),
+        lr=0.005,
+        **BF16,
+    )
+    assert w.fallback_reason is None
+
+
+@pytest.mark.parametrize("model, user_forward", [("ResNetish", False), ("ConvNeXtish", True)])
+def test_capture_ignores_autocast_cast_cache(exporter, model, user_forward):
+    """Autocast caches the bf16 copy of each weight it casts until the outermost autocast region
+    exits. Copies made before a capture in the same region must not reach it: the TorchScript
+    exporter failed on them ("Cannot insert a Tensor that requires grad as a constant"). They came
+    from the user's own eager forward of the wrapped module (ConvNeXtish), or from the first
+    capture of a graph that is captured again with static image sizes (ResNetish: MaxPool). Loss
+    and every gradient as eager autocast's, at the conv tolerance of tests/test_coverage_amp.py
+    (eager runs BatchNorm in bf16, ORT in float32)."""
+    import model_zoo
+
+    torch.manual_seed(0)
+    m = getattr(model_zoo, model)()
+    eager = copy.deepcopy(m)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
+    x, y = model_zoo.image_inputs(2, torch.Generator().manual_seed(1))[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if user_forward:
+            m(x, y)  # fills autocast's cast cache with m's weights
+        loss_e = eager(x, y)
+        loss_o = w(x, y)
+    assert w.fallback_reason is None
+    assert w.export_count == (1 if user_forward else 2)
+    loss_e.backward()
+    loss_o.backward()
+    assert loss_o.dtype == loss_e.dtype
+    assert_close(loss_o, loss_e, "loss", **BF16)
+    for (name, p_o), (_, p_e) in zip(m.named_parameters(), eager.named_parameters()):
+        assert_close(p_o.grad, p_e.grad, f"grad of {name}", atol=0.1, rtol=0.1)
 
 
 @pytest.mark.parametrize(

@@ -839,11 +839,12 @@ def _functionalized(program: torch.export.ExportedProgram) -> torch.export.Expor
     The retrace re-runs each ``aten.view`` on fake tensors whose strides come from the ops' meta
     kernels, not from the capture (T5: fused attention's output gets the math kernel's strides, and
     the ``view`` after its transpose fails): ``view`` is re-run as ``reshape``, the same values.
+    Both look into the bodies of higher-order ops too (an autocast region's).
     """
     gm = program.graph_module
     mutating = [
         n
-        for n in gm.graph.nodes
+        for n in _all_nodes(gm)
         if n.op == "call_function"
         and is_op_overload(n.target)
         and n.target.namespace == "aten"
@@ -865,15 +866,27 @@ def _detach_of_unshared(node: torch.fx.Node) -> bool:
     return node.target is torch.ops.aten.detach_.default and isinstance(arg, torch.fx.Node) and len(arg.users) == 1
 
 
+def _all_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """The nodes of ``gm`` and of the graph modules it calls (the bodies of higher-order ops:
+    under autocast, torch.export puts the autocast region in a ``wrap_with_autocast`` submodule)."""
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            yield from module.graph.nodes
+
+
 def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
-    """Every ``aten.view`` of ``gm`` as ``aten.reshape`` (same values; see :func:`_functionalized`)."""
-    changed = False
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-            changed = True
-    if changed:
-        gm.recompile()
+    """Every ``aten.view`` of ``gm`` and its submodules as ``aten.reshape`` (same values; see
+    :func:`_functionalized`)."""
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+                changed = True
+        if changed:
+            module.recompile()
 
 
 # ------------------------------------------------------------------------------- pytrees

@@ -106,10 +106,22 @@ def autocast_contexts(state: tuple | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_ambient_autocast() -> Iterator[None]:
-    """Autocast off around a capture (the adapter enters the call's own state inside)."""
+    """Autocast off around a capture (the adapter enters the call's own state inside), its cast
+    cache empty on entry and on exit.
+
+    NOTE: autocast caches the half-precision copy of each leaf parameter it casts until the
+    outermost autocast region exits. A copy made before the capture in the same region (the user's
+    eager forward of the module, or an earlier capture of it: the first try of a graph exported
+    again with static image sizes) is a plain tensor requiring grad to the tracer, which the
+    TorchScript exporter refuses as a constant ("Cannot insert a Tensor that requires grad as a
+    constant"); a copy made during the capture belongs to the trace and must not reach a later
+    eager forward or capture either.
+    """
     from .._compat.torch import AUTOCAST_DEVICES
 
     with contextlib.ExitStack() as stack:
+        stack.callback(torch.clear_autocast_cache)
+        torch.clear_autocast_cache()
         for device_type in AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
