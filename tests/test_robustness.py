@@ -304,12 +304,13 @@ class AntialiasedDown(nn.Module):
         return nn.functional.interpolate(self.c(x), scale_factor=0.5, mode="bilinear", antialias=True)
 
 
-def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning():
+@pytest.mark.parametrize("exporter", ["torchscript"], indirect=True)  # AntialiasedDown: a TorchScript export
+def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning(exporter):
     from ortwrap import FallbackWarning
 
     torch.manual_seed(0)
     eager = AntialiasedDown()
-    ours = ORTWrap(copy.deepcopy(eager), exporter="torchscript")
+    ours = ORTWrap(copy.deepcopy(eager), exporter=exporter)
     with pytest.warns(FallbackWarning, match="runtime phase failed.*training program for AntialiasedDown"):
         for _ in range(3):  # one warning, then the module trains in PyTorch like eager
             x = torch.randn(2, 3, 8, 9)
@@ -320,9 +321,10 @@ def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning():
         assert_close(p.grad, q.grad, "grad")
 
 
-def test_a_first_run_failure_raises_without_fallback():
+@pytest.mark.parametrize("exporter", ["torchscript"], indirect=True)  # AntialiasedDown: a TorchScript export
+def test_a_first_run_failure_raises_without_fallback(exporter):
     from ortwrap.errors import RuntimeRunError
 
-    ours = ORTWrap(AntialiasedDown(), exporter="torchscript", fallback=False)
+    ours = ORTWrap(AntialiasedDown(), exporter=exporter, fallback=False)
     with pytest.raises(RuntimeRunError, match="first run"):
         ours(torch.randn(2, 3, 8, 9))
