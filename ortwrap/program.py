@@ -234,7 +234,16 @@ class ProgramSet:
         self._guarded: list[Program] = []
 
     def find(self, leaves: list[torch.Tensor]) -> Program | None:
-        """The program that serves these inputs, or None (a build is needed)."""
+        """The program that serves these inputs, or None (a build is needed, or, for an input with a
+        zero-size dimension, a run in PyTorch: ``ORTWrap.forward``)."""
+        # NOTE: no program serves a zero-size input, though a dynamic batch dimension (the TorchScript
+        # exporter's) admits 0: ORT kernels reject empty tensors (Gemm's gradient with K = 0) and the
+        # trace dropped any branch of forward() on an empty batch. (The dynamo exporter's programs
+        # guard each dynamic size to be at least 2: torch.export specializes 0 and 1.) Checked on
+        # every call: one numel() a leaf.
+        for t in leaves:
+            if not t.numel():
+                return None
         if self._dynamic is not None:
             return self._dynamic
         if self._by_shape:

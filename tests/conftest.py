@@ -54,7 +54,10 @@ def _clean_env(monkeypatch, _build_cache_dir):
 def exporter(request):
     """Run a test with each exporter: check_parity and ``ORTWrap(..., exporter=exporter)`` use it.
 
-    Core parity modules opt in with ``pytestmark = pytest.mark.usefixtures("exporter")``."""
+    Core parity modules opt in with ``pytestmark = pytest.mark.usefixtures("exporter")``. A test that
+    builds ``ORTWrap`` itself passes ``exporter=exporter``: the default, ``"auto"``, is neither (dynamo,
+    then TorchScript where the dynamo capture fails). A test in such a module that exports nothing is
+    marked ``parity.no_exporter`` and runs once."""
     import parity
 
     saved = parity.EXPORTER

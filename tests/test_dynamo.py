@@ -255,6 +255,45 @@ def test_an_op_that_cannot_run_anywhere_falls_back_naming_it():
         ORTWrap(ListOfTensors(), exporter="dynamo", fallback=False)(torch.randn(3, 4))
 
 
+class BranchesOnData(torch.autograd.Function):
+    """A forward that branches on its input's values, with its own backward (3, not autograd's 2)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if x.abs().max() > 1e6:
+            raise ValueError("boom 42: input too large")
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3.0
+
+
+class WithBranchesOnData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.l2(BranchesOnData.apply(self.l1(x)))
+
+
+def test_auto_builds_a_function_that_branches_on_data_with_the_torchscript_exporter():
+    """The dynamo exporter runs a Function's forward on fake tensors, where a branch on data cannot be
+    decided: ``exporter="dynamo"`` refuses it; ``"auto"`` builds it with the TorchScript exporter,
+    whose graph calls the Function's own forward (the raise included) and backward."""
+
+    def inputs(b, g):
+        return (torch.randn(b, 6, generator=g),), {}
+
+    with pytest.raises(ExportError, match="data-dependent"):
+        ORTWrap(WithBranchesOnData(), exporter="dynamo", fallback=False)(torch.randn(3, 6))
+    w = check_parity(WithBranchesOnData, inputs, wrap_options={"exporter": "auto"})
+    assert w.last_artifacts.exporter == "torchscript"
+    with pytest.raises(ValueError, match="boom 42"):
+        w(torch.randn(3, 6) * 1e9)
+
+
 def test_aten_ops_option_with_dynamo():
     """``aten_ops`` runs the listed ops on PyTorch's kernels with the dynamo exporter too."""
     make = lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))  # noqa: E731

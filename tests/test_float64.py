@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import check_parity, seq_len
+from parity import check_parity, no_exporter, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap, PassError
@@ -175,15 +175,18 @@ def test_float64_llama_trains_like_eager():
     assert w.fallback_reason is None
 
 
-def test_float32_graphs_are_untouched():
+def test_float32_graphs_are_untouched(exporter):
     """The pass acts on float64 graphs only: a float32 build records it as not modifying anything."""
     torch.manual_seed(0)
-    w = ORTWrap(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8)), fallback=False, build_cache=False)
+    w = ORTWrap(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8)), fallback=False, build_cache=False, exporter=exporter
+    )
     w(torch.randn(3, 8)).sum().backward()
     records = {r.name: r.modified for r in w.last_artifacts.passes}
     assert records["DoublePrecisionOnCPUPass"] is False
 
 
+@no_exporter
 def test_float64_op_without_a_replacement_is_refused_before_the_session():
     """An op ORT cannot run in float64 (ReduceL2, in an inference graph) and ortwrap has no PyTorch equivalent for fails in
     the passes, naming it and what ORT lacks: never at session creation."""
@@ -209,9 +212,9 @@ class ConvBN(nn.Module):
         return F.relu(self.bn(self.conv(x))).mean((2, 3))
 
 
-def test_float64_batchnorm_in_training_mode_is_refused_with_a_clear_error():
+def test_float64_batchnorm_in_training_mode_is_refused_with_a_clear_error(exporter):
     torch.manual_seed(0)
-    w = ORTWrap(ConvBN().double(), fallback=False)
+    w = ORTWrap(ConvBN().double(), fallback=False, exporter=exporter)
     with pytest.raises(PassError, match=r"BatchNorm in training mode cannot be trained in float64.*eval\(\)"):
         w(torch.randn(2, 3, 6, 6, dtype=torch.float64))
 

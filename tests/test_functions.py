@@ -9,6 +9,7 @@ Function's backward gives different numbers than eager PyTorch, and the tests fa
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import gc
 import io
@@ -1054,9 +1055,9 @@ class ScaleByFloat(Function):
     reason="documented in ortwrap/bridge/symbolic.py: float arguments travel as float32 ONNX attributes "
     "(0.1 arrives as 0.10000000149011612); remove this marker when floats are passed exactly",
 )
-def test_float_argument_reaches_forward_exactly():
+def test_float_argument_reaches_forward_exactly(exporter):
     ScaleByFloat.seen = []
-    w = ORTWrap(Sandwich(lambda h: ScaleByFloat.apply(h, 0.1)), fallback=False)
+    w = ORTWrap(Sandwich(lambda h: ScaleByFloat.apply(h, 0.1)), fallback=False, exporter=exporter)
     w(torch.randn(3, 6)).sum().backward()
     ScaleByFloat.seen = []
     w(torch.randn(3, 6)).sum().backward()
@@ -1103,13 +1104,13 @@ class NonTensorOutputModel(nn.Module):
 @pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "no_fallback"])
 @pytest.mark.parametrize("fn", [ReturnsIntToo, ReturnsList], ids=["tuple_with_int", "python_list"])
 @pytest.mark.usefixtures("exporter")
-def test_non_tensor_output_falls_back_or_raises(fn, fallback):
+def test_non_tensor_output_falls_back_or_raises(exporter, fn, fallback):
     if fallback:
         with pytest.warns(FallbackWarning, match=fn.__name__):
             w = check_parity(lambda: NonTensorOutputModel(fn), randn_inputs(6), wrap_options={"fallback": True})
         assert w.fallback_reason is not None and fn.__name__ in str(w.fallback_reason)
     else:
-        w = ORTWrap(NonTensorOutputModel(fn), fallback=False)
+        w = ORTWrap(NonTensorOutputModel(fn), fallback=False, exporter=exporter)
         with pytest.raises(ORTWrapError, match=fn.__name__):
             w(torch.randn(4, 6)).sum().backward()
 
@@ -1344,10 +1345,10 @@ def test_reentrant_activation_checkpointing():
     run_parity(CheckpointedBlock, randn_inputs(6), {CheckpointFunction: 1})
 
 
-def test_no_grad_forward_matches_eager():
+def test_no_grad_forward_matches_eager(exporter):
     torch.manual_seed(0)
     eager = DomainAdversarial()
-    w = ORTWrap(copy.deepcopy(eager), fallback=False)
+    w = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter)
     for b in (4, 7):
         x = torch.randn(b, 6)
         with torch.no_grad():
@@ -1361,11 +1362,17 @@ def test_no_grad_forward_matches_eager():
 
 
 class Explosive(Function):
+    """Raises in its forward while ``fail_forward`` is set and in its backward while ``fail_backward``
+    is. (On a flag, not on the data: the dynamo exporter runs the forward on fake tensors, where a
+    branch on data cannot be decided; test_dynamo.py tests that ``"auto"`` builds such a Function
+    with the TorchScript exporter.)"""
+
+    fail_forward = False
     fail_backward = False
 
     @staticmethod
     def forward(ctx, x):
-        if x.abs().max() > 1e6:
+        if Explosive.fail_forward:
             raise ValueError("boom 42: input too large")
         return x * 2.0
 
@@ -1376,21 +1383,30 @@ class Explosive(Function):
         return g * 3.0
 
 
-def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working():
+@contextlib.contextmanager
+def explosive_forward():
+    Explosive.fail_forward = True
+    try:
+        yield
+    finally:
+        Explosive.fail_forward = False
+
+
+def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working(exporter):
     torch.manual_seed(0)
     eager = Sandwich(Explosive.apply)
     ours = copy.deepcopy(eager)
-    w = ORTWrap(ours, fallback=False)
+    w = ORTWrap(ours, fallback=False, exporter=exporter)
     g = torch.Generator().manual_seed(1)
     _step_and_compare(eager, w, ours, torch.randn(3, 6, generator=g), "first step")
     exports = w.export_count
 
     # forward raises: same type, same message as eager
-    huge = (torch.randn(3, 6, generator=g) * 1e9).requires_grad_()  # same input schema as the steps
-    with pytest.raises(ValueError, match="boom 42") as eager_error:
-        eager(huge)
-    with pytest.raises(ValueError, match="boom 42") as ort_error:
-        w(huge)
+    bad = torch.randn(3, 6, generator=g).requires_grad_()  # same input schema as the steps
+    with explosive_forward(), pytest.raises(ValueError, match="boom 42") as eager_error:
+        eager(bad)
+    with explosive_forward(), pytest.raises(ValueError, match="boom 42") as ort_error:
+        w(bad)
     assert type(ort_error.value) is ValueError, f"got {type(ort_error.value).__name__}: {ort_error.value}"
     assert ort_error.value.args == eager_error.value.args
     _step_and_compare(eager, w, ours, torch.randn(5, 6, generator=g), "step after a failed forward")
@@ -1399,8 +1415,8 @@ def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working():
     x = torch.randn(2, 6, generator=g)
     with torch.no_grad():
         assert_close(w(x), eager(x), "no_grad output")
-        with pytest.raises(ValueError, match="boom 42") as ort_error:
-            w(huge.detach())
+        with explosive_forward(), pytest.raises(ValueError, match="boom 42") as ort_error:
+            w(bad.detach())
         assert type(ort_error.value) is ValueError, f"got {type(ort_error.value).__name__}: {ort_error.value}"
         assert_close(w(x), eager(x), "no_grad output after a failed no_grad forward")
 
@@ -1427,7 +1443,7 @@ def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working():
     assert w.export_count == exports + 1
 
 
-def test_a_kept_exception_does_not_block_context_cleanup():
+def test_a_kept_exception_does_not_block_context_cleanup(exporter):
     # Notebooks (sys.last_value), loggers and retry loops keep exceptions alive. A failed training
     # forward whose exception is still referenced must not stop ortwrap from releasing the contexts
     # that other forwards without backward leave in ORT's (process-wide) context map.
@@ -1438,16 +1454,17 @@ def test_a_kept_exception_does_not_block_context_cleanup():
     sys.last_type = sys.last_value = sys.last_traceback = None
     gc.collect()
     torch.manual_seed(0)
-    failing = ORTWrap(Sandwich(Explosive.apply), fallback=False)
+    failing = ORTWrap(Sandwich(Explosive.apply), fallback=False, exporter=exporter)
     x = torch.randn(3, 6, requires_grad=True)
     failing(x).sum().backward()
     kept = []
     try:
-        failing((x.detach() * 1e9).requires_grad_())
+        with explosive_forward():
+            failing(x.detach().requires_grad_())
     except ValueError as e:
         kept.append(e)
     assert kept, "the Function's ValueError did not reach the caller"
-    w = ORTWrap(Sandwich(SavesMarker.apply, d_in=4, d_mid=4, d_out=4), fallback=False)
+    w = ORTWrap(Sandwich(SavesMarker.apply, d_in=4, d_mid=4, d_out=4), fallback=False, exporter=exporter)
     x2 = torch.randn(3, 4)
     for _ in range(500):
         w(x2)  # grad mode on, output dropped without backward
@@ -1489,13 +1506,13 @@ class PayloadModel(nn.Module):
         return self.l2(UsesPayload.apply(self.l1(x), self.payload))
 
 
-def test_object_argument_lives_as_long_as_the_wrapper():
+def test_object_argument_lives_as_long_as_the_wrapper(exporter):
     torch.manual_seed(0)
     payload = Payload(2.5)
     ref = weakref.ref(payload)
     m = PayloadModel(payload)
     eager = copy.deepcopy(m)  # holds its own copy of the payload
-    w = ORTWrap(m, fallback=False)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
     g = torch.Generator().manual_seed(1)
     BACKWARD_CALLS.clear()
     _step_and_compare(eager, w, m, torch.randn(3, 6, generator=g), "first step")
@@ -1551,11 +1568,11 @@ def _live_contexts() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is cls)
 
 
-def test_no_accumulation_over_thousands_of_runs():
+def test_no_accumulation_over_thousands_of_runs(exporter):
     torch.manual_seed(0)
     eager = Sandwich(SavesMarker.apply, d_in=4, d_mid=4, d_out=4)
     ours = copy.deepcopy(eager)
-    w = ORTWrap(ours, fallback=False)
+    w = ORTWrap(ours, fallback=False, exporter=exporter)
     x = torch.randn(3, 4)
 
     def train_step():
@@ -1734,7 +1751,7 @@ def user_export(model):
 """
 
 
-def test_user_torch_onnx_export_of_a_function_is_unaffected():
+def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
     # What the user's export gives in a process that never imported ortwrap...
     done = subprocess.run(
         [sys.executable, "-c", USER_EXPORT_SCRIPT + "\nprint(json.dumps(user_export(UserModel())))"],
@@ -1750,11 +1767,13 @@ def test_user_torch_onnx_export_of_a_function_is_unaffected():
     ns: dict = {"__name__": "user_script"}
     exec(USER_EXPORT_SCRIPT, ns)
     user_round, model = ns["UserRound"], ns["UserModel"]()
-    w = ORTWrap(model, fallback=False)
+    w = ORTWrap(model, fallback=False, exporter=exporter)
     w(torch.randn(4, 3)).sum().backward()
     assert _names_of(pythonop_names(w.last_artifacts.pre_grad), user_round)
     with torch.no_grad():  # (ORT has no gradient for Round: inline it in an inference graph only)
-        ORTWrap(ns["UserModel"](), fallback=False, inline_functions=[qualified_name(user_round)])(torch.randn(4, 3))
+        ORTWrap(ns["UserModel"](), fallback=False, inline_functions=[qualified_name(user_round)], exporter=exporter)(
+            torch.randn(4, 3)
+        )
     assert ns["user_export"](model) == baseline
     assert ns["user_export"](ns["UserModel"]()) == baseline
 
@@ -1782,7 +1801,7 @@ def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
         torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
 
 
-def test_kept_outputs_without_backward_do_not_pile_up_contexts_in_ort():
+def test_kept_outputs_without_backward_do_not_pile_up_contexts_in_ort(exporter):
     # The previous output is alive while the next forward runs (a forward is always awaiting its
     # backward), so ORT's context map cannot be emptied wholesale: abandoned entries are erased one
     # by one. The live count of ORT-held contexts must stay bounded, and backward still works.
@@ -1812,7 +1831,7 @@ def test_kept_outputs_without_backward_do_not_pile_up_contexts_in_ort():
         return sum(type(o) is Handle for o in gc.get_objects())
 
     m = M()
-    w = ORTWrap(m, fallback=False)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
     x = torch.randn(3, 4)
     base = live_handles()
     y = None

@@ -16,7 +16,7 @@ import sys
 import onnx
 import pytest
 import torch
-from parity import assert_close, check_parity, gemm_op_counts, seq_len
+from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
@@ -110,13 +110,13 @@ class GPTBlockWithFunction(nn.Module):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_native_route_computes_as_eager_autocast(route):
+def test_native_route_computes_as_eager_autocast(exporter, route):
     """One Linear under autocast: on the native route ORT's output and gradients are eager
     autocast's bit for bit (the same bf16 GEMMs, rounded where eager rounds); the float32 route
     keeps float32 products and differs in the last bits."""
     torch.manual_seed(0)
     eager = nn.Linear(64, 48)
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route, exporter=exporter)
     x = torch.randn(16, 64)
     results = []
     for model in (eager, ours):
@@ -135,6 +135,7 @@ def test_native_route_computes_as_eager_autocast(route):
     [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
     ids=["bf16-x-f32-result", "bf16-x-bf16-result", "f32-x"],
 )
+@no_exporter
 @pytest.mark.parametrize("recast", [False, True], ids=["weight-copy", "recast"])
 def test_linear_ops_compute_as_eager_autocast(x_dtype, result, recast):
     """ortwrap's bf16 linear op and its backward op, called as the graph calls them, give eager
@@ -172,6 +173,7 @@ def test_linear_ops_compute_as_eager_autocast(x_dtype, result, recast):
         assert a.dtype == e.dtype and torch.equal(a, e), (a.dtype, e.dtype, (a.float() - e.float()).abs().max())
 
 
+@no_exporter
 def test_linear_half_result_computes_as_eager_autocast():
     """The LM head's op (its float32 result read by the loss, its bf16 result returned, as eager
     autocast's logits): both results and every gradient, with a gradient on each result, are eager
@@ -209,13 +211,13 @@ class HeadAndArgmax(nn.Module):
         return y, y.float().argmax(-1)
 
 
-def test_linear_half_result_with_one_gradient():
+def test_linear_half_result_with_one_gradient(exporter):
     """The head returns bf16 logits and their argmax (of the float32 logits): ORT's gradient builder
     names no gradient of the float32 result, the backward op gets it as absent (not as a value
     nothing produces, which ORT rejects), and outputs and gradients match eager autocast."""
     torch.manual_seed(0)
     eager = HeadAndArgmax()
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute="native")
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute="native", exporter=exporter)
     x = torch.randn(4, 5, 16)
     results = []
     for model in (eager, ours):
@@ -264,12 +266,12 @@ def test_tiny_gpt_logits_and_loss_under_autocast(route):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_inference_under_autocast(route):
+def test_inference_under_autocast(exporter, route):
     """Under no_grad (an inference graph: the GEMM ops return no operand copies) and in eval mode
     outputs match eager autocast."""
     torch.manual_seed(0)
     eager = GPTBlockWithFunction().eval()
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, half_compute=route, exporter=exporter)
     x = torch.randn(3, 7, 16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = ours(x), eager(x)
@@ -343,7 +345,7 @@ def test_tiny_gpt_under_autocast(route, recompute):
 
 
 @pytest.mark.parametrize("recompute", ["cheap", "layers"])
-def test_recompute_on_the_native_route(recompute):
+def test_recompute_on_the_native_route(exporter, recompute):
     """Activation recompute copies ortwrap's own PyTorch ops (``ortwrap_ops::``) as it copies its
     CPU kernels: ``"cheap"`` recomputes the bf16 GELU from its input (stashed anyway for its
     backward: eager keeps both) and never a GEMM or an attention (before, it recomputed each
@@ -357,7 +359,9 @@ def test_recompute_on_the_native_route(recompute):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=40, d=32, heads=2, layers=2, max_len=32)
     data = torch.randint(0, 40, (2, 17))
-    w = ORTWrap(TinyGPT(cfg), fallback=False, build_cache=False, half_compute="native", recompute=recompute)
+    w = ORTWrap(
+        TinyGPT(cfg), fallback=False, build_cache=False, half_compute="native", recompute=recompute, exporter=exporter
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = w(data[:, :-1], data[:, 1:])[0]
     loss.float().backward()
@@ -397,7 +401,7 @@ def test_recompute_on_the_native_route(recompute):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_native_route_sessions_run_without_the_cpu_arena(route):
+def test_native_route_sessions_run_without_the_cpu_arena(exporter, route):
     """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
     as those GEMMs' tensors do, not from ORT's CPU arena (runtime/session.py ``uses_cpu_arena``);
     other graphs keep the arena. The training still matches eager autocast."""
@@ -406,7 +410,7 @@ def test_native_route_sessions_run_without_the_cpu_arena(route):
     assert runners
     for runner in runners:
         assert runner._session.get_session_options().enable_cpu_mem_arena is (route == "float32")
-    plain = ORTWrap(mlp(), fallback=False)
+    plain = ORTWrap(mlp(), fallback=False, exporter=exporter)
     plain(torch.randn(4, 12)).sum().backward()
     assert all(p.runner._session.get_session_options().enable_cpu_mem_arena for p in plain.programs())
 
@@ -506,12 +510,12 @@ def test_hf_model_under_autocast(route):
     assert_route(w, route)
 
 
-def test_autocast_state_selects_the_graph():
+def test_autocast_state_selects_the_graph(exporter):
     """Entering or leaving autocast (or changing its dtype or cache flag) selects the matching
     graph, never a stale one: outputs have eager's dtype every time."""
     torch.manual_seed(0)
     m = mlp()
-    w = ORTWrap(copy.deepcopy(m), fallback=False)
+    w = ORTWrap(copy.deepcopy(m), fallback=False, exporter=exporter)
     x = torch.randn(4, 12)
     seen = []
     for state in ["off", torch.bfloat16, "off", torch.float16, torch.bfloat16, ("nocache", torch.bfloat16)]:
@@ -629,12 +633,12 @@ def test_half_precision_gpt():
     check_parity(lambda: TinyGPT(cfg).half(), inputs, loss_fn=lambda out: out[0], lr=0.01, atol=2e-2, rtol=2e-2)
 
 
-def test_grad_scaler_through_the_wrapper():
+def test_grad_scaler_through_the_wrapper(exporter):
     """torch.amp.GradScaler on CPU: scaled loss, unscale, inf/nan detection and skipped steps
     behave as in eager."""
     torch.manual_seed(0)
     eager = mlp()
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, exporter=exporter)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
     opt_o = torch.optim.SGD(ours.parameters(), lr=0.1)
     sc_e = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -684,12 +688,12 @@ def test_fuse_initializers_feeds_frozen_half_weights_as_float_copies(fuse):
     assert bool(inputs_cast) != fuse  # without the pass, each frozen half input has its per-step Cast
 
 
-def test_fuse_initializers_remakes_a_copy_when_the_weight_changes():
+def test_fuse_initializers_remakes_a_copy_when_the_weight_changes(exporter):
     """A frozen weight written in place (a new base checkpoint, an EMA update) is converted again:
     its version counter moved."""
     torch.manual_seed(0)
     eager = AdaptedBF16Base()
-    ours = ORTWrap(copy.deepcopy(eager), fallback=False, fuse_initializers=True)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, fuse_initializers=True, exporter=exporter)
     x = torch.randn(6, 12)
     torch.testing.assert_close(ours(x), eager(x), **BF16)
     for model in (eager, ours.module):
@@ -722,6 +726,7 @@ def _aten_ops(model) -> list[tuple[str, list[str], int]]:
     ]
 
 
+@no_exporter
 def test_half_matmul_pass_writes_linears_and_matmuls():
     """A Linear (MatMul of W^T, then the bias Add) becomes one linear reading W itself; a batched
     MatMul becomes matmul; float32 and 1-D MatMuls stay as they are."""
@@ -753,6 +758,7 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
     assert ops == ["ATen", "ATen", "MatMul", "MatMul"]  # no Transpose, no Add
 
 
+@no_exporter
 def test_half_matmul_pass_writes_attention():
     """The dynamo exporter's SDPA (q and k^T each scaled by sqrt(scale) rounded to bf16, a mask
     computed from no float input added, softmax, times v) becomes one attention node at SDPA's own
@@ -790,6 +796,7 @@ def test_half_matmul_pass_writes_attention():
     assert float(constants[node.input[4]]) == 0.125  # 1/sqrt(64), not 0.353515625**2
 
 
+@no_exporter
 def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
     """Scores plus a bias computed from a parameter (T5's relative positions) keep their
     decomposed form: the bias's gradient flows through the scores."""
@@ -843,6 +850,7 @@ def _attention_model(op: str, q: str, kt: str, mask: str | None, out: str = "bfl
     ],
     ids=["masked", "unmasked", "float32-operands", "bf16-mask", "broadcast-k", "bad-head-dim", "float64-q"],
 )
+@no_exporter
 def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
     """ortwrap's flash attention ops on bf16 or float32 q, k^T, v (and a float32 mask, if any) become
     ortwrap's ``attention_bf16`` kernel on the same inputs, rounded to bf16 by a Cast where they
@@ -871,6 +879,7 @@ def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
     assert after.graph.output[0].name == "y" and "y" in {o for n in after.graph.node for o in n.output}
 
 
+@no_exporter
 @pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 def test_native_attention_pass_reads_the_heads_layout():
     """q, k^T and v moved into heads by Transposes from [B, T, H, D] tensors, and the output moved
@@ -906,6 +915,7 @@ def test_native_attention_pass_reads_the_heads_layout():
     assert not [n for n in after.graph.node if n.op_type == "Transpose"]
 
 
+@no_exporter
 def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
     """After HalfPrecisionOnCPUPass the GEMM (computing in bf16 inside) reads and writes float32
     like the ops around it; no Cast is left but the graph output's, which keeps its dtype."""
@@ -952,6 +962,7 @@ _TWO_LINEARS = """
 """
 
 
+@no_exporter
 @pytest.mark.parametrize("read_twice", [False, True], ids=["chain", "read-twice"])
 def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
     """After the native route's passes, the first GEMM's result and its Reshape are bf16 (the
@@ -986,6 +997,7 @@ def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
     assert types[reshape.input[0]] == types[reshape.output[0]] == onnx.TensorProto.BFLOAT16
 
 
+@no_exporter
 def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
     """A GEMM whose result the graph returns in bf16 (eager autocast's dtype; here through an
     Identity) writes it in bf16 (``dtypes``' result code): no float32 result and Cast after it."""
@@ -1029,6 +1041,7 @@ def test_half_values_match_eager_on_a_gelu_mlp(route):
     assert {"ortwrap_ops::gelu", "ortwrap_ops::gelu_backward"} <= operators, sorted(operators)
 
 
+@no_exporter
 def test_half_compute_option():
     from ortwrap import Options
     from ortwrap._compat.torch import cpu_has_native_bf16

@@ -155,9 +155,9 @@ def test_cross_entropy_parity(reduction, smoothing):
     assert ops["cross_entropy_backward"] == 1 and ops["SoftmaxCrossEntropyLossGrad"] == 0, ops
 
 
-def test_out_of_range_index_raises_and_the_wrapper_recovers():
+def test_out_of_range_index_raises_and_the_wrapper_recovers(exporter):
     torch.manual_seed(0)
-    model = ORTWrap(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)), fallback=False)
+    model = ORTWrap(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)), fallback=False, exporter=exporter)
     good = torch.tensor([[1, 2, 3]])
     model(good).sum().backward()
     # the kernel refuses the index; the wrapper then raises eager's own IndexError (issue 13)
@@ -818,10 +818,10 @@ def test_output_buffers_are_reused_not_grown():
     assert kernels.cached_bytes() == 0
 
 
-def test_backward_frees_the_cached_blocks():
+def test_backward_frees_the_cached_blocks(exporter):
     # The optimizer step after a backward gets the kernels' freed blocks (kernels.release_cached).
     torch.manual_seed(0)
-    wrapped = ORTWrap(Transformerish(), fallback=False)
+    wrapped = ORTWrap(Transformerish(), fallback=False, exporter=exporter)
     (ids, kinds), _ = token_inputs(2, torch.Generator().manual_seed(0))
     wrapped(ids, kinds).sum().backward()  # build, and load the kernels
     assert native_ops(wrapped.last_artifacts.graph.model())["gelu_backward"] == 2

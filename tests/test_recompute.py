@@ -48,18 +48,18 @@ def test_gpt_recompute_parity():
     assert report.recomputed_values and report.recomputed_nodes >= len(report.recomputed_values)
 
 
-def test_recompute_changes_the_graph():
+def test_recompute_changes_the_graph(exporter):
     """The built graph stashes fewer forward values, and the backward reads recomputed copies of the
     ones it dropped; without the option the graph is the builder's."""
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     (ids, tgt), _ = _lm_inputs(4, torch.Generator().manual_seed(0))
-    plain = ORTWrap(model, fallback=False, build_cache=False, recompute="none")
+    plain = ORTWrap(model, fallback=False, build_cache=False, recompute="none", exporter=exporter)
     plain(ids, tgt)[0].backward()
     assert plain.last_artifacts.recompute is None
     plain_stash = stashed_values(plain.last_artifacts.graph.model())
 
-    ours = ORTWrap(TinyGPT(CFG), fallback=False, build_cache=False, recompute="layers")
+    ours = ORTWrap(TinyGPT(CFG), fallback=False, build_cache=False, recompute="layers", exporter=exporter)
     ours(ids, tgt)[0].backward()
     report = ours.last_artifacts.recompute
     built = ours.last_artifacts.graph.model()
@@ -81,11 +81,11 @@ def test_recompute_changes_the_graph():
     assert sum(n.name.endswith("/Reshape") and "ortwrap_order" in n.name for n in built.graph.node) >= CFG.layers
 
 
-def test_recompute_with_dropout_keeps_random_ops():
+def test_recompute_with_dropout_keeps_random_ops(exporter):
     """Dropout is never recomputed (a second draw would give other masks); the rest of its segment is."""
     cfg = GPTConfig(vocab=97, d=32, heads=4, layers=2, max_len=32, dropout=0.1)
     torch.manual_seed(0)
-    model = ORTWrap(TinyGPT(cfg), fallback=False, build_cache=False, recompute="layers")
+    model = ORTWrap(TinyGPT(cfg), fallback=False, build_cache=False, recompute="layers", exporter=exporter)
     (ids, tgt), _ = _lm_inputs(3, torch.Generator().manual_seed(0))
     model(ids, tgt)[0].backward()
     built = model.last_artifacts.graph.model()
@@ -94,9 +94,9 @@ def test_recompute_with_dropout_keeps_random_ops():
     assert model.last_artifacts.recompute.recomputed_values
 
 
-def test_recompute_option_validation(monkeypatch):
+def test_recompute_option_validation(exporter, monkeypatch):
     with pytest.raises(ValueError, match=r"recompute='all' is invalid; allowed: none, cheap, layers"):
-        ORTWrap(torch.nn.Linear(2, 2), recompute="all")
+        ORTWrap(torch.nn.Linear(2, 2), recompute="all", exporter=exporter)
     assert Options.resolve().recompute == "cheap"
     monkeypatch.setenv("ORTWRAP_RECOMPUTE", "layers")
     assert Options.resolve().recompute == "layers"

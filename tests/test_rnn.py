@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import check_parity, seq_len
+from parity import check_parity, no_exporter, seq_len
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("exporter")
@@ -69,6 +69,7 @@ def test_bidirectional(name):
     check_parity(lambda: Recurrent(kind, **config), inputs(config.get("batch_first", False)))
 
 
+@no_exporter
 def test_split_into_forward_nodes_and_packed_sequences_refused():
     import onnx
     from onnx_text import run_pass

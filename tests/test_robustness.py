@@ -100,9 +100,9 @@ def train_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("case", list(BAD))
 @pytest.mark.parametrize("when", ["first-call", "later-call"])
-def test_bad_batch_gets_eagers_error_and_never_switches_ort_off(case, when):
+def test_bad_batch_gets_eagers_error_and_never_switches_ort_off(exporter, case, when):
     make, bad, good = BAD[case]
-    eager, w = make(), ORTWrap(make())
+    eager, w = make(), ORTWrap(make(), exporter=exporter)
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: logged.append(record.getMessage())
@@ -137,8 +137,8 @@ class WithStats(nn.Module):
     reduction = "mean"
 
 
-def test_a_rejected_batch_leaves_buffers_and_rng_untouched():
-    w = ORTWrap(WithStats())
+def test_a_rejected_batch_leaves_buffers_and_rng_untouched(exporter):
+    w = ORTWrap(WithStats(), exporter=exporter)
     x, y = torch.randn(4, 6), torch.randint(0, 4, (4,))
     w(x, y).backward()
     stats = [b.clone() for b in w.buffers()]
@@ -151,11 +151,11 @@ def test_a_rejected_batch_leaves_buffers_and_rng_untouched():
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_empty_batch_behaves_like_eager(reduction):
+def test_empty_batch_behaves_like_eager(exporter, reduction):
     eager, m = WithStats(), WithStats()
     eager.reduction = m.reduction = reduction
     eager.bn, m.bn = nn.Identity(), nn.Identity()  # (BatchNorm rejects a batch of 0, in eager too)
-    w = ORTWrap(m, fallback=False)
+    w = ORTWrap(m, fallback=False, exporter=exporter)
     g = torch.Generator().manual_seed(0)
     for b in (4, 0, 3):
         x, y = torch.randn(b, 6, generator=g), torch.randint(0, 4, (b,), generator=g)
@@ -182,8 +182,8 @@ class Peak(nn.Module):
         return self.lin(x).sum()
 
 
-def test_empty_batch_gets_eagers_exception():
-    w = ORTWrap(Peak())
+def test_empty_batch_gets_eagers_exception(exporter):
+    w = ORTWrap(Peak(), exporter=exporter)
     w(torch.randn(4, 6)).backward()
     for _ in range(2):
         assert_same_error(w, Peak(), torch.randn(0, 6))
@@ -206,8 +206,8 @@ def _torch_round_trip(w):
 
 @pytest.mark.parametrize("how", list(COPIES))
 @pytest.mark.parametrize("when", ["before-training", "mid-training", "backward-pending"])
-def test_copies_train_on_ort_like_eager(how, when):
-    eager, w = WithStats(), ORTWrap(WithStats(), fallback=False)
+def test_copies_train_on_ort_like_eager(exporter, how, when):
+    eager, w = WithStats(), ORTWrap(WithStats(), fallback=False, exporter=exporter)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(b, 6, generator=g), torch.randint(0, 4, (b,), generator=g)) for b in (4, 7, 3, 5)]
     pending = None
@@ -238,8 +238,8 @@ def test_copies_train_on_ort_like_eager(how, when):
         pending.backward()  # the original's pending backward still runs
 
 
-def test_ema_copy_tracks_eager():
-    eager, w = WithStats(), ORTWrap(WithStats(), fallback=False)
+def test_ema_copy_tracks_eager(exporter):
+    eager, w = WithStats(), ORTWrap(WithStats(), fallback=False, exporter=exporter)
     ema_e, ema_o = copy.deepcopy(eager), copy.deepcopy(w)
     opt_e, opt_o = torch.optim.SGD(eager.parameters(), lr=0.1), torch.optim.SGD(w.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(0)
@@ -270,8 +270,8 @@ class SoftmaxHead(nn.Module):
         return torch.softmax(h, -1), h * 2
 
 
-def test_in_place_edit_of_an_output_the_backward_reads_raises_eagers_error():
-    eager, w = SoftmaxHead(), ORTWrap(SoftmaxHead(), fallback=False)
+def test_in_place_edit_of_an_output_the_backward_reads_raises_eagers_error(exporter):
+    eager, w = SoftmaxHead(), ORTWrap(SoftmaxHead(), fallback=False, exporter=exporter)
     x = torch.randn(5, 6)
     errors = []
     for model in (eager, w):
@@ -304,12 +304,13 @@ class AntialiasedDown(nn.Module):
         return nn.functional.interpolate(self.c(x), scale_factor=0.5, mode="bilinear", antialias=True)
 
 
-def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning():
+@pytest.mark.parametrize("exporter", ["torchscript"], indirect=True)  # AntialiasedDown: a TorchScript export
+def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning(exporter):
     from ortwrap import FallbackWarning
 
     torch.manual_seed(0)
     eager = AntialiasedDown()
-    ours = ORTWrap(copy.deepcopy(eager), exporter="torchscript")
+    ours = ORTWrap(copy.deepcopy(eager), exporter=exporter)
     with pytest.warns(FallbackWarning, match="runtime phase failed.*training program for AntialiasedDown"):
         for _ in range(3):  # one warning, then the module trains in PyTorch like eager
             x = torch.randn(2, 3, 8, 9)
@@ -320,9 +321,10 @@ def test_a_program_that_fails_its_first_run_falls_back_once_with_a_warning():
         assert_close(p.grad, q.grad, "grad")
 
 
-def test_a_first_run_failure_raises_without_fallback():
+@pytest.mark.parametrize("exporter", ["torchscript"], indirect=True)  # AntialiasedDown: a TorchScript export
+def test_a_first_run_failure_raises_without_fallback(exporter):
     from ortwrap.errors import RuntimeRunError
 
-    ours = ORTWrap(AntialiasedDown(), exporter="torchscript", fallback=False)
+    ours = ORTWrap(AntialiasedDown(), exporter=exporter, fallback=False)
     with pytest.raises(RuntimeRunError, match="first run"):
         ours(torch.randn(2, 3, 8, 9))

@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from parity import check_parity, gemm_op_counts, seq_len
+from parity import check_parity, gemm_op_counts, no_exporter, seq_len
 from torch import nn
 
 from ortwrap import ORTWrap
@@ -150,6 +150,7 @@ def test_masked_gpt_inference_torch_gemm():
     assert gemm_op_counts(w).get("ortwrap_ops::linear_f32") == 9
 
 
+@no_exporter
 def test_gemm_option(monkeypatch):
     assert Options(gemm="torch").torch_gemm and not Options(gemm="ort").torch_gemm
     monkeypatch.setenv("ORTWRAP_GEMM", "torch")
@@ -158,6 +159,7 @@ def test_gemm_option(monkeypatch):
         Options(gemm="mkl")
 
 
+@no_exporter
 def test_auto_gemm_follows_the_cpu_vendor():
     from ortwrap._compat.torch import cpu_is_intel
 
@@ -187,6 +189,7 @@ NAN_GUARDED_SDPA = """
 """
 
 
+@no_exporter
 @pytest.mark.parametrize("fill, rewritten", [("0.0", 1), ("0.5", 0)], ids=["nan-to-zero", "nan-to-half"])
 def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
     """The exporters' SDPA with ``attn_mask`` zeroes fully masked rows with ``Where(IsNaN(p), 0, p)``
@@ -234,6 +237,7 @@ CAUSAL_SDPA = """
 @pytest.mark.parametrize(
     "upper, rows, causal", [(0, 5, True), (1, 5, False), (0, 1, False)], ids=["causal", "upper", "one-row"]
 )
+@no_exporter
 def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     """The exporters' ``is_causal`` mask (``Where(Trilu(ones(L, S)) == 0, lowest, 0)``, as large as the
     scores) becomes flash attention's causal mode, without the mask; another triangle, or a mask that
@@ -280,6 +284,7 @@ DYNAMO_KT = """k = Transpose <perm = [0, 2, 1, 3]> (k4)
         kt = Reshape (kt3, four)"""
 
 
+@no_exporter
 @pytest.mark.parametrize("kt_chain", [TORCHSCRIPT_KT, DYNAMO_KT], ids=["torchscript-kt", "dynamo-kt"])
 def test_attention_pattern_reads_the_heads_layout(kt_chain):
     """q, k, v moved into heads by Transposes (k^T as either exporter writes it) and the output moved
