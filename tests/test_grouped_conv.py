@@ -90,9 +90,9 @@ _HEAP_CHECK = textwrap.dedent(
 
     plain = session.session_options
 
-    def no_arena(options):
+    def no_arena(options, **kwargs):
         # ORT's own heap blocks instead of its arena: glibc sees a write past a buffer at the next free.
-        so = plain(options)
+        so = plain(options, **kwargs)
         so.enable_cpu_mem_arena = False
         return so
 
