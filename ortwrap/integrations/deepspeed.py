@@ -261,6 +261,7 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
     else:
         _gather(wrapper, st)
     wrapper.__dict__[BUSY_MARK] = True
+    fallbacks = wrapper.__dict__["_fallback_calls"]
     try:
         out = (forward or wrapper.forward)(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
     except BaseException:
@@ -268,8 +269,9 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
         raise
     finally:
         del wrapper.__dict__[BUSY_MARK]
-    if wrapper.fallback_reason is not None:
-        # The module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
+    if wrapper.__dict__["_fallback_calls"] != fallbacks:
+        # This call fell back (fallback is per input signature: other calls may still run on ORT): the
+        # module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
         _release_if_idle(wrapper, st)
         return out
     node = _backward_node(out)
