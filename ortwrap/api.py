@@ -98,7 +98,8 @@ class ORTWrap(nn.Module):
         configure(self._options.logging_level)
         d["_programs"] = {}
         # NOTE: fallback is per graph key (the ``key`` of ``forward``): the keys whose build (or
-        # first run) failed on an input PyTorch accepts, each with its error. Their calls run in
+        # first run) failed on an input PyTorch accepts, each with its error's text (not the error:
+        # its traceback holds the frames of that call, its tensors included). Their calls run in
         # PyTorch; every other key keeps building and running on ONNX Runtime.
         d["_failed"] = {}
         d["_fallback_calls"] = 0  # calls run in PyTorch for a failed key (integrations compare it around a call)
@@ -251,49 +252,29 @@ class ORTWrap(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         integration = _step_integration(self)
         if integration is not None:  # an integration takes the call over (partitioned parameters gathered around it)
-            return integration.step(self, self.forward, args, kwargs)
-        params_rg = tuple(map(_requires_grad, self._params))
-        grad_on = _grad_enabled()
-        in_spec: tuple | None = None
-        if not kwargs and ((len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)):
-            # Fast path: only plain positional tensors. Its key is the argument count; the tree
-            # spec is built only if a build is needed.
-            leaves = list(args)
-            structure: Any = len(args)
-        else:
-            leaves = []
-            try:
-                in_spec = self._flatten_inputs(args, kwargs, leaves)
-            except UnsupportedInputError as e:
-                if not self._in_method:
-                    raise
-                # A method of the module (generate with a KV cache object, say) calls self(...) with
-                # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
-                if not self._method_warned:
-                    self.__dict__["_method_warned"] = True
-                    warnings.warn(
-                        f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
-                        f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
-                        FallbackWarning,
-                        stacklevel=3,
-                    )
+            if self._failed and self._falls_back(args, kwargs):
+                # NOTE: a signature that fell back runs in PyTorch before the integration gathers
+                # anything: the module's own hooks (DeepSpeed's) manage its parameters.
+                self.__dict__["_fallback_calls"] += 1
                 return self.module(*args, **kwargs)
-            structure = in_spec
-            if self._ints_fed and _tree.int_constants(in_spec):
-                fed = self._ints_fed.get(_tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None))
-                if fed is not None:
-                    in_spec = structure = _tree.rewrite_ints(
-                        in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self._int_device(leaves)
-                    )
-        needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
-        key = (
-            self.module.training,
-            needs_grad,
-            structure,
-            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
-            params_rg if needs_grad else (),
-            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
-        )
+            return integration.step(self, self.forward, args, kwargs)
+        try:
+            key, leaves, in_spec = self._signature(args, kwargs)
+        except UnsupportedInputError as e:
+            if not self._in_method:
+                raise
+            # A method of the module (generate with a KV cache object, say) calls self(...) with
+            # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
+            if not self._method_warned:
+                self.__dict__["_method_warned"] = True
+                warnings.warn(
+                    f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
+                    f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
+                    FallbackWarning,
+                    stacklevel=3,
+                )
+            return self.module(*args, **kwargs)
+        needs_grad = key[1]
         try:
             programs = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
@@ -369,6 +350,46 @@ class ORTWrap(nn.Module):
             return outputs[0]
         return _tree.unflatten(spec, outputs[:n])
 
+    def _signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], tuple | None]:
+        """The call's graph key (mode, gradients, input structure, each tensor's rank, dtype, device
+        and requires_grad, the parameters' requires_grad, autocast), its tensor leaves, and its
+        tree spec (``None`` on the fast path: only plain positional tensors). Raises
+        ``UnsupportedInputError`` for an input ORTWrap cannot feed."""
+        params_rg = tuple(map(_requires_grad, self._params))
+        grad_on = _grad_enabled()
+        in_spec: tuple | None = None
+        if not kwargs and ((len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)):
+            # Fast path: only plain positional tensors. Its key is the argument count; the tree
+            # spec is built only if a build is needed.
+            leaves = list(args)
+            structure: Any = len(args)
+        else:
+            leaves = []
+            in_spec = structure = self._flatten_inputs(args, kwargs, leaves)
+            if self._ints_fed and _tree.int_constants(in_spec):
+                fed = self._ints_fed.get(_tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None))
+                if fed is not None:
+                    in_spec = structure = _tree.rewrite_ints(
+                        in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self._int_device(leaves)
+                    )
+        needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
+        key = (
+            self.module.training,
+            needs_grad,
+            structure,
+            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
+            params_rg if needs_grad else (),
+            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
+        )
+        return key, leaves, in_spec
+
+    def _falls_back(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's signature fell back (asked before an integration takes a call over)."""
+        try:
+            return self._signature(args, kwargs)[0] in self._failed
+        except (UnsupportedInputError, TypeError):  # (the call itself says so, on its own path)
+            return False
+
     def _promote_ints(
         self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, args: tuple, kwargs: dict
     ) -> tuple[Program, list[torch.Tensor], tuple] | None:
@@ -436,7 +457,7 @@ class ORTWrap(nn.Module):
         """Run the calls of graph key ``key`` in PyTorch from now on, saying why once; other keys
         keep building and running on ONNX Runtime."""
         self._programs.pop(key, None)
-        self._failed[key] = error
+        self._failed[key] = f"the {error.phase} phase failed: {error}"
         self._fallback_reason = error
         self.__dict__["_fallback_calls"] += 1
         calls = self._describe_calls(key, in_spec)
@@ -448,6 +469,13 @@ class ORTWrap(nn.Module):
             stacklevel=5,
         )
         logger.warning("falling back to PyTorch for %s: %s", calls, error)
+
+    def _fall_back_call(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
+        """Fall back for this call's signature (an integration found it cannot take the call over)
+        and run the call in PyTorch."""
+        key, _, in_spec = self._signature(args, kwargs)
+        self._fall_back(error, key, in_spec if in_spec is not None else self._flatten_inputs(args, kwargs, []))
+        return self.module(*args, **kwargs)
 
     def _describe_calls(self, key: tuple, in_spec: tuple) -> str:
         """The calls of graph key ``key`` in short: mode, gradients, each input tensor's path,
