@@ -97,6 +97,12 @@ class ORTWrap(nn.Module):
         d["_options"] = Options.resolve(**options)
         configure(self._options.logging_level)
         d["_programs"] = {}
+        # NOTE: fallback is per graph key (the ``key`` of ``forward``): the keys whose build (or
+        # first run) failed on an input PyTorch accepts, each with its error's text (not the error:
+        # its traceback holds the frames of that call, its tensors included). Their calls run in
+        # PyTorch; every other key keeps building and running on ONNX Runtime.
+        d["_failed"] = {}
+        d["_fallback_calls"] = 0  # calls run in PyTorch for a failed key (integrations compare it around a call)
         d["_export_count"] = 0
         d["_last_artifacts"] = None
         d["_fallback_reason"] = None
@@ -158,14 +164,17 @@ class ORTWrap(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         # Copies and pickles hold the module, the options and the wrapper's own hooks; compiled
-        # programs (ONNX Runtime sessions) are rebuilt lazily, from the build cache where enabled.
+        # programs (ONNX Runtime sessions) are rebuilt lazily, from the build cache where enabled,
+        # and the keys that fell back are tried again (a new wrapper: fallback_reason is None).
         hooks = {k: self.__dict__[k] for k in _HOOK_STATE if k in self.__dict__}
         return (_rebuild, (self.module, self._option_values, hooks))
 
     def _module_changed(self) -> None:
         """The module was changed through the wrapper (an attribute, buffer, parameter or submodule
-        set): compiled programs may read what changed, so they are rebuilt on the next call."""
+        set): compiled programs may read what changed, so they are rebuilt on the next call; the
+        keys that fell back are tried again too (what changed may be what failed)."""
         self._programs.clear()
+        self._failed.clear()
         self.__dict__["_params"] = list(self.module.parameters())
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
@@ -210,7 +219,10 @@ class ORTWrap(nn.Module):
 
     @property
     def fallback_reason(self) -> ORTWrapError | None:
-        """The error that made ORTWrap fall back to PyTorch, or ``None``."""
+        """The error of this wrapper's most recent fallback to PyTorch, or ``None`` if no call has
+        fallen back. Fallback is per input signature (the graph key: mode, gradients, input
+        structure, dtypes, ranks, devices, autocast): calls of other signatures, training calls
+        after an inference call fell back say, still run on ONNX Runtime."""
         return self._fallback_reason
 
     # ------------------------------------------------------------------ state dict without prefix
@@ -238,59 +250,40 @@ class ORTWrap(nn.Module):
         return nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fallback_reason is not None:
-            return self.module(*args, **kwargs)
         integration = _step_integration(self)
         if integration is not None:  # an integration takes the call over (partitioned parameters gathered around it)
-            return integration.step(self, self.forward, args, kwargs)
-        params_rg = tuple(map(_requires_grad, self._params))
-        grad_on = _grad_enabled()
-        in_spec: tuple | None = None
-        if not kwargs and ((len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)):
-            # Fast path: only plain positional tensors. Its key is the argument count; the tree
-            # spec is built only if a build is needed.
-            leaves = list(args)
-            structure: Any = len(args)
-        else:
-            leaves = []
-            try:
-                in_spec = self._flatten_inputs(args, kwargs, leaves)
-            except UnsupportedInputError as e:
-                if not self._in_method:
-                    raise
-                # A method of the module (generate with a KV cache object, say) calls self(...) with
-                # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
-                if not self._method_warned:
-                    self.__dict__["_method_warned"] = True
-                    warnings.warn(
-                        f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
-                        f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
-                        FallbackWarning,
-                        stacklevel=3,
-                    )
+            if self._failed and self._falls_back(args, kwargs):
+                # NOTE: a signature that fell back runs in PyTorch before the integration gathers
+                # anything: the module's own hooks (DeepSpeed's) manage its parameters.
+                self.__dict__["_fallback_calls"] += 1
                 return self.module(*args, **kwargs)
-            structure = in_spec
-            if self._ints_fed and _tree.int_constants(in_spec):
-                fed = self._ints_fed.get(_tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None))
-                if fed is not None:
-                    in_spec = structure = _tree.rewrite_ints(
-                        in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self._int_device(leaves)
-                    )
-        needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
-        key = (
-            self.module.training,
-            needs_grad,
-            structure,
-            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
-            params_rg if needs_grad else (),
-            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
-        )
+            return integration.step(self, self.forward, args, kwargs)
+        try:
+            key, leaves, in_spec = self._signature(args, kwargs)
+        except UnsupportedInputError as e:
+            if not self._in_method:
+                raise
+            # A method of the module (generate with a KV cache object, say) calls self(...) with
+            # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
+            if not self._method_warned:
+                self.__dict__["_method_warned"] = True
+                warnings.warn(
+                    f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
+                    f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
+                    FallbackWarning,
+                    stacklevel=3,
+                )
+            return self.module(*args, **kwargs)
+        needs_grad = key[1]
         try:
             programs = self._programs.get(key)
         except TypeError as e:  # an unhashable constant somewhere in the inputs
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
         program = programs.find(leaves) if programs is not None else None
         if program is None:
+            if programs is None and self._failed and key in self._failed:
+                self.__dict__["_fallback_calls"] += 1  # this signature fell back (said once, when it did)
+                return self.module(*args, **kwargs)
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
             if any(t.numel() == 0 for t in leaves):
@@ -304,13 +297,13 @@ class ORTWrap(nn.Module):
                 return self.module(*args, **kwargs)
             promoted = self._promote_ints(key, leaves, in_spec, needs_grad, args, kwargs)
             if promoted is not None:
-                program, leaves = promoted
+                program, leaves, key = promoted
             else:
                 try:
                     program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
                 except _GuardMiss as miss:
                     return self._run_eagerly_once(miss.error, args, kwargs)
-                if program is None:
+                if program is None:  # this key fell back
                     return self.module(*args, **kwargs)
             if self._options.verify and promoted is None:
                 try:
@@ -328,7 +321,7 @@ class ORTWrap(nn.Module):
             self._raise_if_eager_raises(args, kwargs)
             if not self._options.fallback:
                 raise
-            self._fall_back(e)
+            self._fall_back(e, key, in_spec or self._flatten_inputs(args, kwargs, []))
             return self.module(*args, **kwargs)
         except Exception as e:
             # NOTE: a bad input (wrong feature size, a user's shape assert traced away) reaches ORT
@@ -343,7 +336,7 @@ class ORTWrap(nn.Module):
                 # A program that never ran, on an input eager accepts: the build is what failed (an
                 # ATen node ORT cannot feed, a kernel ORT lacks at run time), not the batch.
                 error.__cause__ = e
-                self._fall_back(error)
+                self._fall_back(error, key, in_spec or self._flatten_inputs(args, kwargs, []))
                 return self.module(*args, **kwargs)
             raise RuntimeRunError(f"{error} (fallback=True applies only to a program's first run)") from e
         program.runs += 1
@@ -357,12 +350,52 @@ class ORTWrap(nn.Module):
             return outputs[0]
         return _tree.unflatten(spec, outputs[:n])
 
+    def _signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor], tuple | None]:
+        """The call's graph key (mode, gradients, input structure, each tensor's rank, dtype, device
+        and requires_grad, the parameters' requires_grad, autocast), its tensor leaves, and its
+        tree spec (``None`` on the fast path: only plain positional tensors). Raises
+        ``UnsupportedInputError`` for an input ORTWrap cannot feed."""
+        params_rg = tuple(map(_requires_grad, self._params))
+        grad_on = _grad_enabled()
+        in_spec: tuple | None = None
+        if not kwargs and ((len(args) == 1 and type(args[0]) is _Tensor) or all(type(a) is _Tensor for a in args)):
+            # Fast path: only plain positional tensors. Its key is the argument count; the tree
+            # spec is built only if a build is needed.
+            leaves = list(args)
+            structure: Any = len(args)
+        else:
+            leaves = []
+            in_spec = structure = self._flatten_inputs(args, kwargs, leaves)
+            if self._ints_fed and _tree.int_constants(in_spec):
+                fed = self._ints_fed.get(_tree.rewrite_ints(in_spec, list(leaves), lambda i, v: None))
+                if fed is not None:
+                    in_spec = structure = _tree.rewrite_ints(
+                        in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self._int_device(leaves)
+                    )
+        needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
+        key = (
+            self.module.training,
+            needs_grad,
+            structure,
+            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
+            params_rg if needs_grad else (),
+            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
+        )
+        return key, leaves, in_spec
+
+    def _falls_back(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's signature fell back (asked before an integration takes a call over)."""
+        try:
+            return self._signature(args, kwargs)[0] in self._failed
+        except (UnsupportedInputError, TypeError):  # (the call itself says so, on its own path)
+            return False
+
     def _promote_ints(
         self, key: tuple, leaves: list[torch.Tensor], in_spec: tuple, needs_grad: bool, args: tuple, kwargs: dict
-    ) -> tuple[Program, list[torch.Tensor]] | None:
+    ) -> tuple[Program, list[torch.Tensor], tuple] | None:
         """A build for a call whose ``int`` arguments differ from the last build's for the same
         inputs otherwise: those ints become 0-d int64 graph inputs, so that the next values reuse
-        the graph. Returns the program and the call's leaves (the ints added), or None: no int
+        the graph. Returns the program, the call's leaves (the ints added) and its key, or None: no int
         changed, or the graph cannot take them as inputs (an int deciding a shape or a loop count:
         they stay constants, one export per value, as before).
 
@@ -412,7 +445,7 @@ class ORTWrap(nn.Module):
             return None
         self._ints_fed[stripped] = changed
         logger.info("int arguments of %s that change between calls are graph inputs", type(self.module).__name__)
-        return program, fed_leaves
+        return program, fed_leaves, fed_key
 
     def _int_device(self, leaves: list[torch.Tensor]) -> torch.device:
         """Where ints fed as graph inputs go: with the call's tensors (or the parameters)."""
@@ -420,17 +453,46 @@ class ORTWrap(nn.Module):
             return leaves[0].device
         return self._params[0].device if self._params else torch.device("cpu")
 
-    def _fall_back(self, error: ORTWrapError) -> None:
-        """Run the module in PyTorch from now on, saying why once."""
+    def _fall_back(self, error: ORTWrapError, key: tuple, in_spec: tuple) -> None:
+        """Run the calls of graph key ``key`` in PyTorch from now on, saying why once; other keys
+        keep building and running on ONNX Runtime."""
+        self._programs.pop(key, None)
+        self._failed[key] = f"the {error.phase} phase failed: {error}"
         self._fallback_reason = error
-        self._programs.clear()
+        self.__dict__["_fallback_calls"] += 1
+        calls = self._describe_calls(key, in_spec)
         warnings.warn(
-            f"ORTWrap falls back to PyTorch for {type(self.module).__name__}: the {error.phase} phase failed: {error}. "
+            f"ORTWrap falls back to PyTorch for {calls} of {type(self.module).__name__}: the {error.phase} phase "
+            f"failed: {error}. Calls with other inputs or modes still run on ONNX Runtime. "
             "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
             FallbackWarning,
             stacklevel=5,
         )
-        logger.warning("falling back to PyTorch: %s", error)
+        logger.warning("falling back to PyTorch for %s: %s", calls, error)
+
+    def _fall_back_call(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
+        """Fall back for this call's signature (an integration found it cannot take the call over)
+        and run the call in PyTorch."""
+        key, _, in_spec = self._signature(args, kwargs)
+        self._fall_back(error, key, in_spec if in_spec is not None else self._flatten_inputs(args, kwargs, []))
+        return self.module(*args, **kwargs)
+
+    def _describe_calls(self, key: tuple, in_spec: tuple) -> str:
+        """The calls of graph key ``key`` in short: mode, gradients, each input tensor's path,
+        dtype, rank and device, autocast."""
+        mode = "training-mode" if key[0] else "eval-mode"
+        grads = "with gradients" if key[1] else "without gradients (inference)"
+        paths = _leaf_paths(in_spec, self._arg_names)
+        shapes = key[3]
+        paths += [f"input{i}" for i in range(len(paths), len(shapes))]  # (a promotion's key: its ints)
+        inputs = ", ".join(
+            f"{path}: {str(dtype).removeprefix('torch.')} {dim}-d on {device}"
+            for path, (dim, dtype, device, _) in zip(paths, shapes)
+        )
+        text = f"{mode} calls {grads} on inputs ({inputs or 'none'})"
+        if key[5] is not None and key[5][0]:
+            text += " under autocast " + ", ".join(f"{d}:{str(t).removeprefix('torch.')}" for d, t in key[5][0])
+        return text
 
     def _evict(self, key: tuple, program: Program) -> None:
         """Forget ``program`` (it failed verification), so that no later call runs it."""
@@ -519,7 +581,7 @@ class ORTWrap(nn.Module):
                 raise _GuardMiss(e) from e
             if not self._options.fallback or not may_fall_back:
                 raise
-            self._fall_back(e)
+            self._fall_back(e, key, in_spec)
             return None
         self._export_count += artifacts.exports
         if programs is None:

@@ -331,6 +331,7 @@ def torch_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory):
     cases = ["zero1", "zero2", "zero3", "zero3_init", "zero3_accum", "zero3_partial", "zero3_fallback"]
+    cases += ["zero3_evalfallback"]
     cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule", "zero3_submodule_dynamo"]
     cases += ["zero3_submodule_gpt"]
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
@@ -435,6 +436,23 @@ def test_zero3_fallback_to_pytorch_matches_plain_deepspeed(deepspeed_runs):
     # The export fails (a Function with an int output); ORTWrap runs the module in PyTorch, where
     # DeepSpeed's own hooks gather the parameters again.
     _assert_deepspeed_parity(deepspeed_runs["zero3_fallback"], 3, fallback=True)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_zero3_inference_fallback_leaves_training_on_ort(deepspeed_runs):
+    # Only the eval-mode path cannot be built: that no-grad call (mid-training, and after training)
+    # runs in PyTorch; every training step before and after it runs the one ORT training program, and
+    # ZeRO-3's parameters are partitioned again after each backward and after each no-grad call.
+    ranks = deepspeed_runs["zero3_evalfallback"]
+    for r in _ok(ranks):
+        plain, ours = r["plain"], r["ortwrap"]
+        assert ours["fallback"] and "ScaleAndCount" in ours["fallback"], ours["fallback"]
+        # one training program; it ran every step and the forward dropped without a backward
+        assert ours["program_runs"] == [len(plain["losses"]) + 1], ours["program_runs"]
+        assert ours["python_ops"] == 0
+        assert ours["gathered_after_no_grad"] == [], "ORTWrap left parameters gathered after a no-grad fallback"
+    _assert_deepspeed_parity(ranks, 3, fallback=True)
 
 
 @pytest.mark.slow

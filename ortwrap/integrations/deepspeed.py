@@ -259,8 +259,17 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
         zero3_layers.define_ops()
         zero3_layers.set_current(_layer_table(wrapper, st))
     else:
-        _gather(wrapper, st)
+        try:
+            _gather(wrapper, st)
+        except _Prefetched as e:
+            if not wrapper.__dict__["_failed"] or not wrapper.options.fallback:
+                raise
+            # NOTE: an earlier call fell back, so the module ran under DeepSpeed's own hooks, and
+            # DeepSpeed's prefetch now gathers its parameters ahead of ortwrap: this signature runs
+            # in PyTorch too (said once, remembered), as every call did before fallback was per signature.
+            return wrapper._fall_back_call(e, args, kwargs)
     wrapper.__dict__[BUSY_MARK] = True
+    fallbacks = wrapper.__dict__["_fallback_calls"]
     try:
         out = (forward or wrapper.forward)(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
     except BaseException:
@@ -268,8 +277,9 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
         raise
     finally:
         del wrapper.__dict__[BUSY_MARK]
-    if wrapper.fallback_reason is not None:
-        # The module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
+    if wrapper.__dict__["_fallback_calls"] != fallbacks:
+        # This call fell back (fallback is per input signature: other calls may still run on ORT): the
+        # module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
         _release_if_idle(wrapper, st)
         return out
     node = _backward_node(out)
@@ -334,6 +344,10 @@ def _layer_table(wrapper: ORTWrap, st: _Zero3State) -> zero3_layers.LayerTable:
     return st.table
 
 
+class _Prefetched(UnsupportedInputError):
+    """DeepSpeed's prefetch is gathering the wrapped module's parameters when ortwrap would."""
+
+
 def _gather(wrapper: ORTWrap, st: _Zero3State) -> None:
     """All-gather the wrapped module's partitioned parameters (a collective: every rank gathers the
     same parameters in the same order)."""
@@ -341,7 +355,7 @@ def _gather(wrapper: ORTWrap, st: _Zero3State) -> None:
     not_available = _status("NOT_AVAILABLE")
     inflight = [p for p in params if p.ds_status == _status("INFLIGHT")]
     if inflight:
-        raise UnsupportedInputError(
+        raise _Prefetched(
             f"ORTWrap under DeepSpeed ZeRO-3: {len(inflight)} parameters are being gathered by DeepSpeed's "
             "prefetch when ORTWrap runs; ortwrap gathers the wrapped module's parameters itself"
         )
