@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _tree, integrations
 from ._compat import torch as compat
-from ._logging import configure, logger, user_stacklevel
+from ._logging import configure, logger
 from .bridge import state as bridge_state
 from .errors import (
     FALLBACK_PHASES,
@@ -271,7 +271,7 @@ class ORTWrap(nn.Module):
                     f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
                     f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
                     FallbackWarning,
-                    stacklevel=user_stacklevel(),
+                    stacklevel=3,
                 )
             return self.module(*args, **kwargs)
         needs_grad = key[1]
@@ -466,7 +466,7 @@ class ORTWrap(nn.Module):
             f"failed: {error}. Calls with other inputs or modes still run on ONNX Runtime. "
             "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
             FallbackWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=5,
         )
         logger.warning("falling back to PyTorch for %s: %s", calls, error)
 
@@ -516,7 +516,7 @@ class ORTWrap(nn.Module):
             f"ORTWrap ran one call of {type(self.module).__name__} in PyTorch: its input shapes break the dynamo "
             f"capture's assumptions and a new export failed: {error}",
             FallbackWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=3,
         )
         return out
 
