@@ -254,7 +254,7 @@ class ORTWrap(nn.Module):
         if integration is not None:  # an integration takes the call over (partitioned parameters gathered around it)
             if self._failed and self._falls_back(args, kwargs):
                 # NOTE: a signature that fell back runs in PyTorch before the integration gathers
-                # anything: the module's own hooks (DeepSpeed's) manage its parameters.
+                # anything: the module's own hooks (the integration's) manage its parameters.
                 self.__dict__["_fallback_calls"] += 1
                 return self.module(*args, **kwargs)
             return integration.step(self, self.forward, args, kwargs)
