@@ -321,7 +321,7 @@ class ORTWrap(nn.Module):
             self._raise_if_eager_raises(args, kwargs)
             if not self._options.fallback:
                 raise
-            self._fall_back(e, key, in_spec or self._flatten_inputs(args, kwargs, []))
+            self._fall_back(e, key, in_spec, args, kwargs)
             return self.module(*args, **kwargs)
         except Exception as e:
             # NOTE: a bad input (wrong feature size, a user's shape assert traced away) reaches ORT
@@ -336,7 +336,7 @@ class ORTWrap(nn.Module):
                 # A program that never ran, on an input eager accepts: the build is what failed (an
                 # ATen node ORT cannot feed, a kernel ORT lacks at run time), not the batch.
                 error.__cause__ = e
-                self._fall_back(error, key, in_spec or self._flatten_inputs(args, kwargs, []))
+                self._fall_back(error, key, in_spec, args, kwargs)
                 return self.module(*args, **kwargs)
             raise RuntimeRunError(f"{error} (fallback=True applies only to a program's first run)") from e
         program.runs += 1
@@ -453,9 +453,12 @@ class ORTWrap(nn.Module):
             return leaves[0].device
         return self._params[0].device if self._params else torch.device("cpu")
 
-    def _fall_back(self, error: ORTWrapError, key: tuple, in_spec: tuple) -> None:
+    def _fall_back(self, error: ORTWrapError, key: tuple, in_spec: tuple | None, args: tuple, kwargs: dict) -> None:
         """Run the calls of graph key ``key`` in PyTorch from now on, saying why once; other keys
-        keep building and running on ONNX Runtime."""
+        keep building and running on ONNX Runtime. ``in_spec``: the call's tree spec, or None (the
+        fast path's: made from ``args`` and ``kwargs`` for the warning)."""
+        if in_spec is None:
+            in_spec = self._flatten_inputs(args, kwargs, [])
         self._programs.pop(key, None)
         self._failed[key] = f"the {error.phase} phase failed: {error}"
         self._fallback_reason = error
@@ -474,7 +477,7 @@ class ORTWrap(nn.Module):
         """Fall back for this call's signature (an integration found it cannot take the call over)
         and run the call in PyTorch."""
         key, _, in_spec = self._signature(args, kwargs)
-        self._fall_back(error, key, in_spec if in_spec is not None else self._flatten_inputs(args, kwargs, []))
+        self._fall_back(error, key, in_spec, args, kwargs)
         return self.module(*args, **kwargs)
 
     def _describe_calls(self, key: tuple, in_spec: tuple) -> str:
@@ -581,7 +584,7 @@ class ORTWrap(nn.Module):
                 raise _GuardMiss(e) from e
             if not self._options.fallback or not may_fall_back:
                 raise
-            self._fall_back(e, key, in_spec)
+            self._fall_back(e, key, in_spec, args, kwargs)
             return None
         self._export_count += artifacts.exports
         if programs is None:
