@@ -95,6 +95,24 @@ def _marks(case, exporter, fast: bool) -> list:
     return marks
 
 
+def _train_case(case, tol, *, wrap_options, make_model=None, make_inputs=None, **parity):
+    """``check_parity`` of a zoo case at ``tol`` (atol and rtol), AdamW unless ``parity`` says
+    otherwise; returns the wrapper after asserting it did not fall back."""
+    parity.setdefault("optimizer", adamw)
+    w = check_parity(
+        make_model or case.make_model,
+        make_inputs or case.make_inputs,
+        batch_sizes=BATCH_SIZES,
+        loss_fn=case.loss or default_loss,
+        atol=tol,
+        rtol=tol,
+        wrap_options=wrap_options,
+        **parity,
+    )
+    assert w.fallback_reason is None
+    return w
+
+
 def _autocast_params():
     for case in CASES:
         for exporter in EXPORTERS:
@@ -106,19 +124,7 @@ def _autocast_params():
 
 @pytest.mark.parametrize("case, exporter", list(_autocast_params()))
 def test_architecture_trains_under_autocast(case, exporter):
-    tol = AMP_TOL.get(case.name, BF16)
-    w = check_parity(
-        case.make_model,
-        case.make_inputs,
-        batch_sizes=BATCH_SIZES,
-        loss_fn=case.loss or default_loss,
-        atol=tol,
-        rtol=tol,
-        optimizer=adamw,
-        autocast=bf16_autocast,
-        wrap_options={"exporter": exporter},
-    )
-    assert w.fallback_reason is None
+    _train_case(case, AMP_TOL.get(case.name, BF16), autocast=bf16_autocast, wrap_options={"exporter": exporter})
 
 
 def _float32_route_params():
@@ -132,19 +138,12 @@ def _float32_route_params():
 @pytest.mark.parametrize("case, exporter", list(_float32_route_params()))
 def test_architecture_trains_under_autocast_on_the_float32_route(case, exporter):
     """``half_compute="float32"``: what ``auto`` picks on a CPU without bf16 instructions."""
-    tol = AMP_TOL.get(case.name, BF16)
-    w = check_parity(
-        case.make_model,
-        case.make_inputs,
-        batch_sizes=BATCH_SIZES,
-        loss_fn=case.loss or default_loss,
-        atol=tol,
-        rtol=tol,
-        optimizer=adamw,
+    w = _train_case(
+        case,
+        AMP_TOL.get(case.name, BF16),
         autocast=bf16_autocast,
         wrap_options={"exporter": exporter, "half_compute": "float32"},
     )
-    assert w.fallback_reason is None
     assert "HalfMatMulOnCPUPass" not in [p.name for p in w.last_artifacts.passes if p.modified]
 
 
@@ -160,19 +159,12 @@ FP16_AMP_TOL = {"resnetish": 0.1}
 def test_architecture_trains_under_float16_autocast(name, exporter):
     """``torch.autocast("cpu", dtype=torch.float16)``: float16 always computes in float32 inside."""
     case = BY_NAME[name]
-    tol = FP16_AMP_TOL.get(name, FP16)
-    w = check_parity(
-        case.make_model,
-        case.make_inputs,
-        batch_sizes=BATCH_SIZES,
-        loss_fn=case.loss or default_loss,
-        atol=tol,
-        rtol=tol,
-        optimizer=adamw,
+    _train_case(
+        case,
+        FP16_AMP_TOL.get(name, FP16),
         autocast=lambda: torch.autocast("cpu", dtype=torch.float16),
         wrap_options={"exporter": exporter},
     )
-    assert w.fallback_reason is None
 
 
 def _cast_floats(obj, dtype):
@@ -203,16 +195,12 @@ def _half_params():
 def test_half_precision_architecture_trains(case, dtype, route, exporter):
     """``model.to(dtype)`` with inputs in ``dtype``: outputs and gradients in eager's dtypes (bf16
     also on the ``float32`` route: the measured needs are the same)."""
-    tol = HALF_TOL.get((case.name, dtype), BF16 if dtype is torch.bfloat16 else FP16)
-    w = check_parity(
-        lambda: case.make_model().to(dtype),
-        lambda b, g: _cast_floats(case.make_inputs(b, g), dtype),
-        batch_sizes=BATCH_SIZES,
-        loss_fn=case.loss or default_loss,
-        atol=tol,
-        rtol=tol,
+    w = _train_case(
+        case,
+        HALF_TOL.get((case.name, dtype), BF16 if dtype is torch.bfloat16 else FP16),
+        make_model=lambda: case.make_model().to(dtype),
+        make_inputs=lambda b, g: _cast_floats(case.make_inputs(b, g), dtype),
         optimizer=sgd,
         wrap_options={"exporter": exporter, "half_compute": route},
     )
-    assert w.fallback_reason is None
     assert all(p.grad is None or p.grad.dtype == dtype for p in w.parameters())
