@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from ._compat.torch import UnsupportedTorchWarning, check_torch_version
+from ._version import __version__
 
 check_torch_version()  # before anything else: a clear ImportError on a torch older than supported
 
@@ -26,8 +27,6 @@ from .errors import (  # noqa: E402
 from .options import ENV_VARS, Options  # noqa: E402
 from .program import BuildArtifacts  # noqa: E402
 
-__version__ = "0.1.0"
-
 __all__ = [
     "ENV_VARS",
     "BuildArtifacts",
@@ -46,4 +45,5 @@ __all__ = [
     "UnsupportedTorchError",
     "UnsupportedTorchWarning",
     "VerificationError",
+    "__version__",
 ]

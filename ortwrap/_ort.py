@@ -72,17 +72,34 @@ class _NoORTModule(importlib.abc.MetaPathFinder):
         return None
 
 
+#: The CPython versions ONNX Runtime publishes its 1.19.2 training wheels for.
+TRAINING_WHEEL_PYTHONS = ((3, 10), (3, 11), (3, 12))
+
+
+def missing_ort_message(version: tuple[int, int] = sys.version_info[:2]) -> str:
+    """What ``import ortwrap`` says when ``onnxruntime`` cannot be imported, on Python ``version``."""
+    pythons = ", ".join(f"{major}.{minor}" for major, minor in TRAINING_WHEEL_PYTHONS)
+    if version not in TRAINING_WHEEL_PYTHONS:
+        return (
+            f"ortwrap needs ONNX Runtime's training build (onnxruntime-training 1.19.2), which is published for "
+            f"CPython {pythons} only, and this is Python {version[0]}.{version[1]}: the ortwrap[cpu] and "
+            f"ortwrap[cuda] extras install nothing here. Use a Python {pythons} environment, e.g. "
+            f"`python3.12 -m venv .venv`, then pip install 'ortwrap[cpu]' (or 'ortwrap[cuda]')."
+        )
+    return (
+        "ortwrap needs ONNX Runtime's training build: pip install 'ortwrap[cpu]' "
+        "(onnxruntime-training-cpu==1.19.2) or 'ortwrap[cuda]' (onnxruntime-training==1.19.2). "
+        f"Install only one of them, and not plain onnxruntime beside it (training wheels exist for CPython {pythons})."
+    )
+
+
 _blocker = _NoORTModule()
 sys.meta_path.insert(0, _blocker)
 try:
     import onnxruntime as ort
     from onnxruntime.capi import _pybind_state as C
-except ImportError as e:  # pragma: no cover - exercised only on a broken install
-    raise ImportError(
-        "ortwrap needs ONNX Runtime's training build: pip install 'ortwrap[cpu]' "
-        "(onnxruntime-training-cpu==1.19.2) or 'ortwrap[cuda]' (onnxruntime-training==1.19.2). "
-        "Install only one of them, and not plain onnxruntime beside it."
-    ) from e
+except ImportError as e:
+    raise ImportError(missing_ort_message()) from e
 finally:
     sys.meta_path.remove(_blocker)
 

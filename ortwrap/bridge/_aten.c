@@ -19,8 +19,8 @@
  * ownership, so ORT turns it into a normal failed-Run status ("... ATen node ... ORT only supports contiguous
  * tensor for now.") and the process keeps running.  The real Python exception is kept by aten.py, which re-raises it after the run.
  *
- * Only Python.h is needed; the DLPack structs below are the stable (unversioned, v0.x) DLPack ABI.
- * Built by _native.py.
+ * Only Python.h is needed, and _dlpack.h (the stable, unversioned v0.x DLPack ABI, shared with kernels/_cpu.c).
+ * Built as the extension module ortwrap.bridge._aten by setup.py, or on first use by _native.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,30 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ---- DLPack ABI (dlpack.h v0.x layout) ---- */
-typedef struct {
-  int32_t device_type; /* DLDeviceType enum, int-sized */
-  int32_t device_id;
-} DLDevice;
-typedef struct {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-} DLDataType;
-typedef struct {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;
-  uint64_t byte_offset;
-} DLTensor;
-typedef struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(struct DLManagedTensor* self);
-} DLManagedTensor;
+#include "_dlpack.h"
 
 static const char kCapsuleName[] = "dltensor";
 
@@ -68,7 +45,7 @@ static int64_t g_poison_shape[1] = {2};
 static int64_t g_poison_strides[1] = {2};
 static void poison_deleter(DLManagedTensor* self) { (void)self; /* static storage, nothing to free */ }
 static DLManagedTensor g_poison = {
-    {g_poison_data, {1 /* kDLCPU */, 0}, 1, {2 /* kDLFloat */, 32, 1}, g_poison_shape, g_poison_strides, 0},
+    {g_poison_data, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, g_poison_shape, g_poison_strides, 0},
     NULL,
     poison_deleter};
 
@@ -229,3 +206,17 @@ done:
   Py_XDECREF(result);
   PyGILState_Release(gil);
 }
+
+/* ---- as an extension module ----
+ * setup.py builds this file as the extension module ortwrap.bridge._aten (so an installed wheel needs no C compiler);
+ * ortwrap loads it with ctypes.PyDLL (bridge/_native.py), never imports it, so the module itself is empty.
+ * ORTWRAP_SOURCE_SHA256, set by setup.py, names the source the build came from: _native.py compiles the source
+ * instead when it has changed since (a source checkout edited after `pip install -e .`). */
+#ifndef ORTWRAP_SOURCE_SHA256
+#define ORTWRAP_SOURCE_SHA256 ""
+#endif
+const char ortwrap_source_sha256[] = ORTWRAP_SOURCE_SHA256;
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_aten",
+                                         "ortwrap's native ATen-op executor; loaded with ctypes.", -1, NULL};
+PyMODINIT_FUNC PyInit__aten(void) { return PyModule_Create(&module_def); }

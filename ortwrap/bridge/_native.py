@@ -1,10 +1,15 @@
-"""Build and load ortwrap's small native libraries (Python.h only) with the system C compiler.
+"""Load ortwrap's small native libraries (Python.h only): prebuilt, or compiled with the system C compiler.
 
 ONNX Runtime 1.19.2 calls its PythonOp runners and its ATen executor through raw function
-pointers, so they must be native code: a few hundred lines of C that use only the Python C API.
-They, and ortwrap's CPU kernels (``kernels/_cpu.c``, plain C), are compiled on first use (about
-0.2 s; 1 s for the kernels) into a cache keyed by the source, the Python version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its builds take
-about a minute and were a common source of ORTModule install failures.
+pointers, so they must be native code: a few hundred lines of C that use only the Python C API
+(``_runner.c``, ``_aten.c``). A wheel or sdist install builds them as extension modules
+(``setup.py``), so the core path needs no C compiler at run time; ortwrap loads them with ctypes.
+Where none was built for this Python (a source checkout on ``PYTHONPATH``), or its source has been
+edited since (each carries its source's digest, ``_digest.py``), they are compiled on first use
+(about 0.2 s), as are ortwrap's CPU kernels (``kernels/_cpu.c``, plain C, about 1 s, always:
+``-march=native`` code for the CPU that runs them). Compiled libraries are cached by the source,
+the Python version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its
+builds take about a minute and were a common source of ORTModule install failures.
 
 The cache directory is ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``; the compiler is ``$CC`` or
 the first of ``cc``/``gcc``/``clang`` found.
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import logging
 import os
 import platform
 import shutil
@@ -25,6 +32,9 @@ from functools import cache
 
 from ..errors import ORTWrapError
 from ..options import c_compiler_override, cache_dir
+from ._digest import HEADERS, source_digest
+
+logger = logging.getLogger(__name__)
 
 
 class NativeBuildError(ORTWrapError):
@@ -36,7 +46,20 @@ class NativeBuildError(ORTWrapError):
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _compiler() -> str:
+#: What each C file is for, in NativeBuildError's message.
+_PURPOSE = {
+    "_runner": "the runners that call torch.autograd.Functions inside ONNX Runtime (this ortwrap has no "
+    "prebuilt copy for this Python: a source checkout, which `pip install -e .` builds them for)",
+    "_aten": "the executor that runs ATen ops inside ONNX Runtime (this ortwrap has no prebuilt copy for "
+    "this Python: a source checkout, which `pip install -e .` builds them for)",
+    "_cpu": "ortwrap's CPU kernels, compiled on first use for the CPU that runs them (-march=native)",
+}
+
+#: name -> path of each native library loaded in this process (prebuilt module or compiled in the cache).
+LOADED: dict[str, str] = {}
+
+
+def _compiler(name: str) -> str:
     override = c_compiler_override()
     candidates = [override] if override else ["cc", "gcc", "clang"]
     for c in candidates:
@@ -44,11 +67,11 @@ def _compiler() -> str:
         if path:
             return path
     raise NativeBuildError(
-        "no C compiler found (tried "
-        + ", ".join(candidates)
-        + "). ortwrap compiles two small Python C-API helpers on first use to run "
-        "torch.autograd.Functions and ATen ops inside ONNX Runtime. Install one (e.g. `apt-get install gcc`) "
-        "or set CC."
+        f"no C compiler in this environment (Python {platform.python_version()} at {sys.prefix}, "
+        f"{platform.system()} {platform.machine()}; tried {'CC=' + override if override else ', '.join(candidates)}) "
+        f"to compile {name}.c, {_PURPOSE.get(name, 'a native helper of ortwrap')}. Install a C compiler "
+        "(Debian/Ubuntu: `apt-get install gcc`; Fedora/RHEL: `dnf install gcc`; conda: "
+        "`conda install -c conda-forge c-compiler`) or point CC at one"
     )
 
 
@@ -62,19 +85,45 @@ def _cpu_signature() -> bytes:
         return platform.processor().encode()
 
 
+def _prebuilt(name: str, directory: str, src: str) -> ctypes.PyDLL | None:
+    """The extension module ``setup.py`` built from ``<name>.c`` for this Python, if there is one and
+    the source beside it (where present) is still the one it was built from."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(directory, name + suffix)
+        if not os.path.exists(path):
+            continue
+        lib = ctypes.PyDLL(path)
+        built = (ctypes.c_char * 65).in_dll(lib, "ortwrap_source_sha256").value.decode()
+        if os.path.exists(src) and built != source_digest(src):
+            logger.debug("%s was built from another %s.c: compiling the source instead", path, name)
+            return None
+        LOADED[name] = path
+        return lib
+    return None
+
+
 @cache
 def load(name: str, directory: str = _HERE, native_code: bool = False) -> ctypes.PyDLL:
-    """Compile ``<directory>/<name>.c`` (once, cached on disk) and load it.
+    """Load ``<directory>/<name>.c``'s prebuilt extension module, or compile the file (once, cached on
+    disk) and load that.
 
-    ``native_code``: compile with ``-O3 -march=native`` for the CPU it runs on (the cache key then
-    includes the CPU's model and feature flags, so a shared cache never serves another CPU's code).
+    ``native_code``: never prebuilt; compile with ``-O3 -march=native`` for the CPU it runs on (the
+    cache key then includes the CPU's model and feature flags, so a shared cache never serves another
+    CPU's code).
 
     Raises:
         NativeBuildError: no compiler, or the compilation failed (the compiler's output is included).
     """
     src = os.path.join(directory, f"{name}.c")
+    if not native_code:
+        lib = _prebuilt(name, directory, src)
+        if lib is not None:
+            return lib
     with open(src, "rb") as f:
         source = f.read()
+    for header in HEADERS:
+        with open(header, "rb") as f:
+            source += f.read()
     include = sysconfig.get_paths()["include"]
     # -fno-trapping-math: without it GCC 12 does not if-convert the kernels' selects (GELU's sign
     # branches, exp's underflow clamp) on AVX2-only CPUs, and their loops stay scalar: 4.3x slower
@@ -87,7 +136,7 @@ def load(name: str, directory: str = _HERE, native_code: bool = False) -> ctypes
     os.makedirs(cache, exist_ok=True)
     lib = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
     if not os.path.exists(lib):
-        cc = _compiler()
+        cc = _compiler(name)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         cmd = [cc, "-shared", "-fPIC", *flags, "-Wall", f"-I{include}", src, "-o", tmp, "-ldl", "-lpthread", "-lm"]
@@ -99,4 +148,5 @@ def load(name: str, directory: str = _HERE, native_code: bool = False) -> ctypes
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    LOADED[name] = lib
     return ctypes.PyDLL(lib)  # PyDLL: calls from Python keep the GIL; py_object arguments allowed

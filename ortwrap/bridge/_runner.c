@@ -336,3 +336,17 @@ int ortwrap_bridge_set_handlers(PyObject *forward, PyObject *backward, PyObject 
 
 /* 1 when the vector buffer comes from libstdc++'s operator new, 0 when from malloc. */
 int ortwrap_bridge_uses_operator_new(void) { return g_new != NULL; }
+
+/* ---- as an extension module ----
+ * setup.py builds this file as the extension module ortwrap.bridge._runner (so an installed wheel needs no C compiler);
+ * ortwrap loads it with ctypes.PyDLL (bridge/_native.py), never imports it, so the module itself is empty.
+ * ORTWRAP_SOURCE_SHA256, set by setup.py, names the source the build came from: _native.py compiles the source
+ * instead when it has changed since (a source checkout edited after `pip install -e .`). */
+#ifndef ORTWRAP_SOURCE_SHA256
+#define ORTWRAP_SOURCE_SHA256 ""
+#endif
+const char ortwrap_source_sha256[] = ORTWRAP_SOURCE_SHA256;
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_runner",
+                                         "ortwrap's native PythonOp runners; loaded with ctypes.", -1, NULL};
+PyMODINIT_FUNC PyInit__runner(void) { return PyModule_Create(&module_def); }

@@ -195,8 +195,8 @@ def available(threads: int | None = None) -> bool:
             _warned = True
             warnings.warn(
                 f"ortwrap: its native CPU kernels could not be built, so ONNX Runtime's own (slower) kernels run "
-                f"GELU, LayerNorm and embedding gradients: {e}. Set native_kernels=False (ORTWRAP_NATIVE_KERNELS=0) "
-                "to silence this.",
+                f"GELU, LayerNorm, softmax and embedding gradients; the model still trains in ONNX Runtime, with the "
+                f"same results: {e}. Set native_kernels=False (ORTWRAP_NATIVE_KERNELS=0) to silence this.",
                 stacklevel=3,
             )
         return False

@@ -19,7 +19,7 @@
  * Results are deterministic: work is split into chunks whose bounds depend only on the sizes, and reductions across
  * rows are summed per chunk and then in chunk order, whichever thread ran which chunk.
  *
- * The DLPack structs below repeat _aten.c's on purpose: each file is compiled on its own and cached by its source.
+ * The DLPack structs come from bridge/_dlpack.h, shared with _aten.c (the cache key covers it).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -35,32 +35,8 @@
 #include <immintrin.h>
 #endif
 
-/* ---- DLPack ABI (dlpack.h v0.x layout), as in _aten.c ---- */
-typedef struct {
-  int32_t device_type;
-  int32_t device_id;
-} DLDevice;
-typedef struct {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-} DLDataType;
-typedef struct {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;
-  uint64_t byte_offset;
-} DLTensor;
-typedef struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(struct DLManagedTensor* self);
-} DLManagedTensor;
+#include "../bridge/_dlpack.h"
 
-enum { kDLCPU = 1, kDLInt = 0, kDLFloat = 2, kDLBfloat = 4 };
 #define MAX_DIMS 16
 
 /* ------------------------------------------------------------------------------------------ memory */
