@@ -15,9 +15,9 @@ ORT_EXTRA ?= cpu
 PYTEST_ARGS ?= -m "not slow"
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
-.PHONY: demo test test-slow test-all bench bench-scale lint clean
+.PHONY: demo test test-slow test-all test-wheel bench bench-scale lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH)
@@ -40,6 +40,16 @@ test-all:
 	$(MAKE) test TORCH=2.14.1
 	$(MAKE) test-slow TORCH=2.13.0
 
+# What a user installs: build the sdist and, from it, the wheel (python -m build); install each, not
+# editable, into a fresh venv (torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA)]) and run
+# tests/installed/ there, outside the checkout, with no C compiler (tests/installed/run.sh).
+DIST ?= build/test-wheel
+test-wheel: $(STAMP)
+	rm -rf $(DIST)
+	$(PY) -m build -q --outdir $(DIST) .
+	tests/installed/run.sh $(PYTHON) $(DIST)/ortwrap-*.whl $(ORT_EXTRA) $(TORCH)
+	tests/installed/run.sh $(PYTHON) $(DIST)/ortwrap-*.tar.gz $(ORT_EXTRA) $(TORCH)
+
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
@@ -50,4 +60,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check ortwrap tests benchmarks examples
 
 clean:
-	rm -rf .venv .venv-* *.egg-info .pytest_cache
+	rm -rf .venv .venv-* *.egg-info .pytest_cache build ortwrap/bridge/*.so
