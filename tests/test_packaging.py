@@ -48,6 +48,12 @@ def test_prebuilt_helper_is_loaded_until_its_source_changes(tmp_path, monkeypatc
     assert _native.LOADED["_runner"].startswith(str(tmp_path / "cache"))
     assert lib.ortwrap_edited() == 7
 
+    os.remove(pkg / built.name)  # a file of that name that setup.py did not build is not loaded either
+    shutil.copy(os.path.join(BRIDGE, "_runner.c"), pkg)
+    (pkg / "_runner.so").write_bytes(b"not a library")
+    lib = _native.load.__wrapped__("_runner", str(pkg))
+    assert _native.LOADED["_runner"].startswith(str(tmp_path / "cache")) and lib.ortwrap_bridge_set_handlers
+
 
 def test_without_a_c_compiler_the_model_trains_on_ort_with_one_warning(tmp_path):
     """The helpers are prebuilt (here: already compiled into the cache, as a wheel ships them);

@@ -92,8 +92,12 @@ def _prebuilt(name: str, directory: str, src: str) -> ctypes.PyDLL | None:
         path = os.path.join(directory, name + suffix)
         if not os.path.exists(path):
             continue
-        lib = ctypes.PyDLL(path)
-        built = (ctypes.c_char * 65).in_dll(lib, "ortwrap_source_sha256").value.decode()
+        try:
+            lib = ctypes.PyDLL(path)
+            built = (ctypes.c_char * 65).in_dll(lib, "ortwrap_source_sha256").value.decode()
+        except (OSError, ValueError) as e:  # not loadable here, or not built by setup.py
+            logger.debug("%s cannot be used: %s", path, e)
+            continue
         if os.path.exists(src) and built != source_digest(src):
             logger.debug("%s was built from another %s.c: compiling the source instead", path, name)
             return None
