@@ -9,6 +9,7 @@ from ._compat.torch import UnsupportedTorchWarning, check_torch_version
 
 check_torch_version()  # before anything else: a clear ImportError on a torch older than supported
 
+from ._logging import get_verbosity, set_verbosity  # noqa: E402
 from .api import FallbackWarning, ORTWrap  # noqa: E402
 from .errors import (  # noqa: E402
     ExportError,
@@ -46,4 +47,6 @@ __all__ = [
     "UnsupportedTorchError",
     "UnsupportedTorchWarning",
     "VerificationError",
+    "get_verbosity",
+    "set_verbosity",
 ]

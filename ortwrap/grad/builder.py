@@ -72,14 +72,12 @@ class TrainingGraph:
 
 
 def _ort_severity(level: int):
-    """ORT's Severity for a Python logging level."""
+    """ORT's Severity for a Python logging level: ORT's C++ log (its INFO lines, and its warnings
+    while it loads and transforms our graphs, "Removing initializer ... not used by any node") shows
+    only at DEBUG; its errors are raised as GradientBuildError with their message."""
     if level <= logging.DEBUG:
         return C.Severity.VERBOSE
-    if level <= logging.INFO:
-        return C.Severity.INFO
-    # ORT's own warnings while it loads and transforms our graphs ("Removing initializer ... not
-    # used by any node") are not actionable for users: they show from log_level="INFO" on.
-    return C.Severity.ERROR
+    return C.Severity.FATAL
 
 
 def build_graph(
