@@ -813,7 +813,6 @@ def _from_cache(
         records,
         cached=True,
     )
-    logger.info("loaded %s from the build cache in %.2fs", request.describe(), time.perf_counter() - t0)
     return values["program"], artifacts
 
 
@@ -894,7 +893,18 @@ def compile_program(
     t0 = time.perf_counter()
     # (torch's and the exporters' logs are muted, except at ortwrap's DEBUG verbosity)
     with BuildProgress(request.describe()) as reporter, compat.quiet_capture_logs(not ort_log_wanted()):
-        return _compile(request, records, {**debug, "progress": reporter}, t0)
+        program, artifacts = _compile(request, records, {**debug, "progress": reporter}, t0)
+    # (after the progress reporter stopped: the summary is the build's last line)
+    if artifacts.cached:
+        logger.info("loaded %s from the build cache in %.2fs", request.describe(), time.perf_counter() - t0)
+    elif logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "built %s in %.2fs (%s)",
+            request.describe(),
+            time.perf_counter() - t0,
+            ", ".join(f"{k} {v:.2f}s" for k, v in artifacts.stage_seconds.items() if v >= 0.01),
+        )
+    return program, artifacts
 
 
 def _compile(
@@ -945,11 +955,4 @@ def _compile(
         records,
         recompute=values["recompute"],
     )
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(
-            "built %s in %.2fs (%s)",
-            request.describe(),
-            time.perf_counter() - t0,
-            ", ".join(f"{k} {v:.2f}s" for k, v in stage_seconds.items() if v >= 0.01),
-        )
     return program, artifacts

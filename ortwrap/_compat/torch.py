@@ -955,6 +955,7 @@ CAPTURE_LOGGERS: tuple[str, ...] = (
     "torch._functorch",
     "torch._guards",
     "torch.utils._sympy",
+    "torch.__trace",
     "onnxscript",
 )
 
