@@ -792,7 +792,8 @@ def _specialized(base: type, wrapped: type) -> type:
 
 def _rebuild(module: nn.Module, options: dict, hooks: dict) -> ORTWrap:
     """Unpickle or copy an ORTWrap: a new wrapper of the (copied) module, with the wrapper's hooks."""
-    wrapper = ORTWrap(module, **options)
+    # (log_level set the process's verbosity when the original was made: a copy does not set it again)
+    wrapper = ORTWrap(module, **{k: v for k, v in options.items() if k != "log_level"})
     wrapper.__dict__.update(hooks)
     return wrapper
 

@@ -50,11 +50,6 @@ def sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-def describe(e: BaseException) -> str:
-    """An error for a message that wraps it: an ortwrap error's text (its phase is the wrapper's
-    to say), another's class name and text."""
-    return e.detail if isinstance(e, ORTWrapError) else f"{type(e).__name__}: {e}"
-
 
 class ExportError(ORTWrapError):
     """The module could not be exported to ONNX."""

@@ -222,7 +222,8 @@ class Options:
                 if raw is None or raw == "":
                     env, raw = alias, os.environ.get(alias)
             if raw is None or raw == "":
-                value = _from_ortmodule(name)
+                # (ORTMODULE_LOG_LEVEL is the process's verbosity, read at import: not a wrapper's option)
+                value = _from_ortmodule(name) if name != "log_level" else None
                 if value is not None:
                     values[name] = value
                 continue

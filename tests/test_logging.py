@@ -88,9 +88,12 @@ def test_log_level_option_takes_ints_and_critical_and_is_not_undone_by_the_next_
     ORTWrap(MLP())  # a later wrapper that does not say
     assert ortwrap.get_verbosity() == logging.INFO, "the next wrapper undid the first one's log_level"
     with pytest.warns(FutureWarning):
-        ORTWrap(MLP(), log_level="CRITICAL")
+        w = ORTWrap(MLP(), log_level="CRITICAL")
     assert ortwrap.get_verbosity() == logging.CRITICAL
     ortwrap.set_verbosity("warning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copy.deepcopy(w)  # a copy of a wrapper made with log_level does not set the verbosity again
     assert ortwrap.get_verbosity() == logging.WARNING
     with pytest.raises(ValueError, match=r"allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL"):
         ortwrap.set_verbosity("LOUD")
@@ -347,6 +350,7 @@ def test_ortmodule_log_level_sets_the_verbosity(monkeypatch):
     monkeypatch.setattr(ortwrap.options, "_ortmodule_warned", set())
     with pytest.warns(FutureWarning, match=r"ORTMODULE_LOG_LEVEL=VERBOSE.*set_verbosity\('DEBUG'\).*ORTWRAP_LOG_LEVEL"):
         assert ortwrap.options.env_log_level() == logging.DEBUG
+    assert Options.resolve().log_level is None  # the process's verbosity (read at import), not a wrapper's option
     monkeypatch.setenv("ORTWRAP_LOG_LEVEL", "ERROR")
     assert ortwrap.options.env_log_level() == logging.ERROR
 
