@@ -50,7 +50,6 @@ def sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-
 class ExportError(ORTWrapError):
     """The module could not be exported to ONNX."""
 
