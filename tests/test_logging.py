@@ -145,22 +145,26 @@ def test_a_long_build_shows_progress_while_the_slow_stage_runs(caplog, monkeypat
 
 _SCRIPT = textwrap.dedent(
     """
-    import logging, sys
+    import logging, sys, time
     import torch
     from torch import nn
     import ortwrap
 
     class M(nn.Module):
-        def __init__(self):
+        def __init__(self, slow):
             super().__init__()
             self.l, self.n = nn.Linear(4, 3), nn.LayerNorm(3)
+            self.slow = slow
         def forward(self, x):
+            time.sleep(self.slow)  # (run by the capture only)
+            self.slow = 0.0
             return nn.functional.gelu(self.n(self.l(x))).sum()
 
     def build(level):
         print(f"--- {level}", file=sys.stderr, flush=True)
         torch.manual_seed(0)
-        w = ortwrap.ORTWrap(M(), exporter=sys.argv[1], build_cache=False)
+        # (the build at WARNING is a long one: progress must not print there either)
+        w = ortwrap.ORTWrap(M(3.5 if level == "WARNING" else 0.0), exporter=sys.argv[1], build_cache=False)
         w(torch.randn(5, 4)).backward()
         w(torch.randn(6, 4)).backward()
         sys.stderr.flush()
