@@ -18,7 +18,7 @@ import onnx
 from .._logging import logger
 from .._ort import C
 from ..bridge import aten
-from ..errors import GradientBuildError
+from ..errors import GradientBuildError, sentence
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def _build_graph(
     except Exception as e:
         ops = sorted({f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node})
         raise GradientBuildError(
-            f"OrtModuleGraphBuilder rejected the model: {e}. Ops in the graph: {', '.join(ops)}. "
+            f"OrtModuleGraphBuilder rejected the model: {sentence(str(e))} Ops in the graph: {', '.join(ops)}. "
             "If an op above lacks an ORT gradient, report it; ORTWrap(..., fallback=True) runs the module in PyTorch."
         ) from e
     gi = builder.get_graph_info()
