@@ -72,7 +72,8 @@ class _RankZeroInfo(logging.Filter):
             return True
 
 
-if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+if not getattr(logger, "_ortwrap_handlers", False):  # (once per process, whatever reloads ortwrap)
+    logger._ortwrap_handlers = True  # type: ignore[attr-defined]
     logger.addHandler(logging.NullHandler())
     logger.addHandler(_StderrUnlessConfigured())
     for _lg in (logger, progress):
