@@ -69,7 +69,7 @@ def test_the_ortwrap_logger_propagates_and_keeps_the_users_level():
     assert any(isinstance(h, logging.NullHandler) for h in LOGGER.handlers)
 
 
-def test_a_build_logs_one_summary_line_to_the_applications_handlers(caplog, exporter):
+def test_a_build_logs_one_summary_line_to_the_applications_handlers(caplog, capsys, exporter):
     caplog.set_level(logging.INFO, logger="ortwrap")  # (caplog's handler is the root's: records must propagate)
     w = ORTWrap(MLP(), exporter=exporter, build_cache=False)
     eager = copy.deepcopy(w.module)
@@ -79,6 +79,7 @@ def test_a_build_logs_one_summary_line_to_the_applications_handlers(caplog, expo
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("ortwrap")]
     assert [m for m in lines if m.startswith("built training program for MLP in")], lines
     assert len(lines) == 1, f"one summary line per build at INFO, got {lines}"
+    assert "[ortwrap" not in capsys.readouterr().err, "printed to stderr as well as to the application's handler"
 
 
 def test_log_level_option_takes_ints_and_critical_and_is_not_undone_by_the_next_wrapper():
