@@ -406,3 +406,31 @@ def test_the_guide_maps_every_ortmodule_variable_and_debug_option():
     assert not missing, f"DebugOptions arguments missing from the guide's table: {missing}"
     for env in ortwrap.options.ORTMODULE_ENV_VARS:
         assert re.search(rf"`{env}`[^\n]*read", table), f"the table does not say that {env} is read"
+
+
+def test_node_origin_reads_what_each_exporter_records():
+    from ortwrap.errors import describe_origin, node_origin
+
+    dynamo = {
+        "pkg.torch.onnx.name_scopes": "['', 'module', 'module.enc', 'module.enc.bag', 'embedding_bag']",
+        "pkg.torch.onnx.class_hierarchy": "['ortwrap.export.adapter.Adapter', 'model.Net', 'model.Encoder', "
+        "'torch.nn.modules.sparse.EmbeddingBag', 'aten.embedding_bag.padding_idx']",
+        "pkg.torch.onnx.stack_trace": 'File "/x/ortwrap/api.py", line 3, in forward\n    f()\n'
+        'File "/home/u/model.py", line 12, in forward\n    return self.bag(x)\n'
+        'File "/x/torch/nn/modules/sparse.py", line 9, in forward\n    F.embedding_bag()',
+    }
+    origin = node_origin("n19_2", dynamo)
+    assert origin == {
+        "path": "enc.bag",
+        "cls": "EmbeddingBag",
+        "op": "aten.embedding_bag",
+        "line": "/home/u/model.py:12",
+    }
+    assert describe_origin(origin) == (
+        "module `enc.bag` (EmbeddingBag), torch op aten.embedding_bag, at /home/u/model.py:12"
+    )
+    top = {"pkg.torch.onnx.name_scopes": "['', 'module', 'squeeze']",
+           "pkg.torch.onnx.class_hierarchy": "['ortwrap.export.adapter.Adapter', 'model.Net', 'aten.squeeze.dim']"}  # fmt: skip
+    assert describe_origin(node_origin("n3", top)) == "the wrapped module (Net), torch op aten.squeeze"
+    assert node_origin("/module/enc/bag/Loop", {}) == {"path": "enc.bag"}
+    assert node_origin("Loop_7", {}) == {}
