@@ -434,3 +434,13 @@ def test_node_origin_reads_what_each_exporter_records():
     assert describe_origin(node_origin("n3", top)) == "the wrapped module (Net), torch op aten.squeeze"
     assert node_origin("/module/enc/bag/Loop", {}) == {"path": "enc.bag"}
     assert node_origin("Loop_7", {}) == {}
+
+
+def test_the_hint_for_embedding_bag_trains_it_like_eager(exporter):
+    from parity import check_parity
+
+    def inputs(batch: int, g: torch.Generator):
+        return (torch.randint(0, 10, (batch, 5), generator=g),), {}
+
+    w = check_parity(Bag, inputs, wrap_options={"aten_ops": ("embedding_bag",), "fallback": False})
+    assert w.fallback_reason is None and w.programs()
