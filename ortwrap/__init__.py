@@ -10,6 +10,7 @@ from ._version import __version__
 
 check_torch_version()  # before anything else: a clear ImportError on a torch older than supported
 
+from ._logging import get_verbosity, set_verbosity  # noqa: E402
 from .api import FallbackWarning, ORTWrap  # noqa: E402
 from .errors import (  # noqa: E402
     ExportError,
@@ -46,4 +47,6 @@ __all__ = [
     "UnsupportedTorchWarning",
     "VerificationError",
     "__version__",
+    "get_verbosity",
+    "set_verbosity",
 ]

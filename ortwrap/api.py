@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _tree, integrations
 from ._compat import torch as compat
-from ._logging import configure, logger
+from ._logging import logger, set_verbosity, warn_at_user_line
 from .bridge import state as bridge_state
 from .errors import (
     FALLBACK_PHASES,
@@ -30,6 +30,7 @@ from .errors import (
     UnsupportedFunctionError,
     UnsupportedInputError,
     VerificationError,
+    sentence,
 )
 from .options import Options
 from .program import BuildArtifacts, Program, ProgramSet, compile_program
@@ -95,13 +96,26 @@ class ORTWrap(nn.Module):
         d["module"] = module
         d["_option_values"] = options
         d["_options"] = Options.resolve(**options)
-        configure(self._options.logging_level)
+        if self._options.log_level is not None:
+            # NOTE: verbosity is one setting for the process; the option stays as a way to set it.
+            set_verbosity(self._options.log_level)
+            warnings.warn(
+                "ORTWrap(..., log_level=...) sets ortwrap's verbosity for the whole process, for every wrapper "
+                "until changed; call ortwrap.set_verbosity(level) (or set ORTWRAP_LOG_LEVEL) instead",
+                FutureWarning,
+                stacklevel=2,
+            )
         d["_programs"] = {}
         # NOTE: fallback is per graph key (the ``key`` of ``forward``): the keys whose build (or
         # first run) failed on an input PyTorch accepts, each with its error's text (not the error:
         # its traceback holds the frames of that call, its tensors included). Their calls run in
         # PyTorch; every other key keeps building and running on ONNX Runtime.
         d["_failed"] = {}
+        # NOTE: calls whose build failed and which eager PyTorch rejects too (a batch of a bad shape):
+        # by graph key, the leaves' shapes of each such call (at most _BAD_SHAPES a key). The same
+        # signature again runs in PyTorch straight away (eager's exception, no new export); if it
+        # passes there, it is forgotten and the next such call builds.
+        d["_bad_shapes"] = {}
         d["_fallback_calls"] = 0  # calls run in PyTorch for a failed key (integrations compare it around a call)
         d["_export_count"] = 0
         d["_last_artifacts"] = None
@@ -175,6 +189,7 @@ class ORTWrap(nn.Module):
         keys that fell back are tried again too (what changed may be what failed)."""
         self._programs.clear()
         self._failed.clear()
+        self._bad_shapes.clear()
         self.__dict__["_params"] = list(self.module.parameters())
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
@@ -267,11 +282,10 @@ class ORTWrap(nn.Module):
             # inputs ORTWrap cannot feed: that call runs in PyTorch, said once.
             if not self._method_warned:
                 self.__dict__["_method_warned"] = True
-                warnings.warn(
+                warn_at_user_line(
                     f"ORTWrap runs calls of {type(self.module).__name__} that a method of the module makes "
                     f"with inputs ONNX Runtime cannot take in PyTorch: {e}",
                     FallbackWarning,
-                    stacklevel=3,
                 )
             return self.module(*args, **kwargs)
         needs_grad = key[1]
@@ -284,6 +298,12 @@ class ORTWrap(nn.Module):
             if programs is None and self._failed and key in self._failed:
                 self.__dict__["_fallback_calls"] += 1  # this signature fell back (said once, when it did)
                 return self.module(*args, **kwargs)
+            if self._bad_shapes and key in self._bad_shapes:
+                shapes = tuple(t.shape for t in leaves)
+                if shapes in self._bad_shapes[key]:
+                    out = self.module(*args, **kwargs)  # eager's exception, as on the first such call
+                    self._bad_shapes[key].discard(shapes)  # (eager took it this time: build the next one)
+                    return out
             if in_spec is None:
                 in_spec = self._flatten_inputs(args, kwargs, [])
             if any(t.numel() == 0 for t in leaves):
@@ -329,7 +349,7 @@ class ORTWrap(nn.Module):
             # and the program stays for the next good batch.
             self._raise_if_eager_raises(args, kwargs)
             error = RuntimeRunError(
-                f"ONNX Runtime failed to run the {program} on an input PyTorch accepts: {e}. "
+                f"ONNX Runtime failed to run the {program} on an input PyTorch accepts: {sentence(str(e))} "
                 "Report it with ORTWrap(..., debug_dir=...)'s artifacts"
             )
             if program.runs == 0 and self._options.fallback:
@@ -338,7 +358,7 @@ class ORTWrap(nn.Module):
                 error.__cause__ = e
                 self._fall_back(error, key, in_spec, args, kwargs)
                 return self.module(*args, **kwargs)
-            raise RuntimeRunError(f"{error} (fallback=True applies only to a program's first run)") from e
+            raise RuntimeRunError(f"{error.detail} (fallback=True applies only to a program's first run)") from e
         program.runs += 1
         n = program.n_outputs
         if program.buffer_outputs:
@@ -460,18 +480,17 @@ class ORTWrap(nn.Module):
         if in_spec is None:
             in_spec = self._flatten_inputs(args, kwargs, [])
         self._programs.pop(key, None)
-        self._failed[key] = f"the {error.phase} phase failed: {error}"
+        self._failed[key] = f"the {error.phase} phase failed: {error.detail}"
         self._fallback_reason = error
         self.__dict__["_fallback_calls"] += 1
         calls = self._describe_calls(key, in_spec)
-        warnings.warn(
+        warn_at_user_line(
             f"ORTWrap falls back to PyTorch for {calls} of {type(self.module).__name__}: the {error.phase} phase "
-            f"failed: {error}. Calls with other inputs or modes still run on ONNX Runtime. "
+            f"failed: {sentence(error.detail)} Calls with other inputs or modes still run on ONNX Runtime. "
             "Set ORTWrap(..., fallback=False) or ORTWRAP_FALLBACK=0 to raise instead.",
             FallbackWarning,
-            stacklevel=5,
         )
-        logger.warning("falling back to PyTorch for %s: %s", calls, error)
+        logger.info("falling back to PyTorch for %s: %s", calls, error.detail)  # (the FallbackWarning says it)
 
     def _fall_back_call(self, error: ORTWrapError, args: tuple, kwargs: dict) -> Any:
         """Fall back for this call's signature (an integration found it cannot take the call over)
@@ -515,11 +534,10 @@ class ORTWrap(nn.Module):
         input the module rejects (a wrong feature size). Run this call in PyTorch, so the module
         raises its own error; the programs for the shapes that worked stay."""
         out = self.module(*args, **kwargs)
-        warnings.warn(
+        warn_at_user_line(
             f"ORTWrap ran one call of {type(self.module).__name__} in PyTorch: its input shapes break the dynamo "
-            f"capture's assumptions and a new export failed: {error}",
+            f"capture's assumptions and a new export failed: {error.detail}",
             FallbackWarning,
-            stacklevel=3,
         )
         return out
 
@@ -578,8 +596,14 @@ class ORTWrap(nn.Module):
         except FALLBACK_PHASES as e:
             self._export_count += 1 if isinstance(e, ExportError) else 2
             # NOTE: an input the module rejects (a wrong dtype or rank, a user's assert) fails the
-            # build too: eager's exception is raised, and nothing is cached or switched off.
-            self._raise_if_eager_raises(args, kwargs or {})
+            # build too: eager's exception is raised, and nothing is cached or switched off; the
+            # signature is remembered, so that the same bad batch does not export again.
+            error = _eager_error(self.module, args, kwargs or {})
+            if error is not None:
+                bad = self._bad_shapes.setdefault(key, set())
+                if len(bad) < _BAD_SHAPES:
+                    bad.add(tuple(t.shape for t in leaves))
+                raise error.with_traceback(error.__traceback__) from None
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
             if not self._options.fallback or not may_fall_back:
@@ -671,6 +695,8 @@ def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | No
 
 #: Promotions of changing ints tried per input structure (each a build and two checks).
 _INT_TRIES = 3
+#: Bad-batch shapes remembered per graph key (``ORTWrap._bad_shapes``).
+_BAD_SHAPES = 16
 
 
 class _NotPromoted(Exception):
@@ -766,7 +792,8 @@ def _specialized(base: type, wrapped: type) -> type:
 
 def _rebuild(module: nn.Module, options: dict, hooks: dict) -> ORTWrap:
     """Unpickle or copy an ORTWrap: a new wrapper of the (copied) module, with the wrapper's hooks."""
-    wrapper = ORTWrap(module, **options)
+    # (log_level set the process's verbosity when the original was made: a copy does not set it again)
+    wrapper = ORTWrap(module, **{k: v for k, v in options.items() if k != "log_level"})
     wrapper.__dict__.update(hooks)
     return wrapper
 

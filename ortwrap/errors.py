@@ -7,6 +7,8 @@ that cause with ``raise ... from``.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "ExportError",
     "GradientBuildError",
@@ -32,7 +34,20 @@ class ORTWrapError(RuntimeError):
     phase = "ortwrap"
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"[ortwrap:{self.phase}] {message}")
+        #: the message without the ``[ortwrap:phase]`` prefix, and without the prefixes (and class
+        #: names) of the ortwrap errors it quotes: an error wrapping another names one phase, once
+        self.detail = _PREFIX.sub("", message)
+        super().__init__(f"[ortwrap:{self.phase}] {self.detail}")
+
+
+#: An ortwrap error's prefix quoted inside another's message, with the class name before it.
+_PREFIX = re.compile(r"(?:\b[A-Z]\w*(?:Error|Exception): )?\[ortwrap:[\w-]+\] ")
+
+
+def sentence(text: str) -> str:
+    """``text`` ending with exactly one period, to be followed by another sentence."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."
 
 
 class ExportError(ORTWrapError):
@@ -111,3 +126,54 @@ class VerificationError(ORTWrapError):
 
 #: Phases whose failure may fall back to PyTorch (when the options allow it).
 FALLBACK_PHASES: tuple[type[ORTWrapError], ...] = (ExportError, PassError, GradientBuildError, SessionError)
+
+
+def node_origin(name: str, metadata: dict[str, str]) -> dict[str, str]:
+    """Where graph node ``name`` came from in the user's module, from what the exporter recorded:
+    ``path`` (the submodule's path, ``""`` for the wrapped module itself), ``cls`` (its class name),
+    ``op`` (the torch op, ``aten.embedding_bag``), ``line`` (``file:line`` of the user's code); each
+    key only where known. The dynamo exporter records all four in the node's metadata; the
+    TorchScript exporter only the path, in the node's name (``/module/bag/Loop``)."""
+    import ast
+
+    origin: dict[str, str] = {}
+    scopes = metadata.get("pkg.torch.onnx.name_scopes")
+    classes = metadata.get("pkg.torch.onnx.class_hierarchy")
+    if scopes and classes:
+        try:
+            scopes_l, classes_l = ast.literal_eval(scopes), ast.literal_eval(classes)
+        except (ValueError, SyntaxError):
+            scopes_l, classes_l = [], []
+        if len(scopes_l) == len(classes_l) and len(scopes_l) >= 2:
+            last = classes_l[-1]
+            is_op = ("." in last and last.split(".")[0] in ("aten", "prims", "ortwrap_ops")) or not last[:1].isupper()
+            if is_op:
+                parts = last.split(".")
+                origin["op"] = ".".join(parts[:2]) if len(parts) >= 3 else last
+                scopes_l, classes_l = scopes_l[:-1], classes_l[:-1]
+            path = scopes_l[-1]
+            if path == "module" or path.startswith("module."):  # (the wrapper's adapter holds the module as .module)
+                origin["path"] = path.removeprefix("module").removeprefix(".")
+                origin["cls"] = classes_l[-1].rsplit(".", 1)[-1]
+    elif name.startswith("/module"):
+        origin["path"] = ".".join(name.strip("/").split("/")[1:-1])
+    trace = metadata.get("pkg.torch.onnx.stack_trace", "")
+    for file, line in reversed(re.findall(r'File "([^"]+)", line (\d+)', trace)):
+        norm = file.replace("\\", "/")
+        if "/ortwrap/" not in norm and "/torch/" not in norm:
+            origin["line"] = f"{file}:{line}"
+            break
+    return origin
+
+
+def describe_origin(origin: dict[str, str]) -> str:
+    """``node_origin``'s answer in words: "module `bag` (EmbeddingBag), torch op aten.embedding_bag, at f.py:8"."""
+    parts = []
+    if "path" in origin:
+        where = f"module `{origin['path']}`" if origin["path"] else "the wrapped module"
+        parts.append(f"{where} ({origin['cls']})" if "cls" in origin else where)
+    if "op" in origin:
+        parts.append(f"torch op {origin['op']}")
+    if "line" in origin:
+        parts.append(f"at {origin['line']}")
+    return ", ".join(parts)

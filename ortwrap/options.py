@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENV_VARS", "Options", "env_flag"]
+__all__ = ["ENV_VARS", "ORTMODULE_ENV_VARS", "Options", "env_flag", "env_log_level", "parse_log_level"]
 
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _EXPORTERS = ("auto", "torchscript", "dynamo")
 _ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "cheap", "layers")  # grad.recompute.RECOMPUTE_MODES
@@ -39,8 +39,12 @@ class Options:
         "When export, a graph pass, gradient building or session creation fails, run the module in "
         "PyTorch and warn once (True), or raise the ortwrap error (False).",
     )
-    log_level: str = _opt(
-        "WARNING", "ORTWRAP_LOG_LEVEL", f"Level of the 'ortwrap' logger, one of {', '.join(_LOG_LEVELS)}."
+    log_level: int | None = _opt(
+        None,
+        None,
+        f"Deprecated: ortwrap's verbosity is one setting for the process, ortwrap.set_verbosity(level) or "
+        f"ORTWRAP_LOG_LEVEL. Given, it calls set_verbosity (a logging level or one of {', '.join(_LOG_LEVELS)}) "
+        "with a FutureWarning, and stays in effect for every wrapper until changed.",
     )
     debug_dir: str | None = _opt(
         None,
@@ -165,12 +169,11 @@ class Options:
     )
 
     def __post_init__(self) -> None:
-        level = str(self.log_level).upper()
-        if level not in _LOG_LEVELS:
-            raise ValueError(
-                f"ORTWrap option log_level={self.log_level!r} is invalid; allowed: {', '.join(_LOG_LEVELS)}"
-            )
-        object.__setattr__(self, "log_level", level)
+        if self.log_level is not None:
+            try:
+                object.__setattr__(self, "log_level", parse_log_level(self.log_level))
+            except ValueError as e:
+                raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid: {e}") from None
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
         if self.zero3_gather not in _ZERO3_GATHER:
@@ -219,6 +222,10 @@ class Options:
                 if raw is None or raw == "":
                     env, raw = alias, os.environ.get(alias)
             if raw is None or raw == "":
+                # (ORTMODULE_LOG_LEVEL is the process's verbosity, read at import: not a wrapper's option)
+                value = _from_ortmodule(name) if name != "log_level" else None
+                if value is not None:
+                    values[name] = value
                 continue
             try:
                 values[name] = _parse(raw, f.default)
@@ -255,9 +262,102 @@ class Options:
 
         return cpu_is_intel()
 
-    @property
-    def logging_level(self) -> int:
-        return getattr(logging, self.log_level)
+
+def parse_log_level(level: int | str) -> int:
+    """A ``logging`` level from an int (``logging.INFO``) or a level's name (``"info"``, ``"CRITICAL"``).
+
+    Raises:
+        ValueError: naming the allowed names.
+    """
+    if isinstance(level, bool):
+        raise ValueError(f"expected a logging level (an int) or one of {', '.join(_LOG_LEVELS)}")
+    if isinstance(level, int):
+        return level
+    name = str(level).strip().upper()
+    name = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name, name)
+    if name.isdigit():
+        return int(name)
+    if name not in _LOG_LEVELS:
+        raise ValueError(f"allowed: {', '.join(_LOG_LEVELS)} or a logging level (an int)")
+    return getattr(logging, name)
+
+
+def env_log_level() -> int | None:
+    """``ORTWRAP_LOG_LEVEL`` (else ORTModule's ``ORTMODULE_LOG_LEVEL``, with a warning): ortwrap's
+    verbosity for the process, read once when ortwrap is imported; None when neither is set."""
+    raw = os.environ.get("ORTWRAP_LOG_LEVEL")
+    if raw:
+        try:
+            return parse_log_level(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable ORTWRAP_LOG_LEVEL={raw!r} is invalid: {e}") from None
+    return _from_ortmodule("log_level")
+
+
+# ------------------------------------------------------------------------------------ ORTModule's variables
+
+
+def _ortmodule_log_level(raw: str) -> int:
+    # ORTModule's LogLevel: VERBOSE, DEVINFO (for ORT's developers), INFO, WARNING, ERROR, FATAL.
+    names = {"VERBOSE": logging.DEBUG, "DEVINFO": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+             "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}  # fmt: skip
+    if raw.strip().upper() not in names:
+        raise ValueError(f"expected one of {', '.join(names)}")
+    return names[raw.strip().upper()]
+
+
+def _ortmodule_fallback(raw: str) -> bool:
+    # ORTModule's _FallbackPolicy names one policy; FALLBACK_DISABLE raises, every other falls back.
+    if not raw.strip().upper().startswith("FALLBACK_"):
+        raise ValueError("expected a _FallbackPolicy name such as FALLBACK_DISABLE")
+    return raw.strip().upper() != "FALLBACK_DISABLE"
+
+
+def _ortmodule_recompute(raw: str) -> str | None:
+    # ORTModule's memory optimization level: 0 its own config file (no equivalent), 1 and 2 per-layer recompute.
+    level = int(raw)
+    return "layers" if level in (1, 2) else None
+
+
+#: ORTModule's environment variables that have a direct ortwrap equivalent: variable -> (option,
+#: ortwrap's own variable, the conversion of its value). Read when ortwrap's own variable is not
+#: set, with a FutureWarning that names ortwrap's option; docs/user-guide.md maps the others.
+ORTMODULE_ENV_VARS: dict[str, tuple[str, str, Any]] = {
+    "ORTMODULE_LOG_LEVEL": ("log_level", "ORTWRAP_LOG_LEVEL", _ortmodule_log_level),
+    "ORTMODULE_ONNX_OPSET_VERSION": ("opset", "ORTWRAP_OPSET", int),
+    "ORTMODULE_FALLBACK_POLICY": ("fallback", "ORTWRAP_FALLBACK", _ortmodule_fallback),
+    "ORTMODULE_MEMORY_OPT_LEVEL": ("recompute", "ORTWRAP_RECOMPUTE", _ortmodule_recompute),
+}
+
+_ortmodule_warned: set[tuple[str, str]] = set()
+
+
+def _from_ortmodule(option: str) -> Any:
+    """The value of ``option`` from ORTModule's variable for it, if one is set (else None), said
+    once per variable and value."""
+    import warnings
+
+    for env, (name, own, convert) in ORTMODULE_ENV_VARS.items():
+        raw = os.environ.get(env)
+        if name != option or raw is None or raw.strip() == "":
+            continue
+        try:
+            value = convert(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {env}={raw!r} (ORTModule's) is invalid: {e}") from None
+        if (env, raw) not in _ortmodule_warned:
+            _ortmodule_warned.add((env, raw))
+            setting = f"set_verbosity({logging.getLevelName(value)!r})" if name == "log_level" else f"{name}={value!r}"
+            warnings.warn(
+                f"{env}={raw} is ORTModule's variable; ortwrap reads it as "
+                + (f"ortwrap.{setting}" if name == "log_level" else f"ORTWrap(..., {setting})")
+                + (f". Set {own} instead" if value is not None else ", which has no ortwrap equivalent: ignored")
+                + " (docs/user-guide.md, 'Coming from ORTModule').",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return value
+    return None
 
 
 def _parse(raw: str, default: Any) -> Any:
@@ -312,3 +412,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     if f.metadata.get("env")
     for env in (f.metadata["env"], *f.metadata.get("aliases", ()))
 }
+ENV_VARS["ORTWRAP_LOG_LEVEL"] = (
+    "log_level",
+    f"ortwrap's verbosity for the process (ortwrap.set_verbosity), read once at import: one of "
+    f"{', '.join(_LOG_LEVELS)} or a logging level. INFO: a summary line per build, progress while a long build "
+    "runs; DEBUG: also ONNX Runtime's C++ log.",
+)

@@ -4,9 +4,9 @@ A :class:`Stage` names the values it ``requires`` and the values it ``provides``
 (a dict) instead of keeping side results anywhere. :func:`run_stages` runs a list of stages over a
 dict of values, checking each contract, timing each stage, and, with ``Options.debug_dir``, saving
 a snapshot of every ONNX model a stage provides. A stage that fails leaves its snapshots and a text
-file with its error in the debug directory, then re-raises. A build that runs for more than a few
-seconds reports each stage it starts, and the time so far, on ``ortwrap.progress`` (printed at the
-default log level).
+file with its error in the debug directory, then re-raises. Each stage's name is handed to the
+build's progress reporter (``_logging.BuildProgress``), which says at INFO, while a long stage runs,
+which stage is running and the time so far.
 
 ``program.py`` declares ortwrap's stages (export, translation, type inference, each graph pass,
 host split, ATen gradients, gradient build, session, program) with :func:`stage`.
@@ -21,12 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._logging import progress
-
 __all__ = ["BuildFailed", "Stage", "StageRecord", "run_stages", "stage"]
-
-#: A build still running after this many seconds reports each stage it starts.
-PROGRESS_AFTER_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +116,7 @@ def run_stages(
     debug_dir: str | None = None,
     snapshot_prefix: str = "build",
     records: list[StageRecord] | None = None,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Run ``stages`` in order over ``values`` (updated in place, and returned).
 
@@ -131,21 +127,21 @@ def run_stages(
         debug_dir: where to save each stage's ONNX snapshots, and a failed stage's error.
         snapshot_prefix: the file name prefix of this build's snapshots.
         records: a list to append each stage's :class:`StageRecord` to.
+        progress: the build's progress reporter (``_logging.BuildProgress``): its ``stage`` is set
+            to each stage's name as the stage starts.
 
     Raises:
         Whatever a stage raises (ortwrap's phase errors), after recording it.
     """
     records = records if records is not None else []
-    start = time.perf_counter()
     if debug_dir:
         os.makedirs(debug_dir, exist_ok=True)
     for index, st in enumerate(stages):
         missing = [r for r in st.requires if r not in values]
         if missing:
             raise AssertionError(f"build stage {st.name} requires {missing}, which no earlier stage provided")
-        elapsed = time.perf_counter() - start
-        if elapsed > PROGRESS_AFTER_S:
-            progress.info("building %s: %s (%.1f s so far)", what, st.name, elapsed)
+        if progress is not None:
+            progress.stage = st.name
         t0, c0 = time.perf_counter(), time.process_time()
         try:
             out = st.run(**{r: values[r] for r in st.requires})

@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from torch import nn
 from . import cache as build_cache
 from . import integrations, kernels
 from ._compat import torch as compat
-from ._logging import logger
+from ._logging import BuildProgress, logger, ort_log_wanted
 from ._ort import C
 from .bridge import aten
 from .bridge.aten import ATEN_DOMAIN, infer_types
@@ -473,7 +474,13 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         name = type(p).__name__
 
         def run(ir_model: ir.Model, pass_records: list[PassRecord]) -> dict:
-            result, records = _recorded(p, ir_model, pass_records)
+            try:
+                result, records = _recorded(p, ir_model, pass_records)
+            except PassError as e:
+                named = _with_module_classes(e.detail, request.module)
+                if named == e.detail:
+                    raise
+                raise PassError(named) from e
             return {"ir_model": result.model, "pass_records": records}
 
         return Stage(name, ("ir_model", "pass_records"), ("ir_model", "pass_records"), run, "passes", _modified)
@@ -528,7 +535,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             trainable_names=trainable if with_backward else [],
             input_names_require_grad=require_grad if with_backward else [],
             build_gradient=with_backward,
-            log_level=o.logging_level,
+            log_level=logger.getEffectiveLevel(),  # (ORT's C++ log only at DEBUG)
             propagate_casts=device.type != "cpu",
         )
         if float_feeds:
@@ -554,7 +561,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
                 )
                 return {"graph": graph, "recompute": None}
             raise GradientBuildError(f"recompute={o.recompute!r} could not rewrite the training graph: {e}") from e
-        logger.info("%s", report.summary())
+        logger.debug("%s", report.summary())
         return {"graph": dataclasses.replace(graph, model_bytes=model.SerializeToString()), "recompute": report}
 
     @stage("integration_rewrites", ("graph",), ("graph",), group="gradient_build")
@@ -604,6 +611,20 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         session,
         program,
     ]
+
+
+def _with_module_classes(text: str, module: nn.Module) -> str:
+    """``text`` with the class of each submodule it names (``module `bag```, as the TorchScript
+    exporter's node names give them) added: ``module `bag` (EmbeddingBag)``."""
+
+    def named(m: re.Match) -> str:
+        try:
+            sub = module.get_submodule(m.group(1))
+        except AttributeError:
+            return m.group(0)
+        return f"{m.group(0)} ({type(sub).__name__})"
+
+    return re.sub(r"module `([\w.]+)`(?! \()", named, text)
 
 
 def _recorded(p: ir.passes.PassBase, ir_model: ir.Model, pass_records: list[PassRecord]) -> tuple[Any, list]:
@@ -792,7 +813,6 @@ def _from_cache(
         records,
         cached=True,
     )
-    logger.info("loaded %s from the build cache in %.2fs", request.describe(), time.perf_counter() - t0)
     return values["program"], artifacts
 
 
@@ -871,6 +891,27 @@ def compile_program(
         "snapshot_prefix": f"build{build_index:02d}_{request.kind}",
     }
     t0 = time.perf_counter()
+    # (torch's and the exporters' logs are muted, except at ortwrap's DEBUG verbosity)
+    with BuildProgress(request.describe()) as reporter, compat.quiet_capture_logs(not ort_log_wanted()):
+        program, artifacts = _compile(request, records, {**debug, "progress": reporter}, t0)
+    # (after the progress reporter stopped: the summary is the build's last line)
+    if artifacts.cached:
+        logger.info("loaded %s from the build cache in %.2fs", request.describe(), time.perf_counter() - t0)
+    elif logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "built %s in %.2fs (%s)",
+            request.describe(),
+            time.perf_counter() - t0,
+            ", ".join(f"{k} {v:.2f}s" for k, v in artifacts.stage_seconds.items() if v >= 0.01),
+        )
+    return program, artifacts
+
+
+def _compile(
+    request: BuildRequest, records: list[StageRecord], debug: dict, t0: float
+) -> tuple[Program, BuildArtifacts]:
+    """:func:`compile_program`'s build, its progress reported by ``debug["progress"]``."""
+    training, with_backward = request.training, request.with_backward
     looked_up = run_stages([cache_lookup], {"request": request}, records=records, **debug)
     if looked_up["cached"] is not None:
         return _from_cache(request, looked_up["cached"], records, debug, t0)
@@ -914,11 +955,4 @@ def compile_program(
         records,
         recompute=values["recompute"],
     )
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(
-            "built %s in %.2fs (%s)",
-            request.describe(),
-            time.perf_counter() - t0,
-            ", ".join(f"{k} {v:.2f}s" for k, v in stage_seconds.items() if v >= 0.01),
-        )
     return program, artifacts

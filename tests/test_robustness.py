@@ -106,7 +106,7 @@ def test_bad_batch_gets_eagers_error_and_never_switches_ort_off(exporter, case, 
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: logged.append(record.getMessage())
-    logging.getLogger("ortwrap").addHandler(handler)  # (the ortwrap logger does not propagate to caplog's)
+    logging.getLogger("ortwrap").addHandler(handler)  # (records at WARNING and above)
     with warnings.catch_warnings(), contextlib.ExitStack() as stack:
         stack.callback(logging.getLogger("ortwrap").removeHandler, handler)
         warnings.simplefilter("error")  # no FallbackWarning

@@ -247,7 +247,7 @@ def test_an_output_object_ortwrap_cannot_rebuild_gets_an_error_that_names_it(exp
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("ortwrap").addHandler(handler)  # the ortwrap logger does not propagate to caplog's
+    logging.getLogger("ortwrap").addHandler(handler)  # (records at WARNING and above)
     try:
         # Raised inside the trace, it comes out as itself, not as the exporter's failure; with "auto" no
         # second exporter is tried for it (none could take those outputs).

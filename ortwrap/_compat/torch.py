@@ -937,3 +937,49 @@ def batch_norm_functional_op() -> Any:
     """``torch.ops.aten._native_batch_norm_legit_functional``: BatchNorm in training mode as
     ``torch.export`` writes it."""
     return _resolve(_BN_FUNCTIONAL)
+
+
+# ------------------------------------------------------------------------------------------------ logs
+
+#: Loggers whose records a capture (torch.export's fake tensors, symbolic shapes, dynamo, the ONNX
+#: exporters, onnxscript's optimizer) writes while ortwrap builds: a batch with a bad shape logs a
+#: fake-tensor traceback for each failing op there before the user's own error. Private module
+#: names (checked on CHECKED_RELEASES); a name a release lacks is simply never written to.
+CAPTURE_LOGGERS: tuple[str, ...] = (
+    "torch._subclasses",
+    "torch.fx",
+    "torch._dynamo",
+    "torch._export",
+    "torch.export",
+    "torch.onnx",
+    "torch._functorch",
+    "torch._guards",
+    "torch.utils._sympy",
+    "torch.__trace",
+    "onnxscript",
+)
+
+
+@contextlib.contextmanager
+def quiet_capture_logs(enabled: bool = True) -> Iterator[None]:
+    """Mute :data:`CAPTURE_LOGGERS` (and each of their loggers with a level of its own) for the
+    duration of a build. Failures still raise; ortwrap reports them. Levels are restored after."""
+    import logging
+
+    if not enabled:
+        yield
+        return
+    names = [
+        n
+        for n, lg in list(logging.Logger.manager.loggerDict.items())
+        if isinstance(lg, logging.Logger) and lg.level and any(n.startswith(p + ".") for p in CAPTURE_LOGGERS)
+    ]
+    loggers = [logging.getLogger(n) for n in (*CAPTURE_LOGGERS, *names)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

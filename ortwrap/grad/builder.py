@@ -18,7 +18,7 @@ import onnx
 from .._logging import logger
 from .._ort import C
 from ..bridge import aten
-from ..errors import GradientBuildError
+from ..errors import GradientBuildError, sentence
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,12 @@ class TrainingGraph:
 
 
 def _ort_severity(level: int):
-    """ORT's Severity for a Python logging level."""
+    """ORT's Severity for a Python logging level: ORT's C++ log (its INFO lines, and its warnings
+    while it loads and transforms our graphs, "Removing initializer ... not used by any node") shows
+    only at DEBUG; its errors are raised as GradientBuildError with their message."""
     if level <= logging.DEBUG:
         return C.Severity.VERBOSE
-    if level <= logging.INFO:
-        return C.Severity.INFO
-    # ORT's own warnings while it loads and transforms our graphs ("Removing initializer ... not
-    # used by any node") are not actionable for users: they show from log_level="INFO" on.
-    return C.Severity.ERROR
+    return C.Severity.FATAL
 
 
 def build_graph(
@@ -159,7 +157,7 @@ def _build_graph(
     except Exception as e:
         ops = sorted({f"{n.domain + '::' if n.domain else ''}{n.op_type}" for n in model.graph.node})
         raise GradientBuildError(
-            f"OrtModuleGraphBuilder rejected the model: {e}. Ops in the graph: {', '.join(ops)}. "
+            f"OrtModuleGraphBuilder rejected the model: {sentence(str(e))} Ops in the graph: {', '.join(ops)}. "
             "If an op above lacks an ORT gradient, report it; ORTWrap(..., fallback=True) runs the module in PyTorch."
         ) from e
     gi = builder.get_graph_info()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..errors import PassError
+from ..errors import PassError, describe_origin, node_origin
 
 SEQUENCE_OPS = frozenset(
     {
@@ -45,8 +45,10 @@ class RefuseSequenceOpsPass(ir.passes.InPlacePass):
         for node in graph:  # topological order
             if any(v is not None and id(v) in reached for v in node.inputs):
                 if node.op_type in SEQUENCE_OPS and node.domain in ("", "ai.onnx"):
+                    where = describe_origin(node_origin(node.name or "", dict(node.metadata_props)))
                     raise PassError(
-                        f"node {node.name!r} is a {node.op_type} on the gradient path: ONNX Runtime 1.19.2 silently "
+                        f"{where + ': ' if where else ''}node {node.name!r} is a {node.op_type} on the gradient path: "
+                        "ONNX Runtime 1.19.2 silently "
                         "drops gradients through sequence ops. It usually comes from torch.split/chunk/unbind with "
                         "sizes the exporter could not fix; use fixed split sizes or slicing, or "
                         "exporter='torchscript'."

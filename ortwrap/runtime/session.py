@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 import onnx
 import torch
 
 from .._compat import torch as compat
+from .._logging import ort_log_wanted
 from .._ort import C, ort
 from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
@@ -82,8 +81,8 @@ def session_options(options: Options, *, cpu_arena: bool = True) -> ort.SessionO
     so.enable_mem_reuse = False
     # ORT logs a failing kernel's status at ERROR before returning it; ortwrap raises it (or eager's
     # own exception, for a bad batch) with that message, so the log line is only console noise.
-    # log_level="DEBUG" shows ORT's errors and warnings as they happen.
-    so.log_severity_level = 2 if options.logging_level <= logging.DEBUG else 4
+    # At ortwrap's DEBUG verbosity (ortwrap.set_verbosity) ORT's errors and warnings show as they happen.
+    so.log_severity_level = 2 if ort_log_wanted() else 4
     return so
 
 
