@@ -174,10 +174,7 @@ def main(
         f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     if not adapters:
-        from ortwrap import Options
-
-        route = "native (bf16 GEMMs in torch)" if Options.resolve().native_bf16 else "float32"
-        print(f"   ortwrap bf16 route (half_compute=auto): {route}; 'ortwrap bf16 f32' forces the float32 route")
+        print("   ortwrap bf16: half_compute='auto' measures its route (below); 'ortwrap bf16 f32' forces float32")
     steps, n_params, tokens = {}, 0, s["batch"] * s["seq"]
     for name, (options, amp) in variants.items():
         model, ids, tgt = build(size, adapters, options)
@@ -186,6 +183,9 @@ def main(
         t0 = time.perf_counter()
         steps[name]()
         print(f"   {name}: first step {time.perf_counter() - t0:.2f} s")
+        choice = getattr(getattr(model, "last_artifacts", None), "gemm_choice", None)
+        if choice is not None:
+            print(f"   {name}: {choice.summary()}")  # the route 'auto' measured and chose, with the rates
     clock = time.process_time if cpu_time else time.perf_counter
     times = interleaved(steps, warmup=1, iters=iters, clock=clock)
     print(f"   ({'CPU seconds of this process' if cpu_time else 'wall time'}; load before timing: {_load()})")
