@@ -214,6 +214,8 @@ def main(
         print(f"   {name} first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
         if ours.last_artifacts.gemm_choice is not None:
             print(f"   {name}: {ours.last_artifacts.gemm_choice.summary()}")
+        elif ours.last_artifacts.cached:
+            print(f"   {name}: loaded from the build cache (GEMM route as measured when it was built)")
         if ours.last_artifacts.recompute is not None:
             print(f"   {name}: {ours.last_artifacts.recompute.summary()}")
     clock = time.process_time if cpu_time else time.perf_counter

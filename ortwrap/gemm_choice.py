@@ -61,9 +61,10 @@ from .options import Options, cache_dir
 MIN_STEP_FLOPS = 2e8
 #: How many distinct GEMM problems (the largest by count x FLOPs) are timed.
 MAX_SHAPES = 4
-#: A timed call does at most this many FLOPs (the problem is shrunk to fit): ~4-8 ms on one core.
-MAX_CALL_FLOPS = 4e8
-#: Calls timed per problem and library; the best is kept.
+#: A timed call does at most this many FLOPs (the problem is shrunk to fit): ~2-6 ms on one core.
+MAX_CALL_FLOPS = 3e8
+#: Calls timed per problem and library, after one untimed call (oneDNN compiles its kernel for a new
+#: shape on the first; MLAS's first call touches cold memory); the best is kept.
 REPS = 3
 #: A measurement stops after the rep that passes this many seconds (at least one rep runs).
 BUDGET_S = 0.3
@@ -75,7 +76,7 @@ CROSSING_S = 1e-5
 #: (less heap next to ORT's arena) and the measurement noise does not flip the choice.
 MARGIN = 0.05
 #: Bumped when the measurement changes, so that older records are not used.
-METHOD = 1
+METHOD = 2
 
 #: measurements this process made (tests count them)
 measurements = 0
@@ -138,7 +139,8 @@ class GemmChoice:
     Attributes:
         torch_gemm: float32 GEMMs and attention run as PyTorch's (``gemm``).
         native_bf16: bfloat16 GEMMs run as PyTorch's bf16 GEMMs (``half_compute``).
-        option: the option the measurement decided (``"gemm"``, ``"half_compute"``), or ``""``.
+        option: the option this graph's GEMMs follow (``"gemm"`` for a float32 graph, ``"half_compute"``
+            for one with bf16 values), or ``""`` off the CPU.
         how: ``"option"`` (given explicitly), ``"measured"``, ``"cached"`` (an earlier measurement on this
             machine, this process's or the disk cache's), ``"small"`` (below ``MIN_STEP_FLOPS``),
             ``"no bf16 instructions"``, ``"no shapes"`` (the GEMMs' dimensions are unknown), ``"not cpu"``.
@@ -159,12 +161,14 @@ class GemmChoice:
     step_flops: float = 0.0
 
     def summary(self) -> str:
-        if not self.option:
-            return f"gemm={'torch' if self.torch_gemm else 'ort'}, half_compute={'native' if self.native_bf16 else 'float32'}"
         if self.option == "gemm":
             chosen, candidate, base = ("torch" if self.torch_gemm else "ort"), "PyTorch float32", "MLAS float32"
         else:
             chosen, candidate, base = ("native" if self.native_bf16 else "float32"), "PyTorch bf16", "MLAS float32"
+        if self.how == "not cpu":
+            return "GEMMs: not on the CPU (gemm and half_compute apply to CPU graphs)"
+        if self.how == "option":
+            return f"{self.option}={chosen!r} (as given)"
         text = f"{self.option}='auto' -> {chosen!r} ({self.how}"
         if self.rates:
             flops = sum(r.gemm.flops * r.gemm.count for r in self.rates)
@@ -379,10 +383,17 @@ def _operands(g: Gemm) -> tuple[torch.Tensor, torch.Tensor]:
 def measure(problems: Sequence[Gemm], options: Options, half: bool) -> tuple[list[Rate], float]:
     """Time each problem through MLAS (float32) and PyTorch (float32, or bf16 with ``half``: ``op(A)``
     in bf16, ``op(B)`` cast from float32 in the call, as the native route's weights are), interleaved,
-    best of :data:`REPS`; (the rates, the seconds it took)."""
+    best of :data:`REPS` after a warm-up call; (the rates, the seconds it took).
+
+    With one thread on both sides the calls are timed in CPU seconds of the process, which other
+    processes on a loaded machine do not inflate (a GEMM call there is often preempted: wall-clock
+    minima of a few calls were 2-5x off under load 8 on 2 cores); with more, in wall seconds, which is
+    what the threads' parallelism shows in."""
     global measurements
     measurements += 1
     start = time.perf_counter()
+    one_thread = (options.intra_op_threads or torch.get_num_threads()) == 1 and torch.get_num_threads() == 1
+    clock = time.process_time if one_thread else time.perf_counter
     timed = [p.shrunk(MAX_CALL_FLOPS) for p in problems]
     sessions: dict[tuple, object] = {}
     calls = []
@@ -406,13 +417,14 @@ def measure(problems: Sequence[Gemm], options: Options, half: bool) -> tuple[lis
 
         calls.append((run_ort, run_torch))
     best = [[math.inf, math.inf] for _ in timed]
-    for _ in range(REPS):
+    for rep in range(REPS + 1):
         for i, pair in enumerate(calls):
             for j, call in enumerate(pair):
-                t0 = time.perf_counter()
+                t0 = clock()
                 call()
-                best[i][j] = min(best[i][j], time.perf_counter() - t0)
-        if time.perf_counter() - start > BUDGET_S:
+                if rep:
+                    best[i][j] = min(best[i][j], max(clock() - t0, 1e-9))
+        if rep and time.perf_counter() - start > BUDGET_S:
             break
     rates = [Rate(p, g, g.flops / b[0], g.flops / b[1]) for p, g, b in zip(problems, timed, best)]
     return rates, time.perf_counter() - start
@@ -545,7 +557,7 @@ def choose(
     else:
         option, dtype, fixed = "gemm", ir.DataType.FLOAT, torch_gemm
     if fixed is not None:
-        return GemmChoice(bool(torch_gemm), bool(native))
+        return GemmChoice(bool(torch_gemm), bool(native), option)
     decided = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
     if option == "gemm":
         choice = GemmChoice(decided[0], bool(native), option, *decided[1:])
