@@ -487,8 +487,15 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         result, records = _recorded(p, ir_model, pass_records)
         return {"ir_model": result.model, "pass_records": records, "float_feeds": frozenset(p.converted)}
 
+    stage_names: dict[str, int] = {}
+
     def pass_stage(p: ir.passes.PassBase) -> Stage:
+        # a pass that runs twice (HalfMatMulOnCPUPass for bf16, then for float32) names its second stage
+        # "<name>_2": stage names key BuildArtifacts.stage_seconds and the debug snapshots
         name = type(p).__name__
+        stage_names[name] = stage_names.get(name, 0) + 1
+        if stage_names[name] > 1:
+            name = f"{name}_{stage_names[name]}"
 
         def run(ir_model: ir.Model, pass_records: list[PassRecord]) -> dict:
             result, records = _recorded(p, ir_model, pass_records)
