@@ -24,9 +24,9 @@ So, per graph (the ``gemm_choice`` build stage, before the passes):
 4. :func:`decide` (pure): the time the measured problems take a step through each library (FLOPs
    over the rate, times their count; PyTorch's route also :data:`CROSSING_S` for each call); the
    PyTorch route when it is faster by :data:`MARGIN`, else MLAS / float32 (the lower peak RSS).
-5. The rates and the choice are kept in ``<cache_dir>/gemm/<machine>.json``, the machine being the
-   CPU model and flags, both thread counts and the torch / onnxruntime versions, keyed by the
-   problem set: a later build of the same shapes on the same machine measures nothing.
+5. The rates are kept per shape in ``<cache_dir>/gemm/<machine>.json``, the machine being the CPU
+   model and flags, both thread counts and the torch / onnxruntime versions: a later build whose
+   largest shapes were measured on this machine (by this or another model) measures nothing.
 
 Per graph, not per GEMM: both routes run every GEMM of the graph the same way, so their backward
 ops, the attention rewrite (PyTorch's flash attention on the torch route) and the arena choice
@@ -80,7 +80,8 @@ METHOD = 2
 
 #: measurements this process made (tests count them)
 measurements = 0
-_memo: dict[tuple[str, str], dict] = {}
+#: machine key -> shape key -> rates: the records this process read or made
+_memo: dict[str, dict[str, dict]] = {}
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,8 @@ class GemmChoice:
         native_bf16: bfloat16 GEMMs run as PyTorch's bf16 GEMMs (``half_compute``).
         option: the option this graph's GEMMs follow (``"gemm"`` for a float32 graph, ``"half_compute"``
             for one with bf16 values), or ``""`` off the CPU.
-        how: ``"option"`` (given explicitly), ``"measured"``, ``"cached"`` (an earlier measurement on this
-            machine, this process's or the disk cache's), ``"small"`` (below ``MIN_STEP_FLOPS``),
+        how: ``"option"`` (given explicitly), ``"measured"``, ``"cached"`` (earlier measurements of these
+            shapes on this machine, this process's or the disk's), ``"measured in part"``, ``"small"`` (below ``MIN_STEP_FLOPS``),
             ``"no bf16 instructions"``, ``"no shapes"`` (the GEMMs' dimensions are unknown), ``"not cpu"``.
         rates: each timed problem's rates.
         ort_s, torch_s: the estimated seconds a step of the timed problems takes through each route.
@@ -476,31 +477,27 @@ def _path(key: str) -> str:
 def _load(key: str) -> dict:
     try:
         with open(_path(key)) as f:
-            return json.load(f).get("choices", {})
+            return json.load(f).get("rates", {})
     except (OSError, ValueError, AttributeError):
         return {}
 
 
-def _store(key: str, options: Options, problems_key: str, record: dict) -> None:
+def _store(key: str, options: Options, new: dict[str, dict]) -> None:
     path = _path(key)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        choices = {**_load(key), problems_key: record}
+        rates = {**_load(key), **new}
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"machine": machine(options), "choices": choices}, f, indent=1)
+            json.dump({"machine": machine(options), "rates": rates}, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache directory: measured again next process
         logger.info("could not keep the GEMM measurement in %s: %s", path, e)
 
 
-def _record(rates: Sequence[Rate], seconds: float) -> dict:
-    return {"rates": [{"gemm": asdict(r.gemm), "timed": asdict(r.timed), "ort": r.ort, "torch": r.torch} for r in rates],
-            "seconds": seconds}  # fmt: skip
-
-
-def _rates(record: dict) -> list[Rate]:
-    return [Rate(Gemm(**r["gemm"]), Gemm(**r["timed"]), r["ort"], r["torch"]) for r in record["rates"]]
+def _shape_key(g: Gemm, half: bool) -> str:
+    """A problem's key in the record (its count is the graph's, not the shape's)."""
+    return f"{'bf16' if half else 'f32'} {g.batch} {g.m} {g.n} {g.k} {int(g.trans_a)}{int(g.trans_b)}"
 
 
 def schema_key(options: Options) -> tuple:
@@ -558,44 +555,48 @@ def choose(
         option, dtype, fixed = "gemm", ir.DataType.FLOAT, torch_gemm
     if fixed is not None:
         return GemmChoice(bool(torch_gemm), bool(native), option)
-    decided = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
-    if option == "gemm":
-        choice = GemmChoice(decided[0], bool(native), option, *decided[1:])
-    else:
-        choice = GemmChoice(bool(torch_gemm), decided[0], option, *decided[1:])
+    chosen, fields = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
+    routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
+    routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
+    choice = GemmChoice(**routes, option=option, **fields)
     logger.info("%s", choice.summary())
     return choice
 
 
-def _choose(graph: _Graph, option: str, dtype: ir.DataType, options: Options) -> tuple:
-    """(choice, how, rates, ort_s, torch_s, seconds, step_flops) for one ``"auto"`` option."""
-    if option == "half_compute":
+def _choose(graph: _Graph, option: str, dtype: ir.DataType, options: Options) -> tuple[bool, dict]:
+    """(the PyTorch route or not, the other ``GemmChoice`` fields) for one ``"auto"`` option."""
+    half = option == "half_compute"
+    if half:
         from ._compat.torch import cpu_has_native_bf16
 
         if not cpu_has_native_bf16():  # PyTorch's bf16 GEMMs convert to float32: never faster
-            return (False, "no bf16 instructions")
+            return False, {"how": "no bf16 instructions"}
     problems = graph.problems(dtype)
     if problems is None:
-        return (False, "no shapes")
+        return False, {"how": "no shapes"}
     step_flops = sum(p.flops * p.count for p in problems)
     if step_flops < MIN_STEP_FLOPS:
-        return (False, "small", (), 0.0, 0.0, 0.0, step_flops)
+        return False, {"how": "small", "step_flops": step_flops}
     top = sorted(problems, key=lambda p: (-p.flops * p.count, p.m, p.n, p.k))[:MAX_SHAPES]
-    problems_key = repr((option, sorted(_key(p) for p in top)))
     key = _machine_key(options)
-    record = _memo.get((key, problems_key))
-    how = "cached"
-    if record is None:
-        record = _load(key).get(problems_key)
-        if record is None:
-            rates, seconds = measure(top, options, half=option == "half_compute")
-            record, how = _record(rates, seconds), "measured"
-            _store(key, options, problems_key, record)
-        _memo[(key, problems_key)] = record
-    rates = _rates(record)
+    known = _memo.setdefault(key, {})
+    if any(_shape_key(p, half) not in known for p in top):
+        known.update(_load(key))
+    missing = [p for p in top if _shape_key(p, half) not in known]
+    how, seconds = "cached", 0.0
+    if missing:
+        measured, seconds = measure(missing, options, half)
+        new = {
+            _shape_key(r.gemm, half): {"timed": asdict(r.timed), "ort": r.ort, "torch": r.torch, "seconds": seconds}
+            for r in measured
+        }
+        known.update(new)
+        _store(key, options, new)
+        how = "measured" if len(missing) == len(top) else "measured in part"
+    rates = []
+    for p in top:
+        r = known[_shape_key(p, half)]
+        rates.append(Rate(p, Gemm(**r["timed"]), r["ort"], r["torch"]))
     chosen, ort_s, torch_s = decide(rates)
-    return (chosen, how, tuple(rates), ort_s, torch_s, record["seconds"] if how == "measured" else 0.0, step_flops)
-
-
-def _key(g: Gemm) -> tuple:
-    return (g.batch, g.m, g.n, g.k, g.trans_a, g.trans_b, g.count)
+    fields = {"how": how, "rates": tuple(rates), "ort_s": ort_s, "torch_s": torch_s, "seconds": seconds}
+    return chosen, {**fields, "step_flops": step_flops}
