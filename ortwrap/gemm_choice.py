@@ -144,7 +144,8 @@ class GemmChoice:
             for one with bf16 values), or ``""`` off the CPU.
         how: ``"option"`` (given explicitly), ``"measured"``, ``"cached"`` (earlier measurements of these
             shapes on this machine, this process's or the disk's), ``"measured in part"``, ``"small"`` (below ``MIN_STEP_FLOPS``),
-            ``"no bf16 instructions"``, ``"no shapes"`` (the GEMMs' dimensions are unknown), ``"not cpu"``.
+            ``"no bf16 instructions"``, ``"no shapes"`` (the GEMMs' dimensions are unknown), ``"not cpu"``,
+            ``"measurement failed"`` (logged as a warning).
         rates: each timed problem's rates.
         ort_s, torch_s: the estimated seconds a step of the timed problems takes through each route.
         seconds: how long the measurement took (0 when nothing was measured).
@@ -555,7 +556,11 @@ def choose(
         option, dtype, fixed = "gemm", ir.DataType.FLOAT, torch_gemm
     if fixed is not None:
         return GemmChoice(bool(torch_gemm), bool(native), option)
-    chosen, fields = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
+    try:
+        chosen, fields = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
+    except Exception as e:  # NOTE: a choice that cannot be measured must not fail the build: MLAS, and say why
+        logger.warning("%s='auto' could not measure the GEMMs (%s: %s); MLAS runs them", option, type(e).__name__, e)
+        chosen, fields = False, {"how": "measurement failed"}
     routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
     routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
     choice = GemmChoice(**routes, option=option, **fields)
