@@ -26,7 +26,8 @@ So, per graph (the ``gemm_choice`` build stage, before the passes):
    PyTorch route when it is faster by :data:`MARGIN`, else MLAS / float32 (the lower peak RSS).
 5. The rates are kept per shape in ``<cache_dir>/gemm/<machine>.json``, the machine being the CPU
    model and flags, both thread counts and the torch / onnxruntime versions: a later build whose
-   largest shapes were measured on this machine (by this or another model) measures nothing.
+   largest shapes were measured on this machine (by this or another model) measures nothing. (Not a
+   measurement with several threads made while the machine is overloaded: :func:`keep_on_disk`.)
 
 Per graph, not per GEMM: both routes run every GEMM of the graph the same way, so their backward
 ops, the attention rewrite (PyTorch's flash attention on the torch route) and the arena choice
@@ -394,7 +395,7 @@ def measure(problems: Sequence[Gemm], options: Options, half: bool) -> tuple[lis
     global measurements
     measurements += 1
     start = time.perf_counter()
-    one_thread = (options.intra_op_threads or torch.get_num_threads()) == 1 and torch.get_num_threads() == 1
+    one_thread = _one_thread(options)
     clock = time.process_time if one_thread else time.perf_counter
     timed = [p.shrunk(MAX_CALL_FLOPS) for p in problems]
     sessions: dict[tuple, object] = {}
@@ -494,6 +495,26 @@ def _store(key: str, options: Options, new: dict[str, dict]) -> None:
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache directory: measured again next process
         logger.info("could not keep the GEMM measurement in %s: %s", path, e)
+
+
+def keep_on_disk(one_thread: bool, load: float, cpus: int) -> bool:
+    """Whether a measurement is kept for later processes: always at one thread (timed in CPU
+    seconds, which other processes do not inflate); with more threads not while the machine is
+    overloaded (1-minute load average above its CPU count), when PyTorch's OpenMP threads lose most of
+    their time to the other processes (3-6 GFLOP/s against 170 for MLAS on 2 loaded cores) and the
+    measurement says more about the load than about the libraries. This process still uses it."""
+    return one_thread or load <= cpus
+
+
+def _one_thread(options: Options) -> bool:
+    return (options.intra_op_threads or torch.get_num_threads()) == 1 and torch.get_num_threads() == 1
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def _shape_key(g: Gemm, half: bool) -> str:
@@ -596,8 +617,13 @@ def _choose(graph: _Graph, option: str, dtype: ir.DataType, options: Options) ->
             for r in measured
         }
         known.update(new)
-        _store(key, options, new)
         how = "measured" if len(missing) == len(top) else "measured in part"
+        one_thread = _one_thread(options)
+        load, cpus = _load_average(), os.cpu_count() or 1
+        if keep_on_disk(one_thread, load, cpus):
+            _store(key, options, new)
+        else:
+            how += f", not kept: load {load:.1f} on {cpus} CPUs"
     rates = []
     for p in top:
         r = known[_shape_key(p, half)]

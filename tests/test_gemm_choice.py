@@ -47,10 +47,15 @@ def gpt_loss(out):
 
 @pytest.fixture
 def gemm_dir(tmp_path, monkeypatch):
-    """A fresh measurement store (and no records from earlier tests in this process)."""
+    """A fresh measurement store (and no records from earlier tests in this process), at one thread:
+    a measurement with more threads is not kept on disk while the machine is overloaded
+    (``keep_on_disk``), as the shared test machines often are."""
     monkeypatch.setattr(gc, "directory", lambda: str(tmp_path))
     monkeypatch.setattr(gc, "_memo", {})
-    return tmp_path
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path
+    torch.set_num_threads(threads)
 
 
 def _one_step(w: ORTWrap, b: int = 4) -> None:
@@ -93,6 +98,13 @@ def test_decide_weighs_shapes_by_their_time():
     assert decide(rates)[0]
     rates = [Rate(heavy, heavy, ort=150e9, torch=100e9), Rate(light, light, ort=50e9, torch=150e9)]
     assert not decide(rates)[0]
+
+
+@no_exporter
+def test_measurements_under_load_are_kept_only_at_one_thread():
+    assert gc.keep_on_disk(one_thread=True, load=9.0, cpus=2)
+    assert gc.keep_on_disk(one_thread=False, load=1.5, cpus=2)
+    assert not gc.keep_on_disk(one_thread=False, load=9.0, cpus=2)
 
 
 @no_exporter
