@@ -9,8 +9,9 @@ Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad)
 
 - the CPU and its bfloat16 capability (avx512_bf16 / amx_bf16 flags: native, else emulated);
 - the median step of eager fp32, eager bf16 autocast, ortwrap fp32, ortwrap bf16 autocast (the
-  route ``half_compute="auto"`` picks: bf16 GEMMs in torch where bf16 is native) and ortwrap bf16
-  on the float32 route (``half_compute="float32"``), and the ratio of ortwrap bf16 to eager bf16
+  route ``half_compute="auto"`` measures faster on the model's GEMM shapes, printed with the rates
+  after its first step), ortwrap bf16 on the float32 route (``half_compute="float32"``) and on the
+  native one (``"native"``: bf16 GEMMs in torch), and the ratio of ortwrap bf16 to eager bf16
   (the goal: <= 0.8);
 - the float32 and bfloat16 GEMM rates torch reaches on the model's own matmul shapes in the same
   run, and each variant's fraction of the float32 GEMM limit (6 * N * tokens FLOPs at that rate);
@@ -100,6 +101,7 @@ VARIANTS = {
     "ortwrap fp32": ({}, False),
     "ortwrap bf16": ({}, True),  # half_compute="auto": the native route where bf16 is native
     "ortwrap bf16 f32": ({"half_compute": "float32"}, True),  # the emulated route, forced
+    "ortwrap bf16 native": ({"half_compute": "native"}, True),  # PyTorch's bf16 GEMMs, forced
     "ortwrap bf16 layers": ({"recompute": "layers"}, True),  # layer-wise activation recompute
 }
 ADAPTER_VARIANTS = {
@@ -174,10 +176,7 @@ def main(
         f"   CPU: {cpu_name()}; bf16: {bf16_capability()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     if not adapters:
-        from ortwrap import Options
-
-        route = "native (bf16 GEMMs in torch)" if Options.resolve().native_bf16 else "float32"
-        print(f"   ortwrap bf16 route (half_compute=auto): {route}; 'ortwrap bf16 f32' forces the float32 route")
+        print("   ortwrap bf16: half_compute='auto' measures its route (below); 'ortwrap bf16 f32' forces float32")
     steps, n_params, tokens = {}, 0, s["batch"] * s["seq"]
     for name, (options, amp) in variants.items():
         model, ids, tgt = build(size, adapters, options)
@@ -186,6 +185,11 @@ def main(
         t0 = time.perf_counter()
         steps[name]()
         print(f"   {name}: first step {time.perf_counter() - t0:.2f} s")
+        artifacts = getattr(model, "last_artifacts", None)
+        if artifacts is not None and artifacts.gemm_choice is not None:
+            print(f"   {name}: {artifacts.gemm_choice.summary()}")  # the route measured and chosen, the rates
+        elif artifacts is not None and artifacts.cached:
+            print(f"   {name}: loaded from the build cache (GEMM route as measured when it was built)")
     clock = time.process_time if cpu_time else time.perf_counter
     times = interleaved(steps, warmup=1, iters=iters, clock=clock)
     print(f"   ({'CPU seconds of this process' if cpu_time else 'wall time'}; load before timing: {_load()})")

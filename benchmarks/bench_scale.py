@@ -12,8 +12,9 @@
 Prints, from one interleaved run (each step: forward, loss.backward, AdamW step, zero_grad):
 
 - the median step of eager, torch.compile (default mode), ortwrap (its default,
-  ``recompute="cheap"``, ``gemm="ort"``), ortwrap with ``gemm="torch"`` (PyTorch's float32 GEMMs and
-  flash attention inside the graph), with ``recompute="none"`` and with ``recompute="layers"``
+  ``recompute="cheap"``, ``gemm="auto"``: the route it measured and chose is printed, with the rates),
+  ortwrap with ``gemm="ort"`` (MLAS) and with ``gemm="torch"`` (PyTorch's float32 GEMMs and flash
+  attention inside the graph), with ``recompute="none"`` and with ``recompute="layers"``
   (activation recompute), and the ratios to eager;
 - the GEMM limit: the time 6 * N * tokens FLOPs take at the best float32 GEMM rate this machine
   reaches on the model's own matmul shapes (each shape of the forward and both backward GEMMs,
@@ -59,7 +60,8 @@ def cpu_name() -> str:
 
 #: ORTWrap options of the ortwrap variants.
 ORTWRAP_VARIANTS = {
-    "ortwrap": {},  # the default (recompute="cheap", gemm="ort")
+    "ortwrap": {},  # the default (recompute="cheap", gemm="auto": measured, gemm_choice.py)
+    "ortwrap ort-gemm": {"gemm": "ort"},  # float32 GEMMs as ONNX Runtime's (MLAS)
     "ortwrap torch-gemm": {"gemm": "torch"},  # float32 GEMMs and attention as PyTorch's (MKL/oneDNN)
     "ortwrap none": {"recompute": "none"},
     "ortwrap recompute": {"recompute": "layers"},
@@ -210,6 +212,10 @@ def main(
         first = time.perf_counter() - t0
         stages = ", ".join(f"{k} {v:.2f}" for k, v in ours.last_artifacts.seconds.items())
         print(f"   {name} first step {first:.2f} s ({stages}; exporter {ours.last_artifacts.exporter})")
+        if ours.last_artifacts.gemm_choice is not None:
+            print(f"   {name}: {ours.last_artifacts.gemm_choice.summary()}")
+        elif ours.last_artifacts.cached:
+            print(f"   {name}: loaded from the build cache (GEMM route as measured when it was built)")
         if ours.last_artifacts.recompute is not None:
             print(f"   {name}: {ours.last_artifacts.recompute.summary()}")
     clock = time.process_time if cpu_time else time.perf_counter

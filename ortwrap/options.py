@@ -119,18 +119,20 @@ class Options:
         "Runtime has no bf16 CPU kernels). 'native': the bf16 MatMul/Gemm (Linear layers, attention matmuls) run "
         "as PyTorch's bf16 GEMMs inside the graph, saving bf16 copies of their inputs for the backward as eager autocast does (of the weights "
         "only with recompute='none'); the "
-        "rest in float32. 'auto': 'native' where the CPU has bf16 instructions (AVX512-BF16 or AMX), else "
-        "'float32' (docs/performance.md). float16 always computes in float32.",
+        "rest in float32. 'auto': per graph, whichever of PyTorch's bf16 GEMMs and MLAS's float32 ones is faster "
+        "on the graph's own GEMM shapes, measured once per machine and cached (gemm_choice.py; 'float32' on a CPU "
+        "without bf16 instructions and for graphs with few GEMM FLOPs; docs/performance.md). float16 always "
+        "computes in float32.",
     )
     gemm: str = _opt(
-        "ort",
+        "auto",
         "ORTWRAP_GEMM",
         f"On CPU, which library runs the float32 MatMul/Gemm (Linear layers) and attention of a graph, one of "
         f"{', '.join(_GEMM)}. 'ort': ONNX Runtime's MLAS. 'torch': PyTorch's GEMMs and CPU flash attention inside "
-        "the graph (ATen nodes with explicit backward ops; attention then keeps no T x T probabilities). 'auto': "
-        "'torch' on Intel CPUs (MKL/oneDNN beat MLAS there: GPT-2-small fp32 step 1.18x -> 1.01x eager, but peak RSS "
-        "~+300 MiB: glibc heap slack from PyTorch's tensors next to ORT's arena), else 'ort'. The default is 'ort' "
-        "for that memory (docs/performance.md).",
+        "the graph (ATen nodes with explicit backward ops; attention then keeps no T x T probabilities). 'auto' "
+        "(the default): per graph, whichever of the two is faster on the graph's own GEMM shapes, measured once "
+        "per machine and thread count and cached (gemm_choice.py; 'ort' for graphs with few GEMM FLOPs; "
+        "docs/performance.md).",
     )
     build_cache: bool = _opt(
         True,
@@ -245,22 +247,16 @@ class Options:
         return (first, "torchscript") if first != "torchscript" else (first,)
 
     @property
-    def native_bf16(self) -> bool:
-        """Whether bfloat16 GEMMs run in bfloat16 on CPU (``half_compute``, ``"auto"`` resolved)."""
-        if self.half_compute != "auto":
-            return self.half_compute == "native"
-        from ._compat.torch import cpu_has_native_bf16
-
-        return cpu_has_native_bf16()
+    def native_bf16(self) -> bool | None:
+        """Whether bfloat16 GEMMs run in bfloat16 on CPU (``half_compute``); None for ``"auto"``,
+        which each build decides by measurement (``gemm_choice.py``)."""
+        return None if self.half_compute == "auto" else self.half_compute == "native"
 
     @property
-    def torch_gemm(self) -> bool:
-        """Whether float32 GEMMs and attention run as PyTorch's on CPU (``gemm``, ``"auto"`` resolved)."""
-        if self.gemm != "auto":
-            return self.gemm == "torch"
-        from ._compat.torch import cpu_is_intel
-
-        return cpu_is_intel()
+    def torch_gemm(self) -> bool | None:
+        """Whether float32 GEMMs and attention run as PyTorch's on CPU (``gemm``); None for ``"auto"``,
+        which each build decides by measurement (``gemm_choice.py``)."""
+        return None if self.gemm == "auto" else self.gemm == "torch"
 
 
 def parse_log_level(level: int | str) -> int:

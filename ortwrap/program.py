@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import cache as build_cache
+from . import gemm_choice as gemms
 from . import integrations, kernels
 from ._compat import torch as compat
 from ._logging import BuildProgress, logger, ort_log_wanted
@@ -40,7 +41,9 @@ from .grad import TrainingGraph, build_graph
 from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
+from .passes.half_matmul import HalfMatMulOnCPUPass
 from .passes.half_precision import FuseHalfInitializersPass
+from .passes.half_values import HalfValuesOnCPUPass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
 from .passes.native_attention import NativeAttentionPass
 from .passes.native_cpu_kernels import NativeCPUKernelsPass
@@ -71,6 +74,9 @@ class BuildArtifacts:
         cached: the program came from the build cache (``exports`` is 0).
         recompute: with ``recompute``, what the rewrite kept and recomputed (grad/recompute.py);
             ``None`` otherwise, and for programs loaded from the build cache.
+        gemm_choice: which library runs the GEMMs (``gemm``, ``half_compute``) and, for ``"auto"``,
+            the measured rates it chose by (``gemm_choice.GemmChoice``; ``.summary()``); ``None``
+            for programs loaded from the build cache.
         static_reasons: why the graph's non-batch dimensions are static (empty when all are dynamic).
         host_shapes: with ``aggressive_cpu_fallback``, the host shape program, the graph inputs it
             feeds and which nodes moved and why (``host_shapes.summary()``); else ``None``.
@@ -91,6 +97,7 @@ class BuildArtifacts:
     stages: list[StageRecord] = field(default_factory=list)
     cached: bool = False
     recompute: RecomputeReport | None = None
+    gemm_choice: gemms.GemmChoice | None = None
 
     def save(self, directory: str, index: int) -> list[str]:
         """Write the three models to ``directory``; return their paths."""
@@ -454,6 +461,17 @@ def build_stages(request: BuildRequest) -> list[Stage]:
             raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
         return {"ir_model": ir.serde.deserialize_model(typed), "pass_records": []}
 
+    @stage("gemm_choice", ("ir_model", "exported"), ("gemm_choice",), group="passes")
+    def gemm_choice(ir_model: ir.Model, exported: ExportedModel) -> dict:
+        """Which library runs the GEMMs: ``gemm`` and ``half_compute`` as given, or for ``"auto"`` the
+        faster on this graph's shapes (measured once per machine and cached, ``gemm_choice.py``)."""
+        names = list(exported.user_input_names[: len(request.leaves)])
+        choice = gemms.choose(
+            ir_model, exported.model, names, request.leaves, options=o, device_type=device.type,
+            with_backward=with_backward,
+        )  # fmt: skip
+        return {"gemm_choice": choice}
+
     @stage("fuse_initializers", ("ir_model", "pass_records", "exported"), ("ir_model", "pass_records", "float_feeds"),
            group="passes", snapshot_if=_modified)  # fmt: skip
     def fuse_initializers(ir_model: ir.Model, pass_records: list[PassRecord], exported: ExportedModel) -> dict:
@@ -470,8 +488,15 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         result, records = _recorded(p, ir_model, pass_records)
         return {"ir_model": result.model, "pass_records": records, "float_feeds": frozenset(p.converted)}
 
+    stage_names: dict[str, int] = {}
+
     def pass_stage(p: ir.passes.PassBase) -> Stage:
+        # a pass that runs twice (HalfMatMulOnCPUPass for bf16, then for float32) names its second stage
+        # "<name>_2": stage names key BuildArtifacts.stage_seconds and the debug snapshots
         name = type(p).__name__
+        stage_names[name] = stage_names.get(name, 0) + 1
+        if stage_names[name] > 1:
+            name = f"{name}_{stage_names[name]}"
 
         def run(ir_model: ir.Model, pass_records: list[PassRecord]) -> dict:
             try:
@@ -591,17 +616,16 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         device_type=device.type,
         native_kernels=True,
         fusions=o.fusions,
-        native_bf16=o.native_bf16,
-        torch_gemm=o.torch_gemm,
+        # every pass a route may need; gemm_choice's decision gates them (``_route_gate``)
+        native_bf16=o.half_compute != "float32",
+        torch_gemm=o.gemm != "ort",
     )
     return [
         native_kernels,
         type_inference,
+        gemm_choice,
         fuse_initializers,
-        *[
-            _native_gate(pass_stage(p)) if isinstance(p, (NativeCPUKernelsPass, NativeAttentionPass)) else pass_stage(p)
-            for p in passes
-        ],
+        *[_route_gate(p, pass_stage(p)) for p in passes],
         host_split,
         serialize,
         aten_gradients,
@@ -645,6 +669,27 @@ def _native_gate(st: Stage) -> Stage:
     return Stage(st.name, (*st.requires, "native"), st.provides, run, st.group, st.snapshot_if)
 
 
+def _route_gate(p: ir.passes.PassBase, st: Stage) -> Stage:
+    """A pass of one GEMM route runs only where ``gemm_choice`` chose that route (the float32 torch
+    GEMM rewrite: ``torch_gemm``; the bf16 GEMM rewrite, the bf16 values and attention between them:
+    ``native_bf16``); the CPU-kernel passes only where ortwrap's kernels are usable (``_native_gate``)."""
+    if isinstance(p, (NativeCPUKernelsPass, NativeAttentionPass)):
+        st = _native_gate(st)
+    if isinstance(p, HalfMatMulOnCPUPass):
+        route = "torch_gemm" if p.dtype == ir.DataType.FLOAT else "native_bf16"
+    elif isinstance(p, (HalfValuesOnCPUPass, NativeAttentionPass)):
+        route = "native_bf16"
+    else:
+        return st
+
+    def run(gemm_choice: gemms.GemmChoice, **values) -> dict:
+        if not getattr(gemm_choice, route):
+            return {"ir_model": values["ir_model"], "pass_records": values["pass_records"]}
+        return st.run(**values)
+
+    return Stage(st.name, (*st.requires, "gemm_choice"), st.provides, run, st.group, st.snapshot_if)
+
+
 def _modified(out: dict) -> bool:
     """Snapshot a pass's result only when it changed the model."""
     records = out["pass_records"]
@@ -680,8 +725,7 @@ def _schema(request: BuildRequest) -> tuple:
         request.with_backward,
         str(request.device),
         repr(request.autocast),
-        request.options.native_bf16,  # half_compute="auto" resolved on this machine
-        request.options.torch_gemm,  # gemm="auto" resolved on this machine
+        gemms.schema_key(request.options),  # "auto": chosen by a measurement on this machine
     )
 
 
@@ -954,5 +998,6 @@ def _compile(
         stage_seconds,
         records,
         recompute=values["recompute"],
+        gemm_choice=values["gemm_choice"],
     )
     return program, artifacts

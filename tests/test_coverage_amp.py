@@ -5,9 +5,10 @@ and ``model.to(torch.float16)``, and a few under float16 autocast, like eager.
 
 Each case runs the zoo's three steps (changing sequence length or image size), fallback off, and
 ``check_parity`` compares outputs (and their dtypes), the loss, every gradient and buffer with eager
-run in the same precision. Autocast runs on the default ``half_compute`` (``auto``: ``native`` on a
-CPU with AVX512-BF16 or AMX, bf16 GEMMs inside the graph) and a few cases on the ``float32`` route
-(``ORTWRAP_HALF_COMPUTE=float32``: float32 between eager's bf16 boundaries).
+run in the same precision. Autocast runs on the ``native`` route (bf16 GEMMs inside the graph; the
+default, ``auto``, measures which route is faster and takes ``float32`` for graphs as small as
+these, tests/test_gemm_choice.py) and a few cases on the ``float32`` route (float32 between eager's
+bf16 boundaries).
 
 Tolerances: check_parity's ``atol == rtol == t``, the absolute part relative to each tensor's
 largest element (at least 1). Measured on 2026-11-28 (AMD EPYC Zen4-class, avx512_bf16, no AMX;
@@ -124,7 +125,10 @@ def _autocast_params():
 
 @pytest.mark.parametrize("case, exporter", list(_autocast_params()))
 def test_architecture_trains_under_autocast(case, exporter):
-    _train_case(case, AMP_TOL.get(case.name, BF16), autocast=bf16_autocast, wrap_options={"exporter": exporter})
+    _train_case(
+        case, AMP_TOL.get(case.name, BF16), autocast=bf16_autocast,
+        wrap_options={"exporter": exporter, "half_compute": "native"},
+    )  # fmt: skip
 
 
 def _float32_route_params():
