@@ -585,7 +585,7 @@ def choose(
     routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
     routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
     choice = GemmChoice(**routes, option=option, **fields)
-    logger.info("%s", choice.summary())
+    logger.debug("%s", choice.summary())  # the build summary line is the one INFO line of a build
     return choice
 
 
