@@ -305,6 +305,32 @@ def build_cache_dir() -> str:
     return os.environ.get("ORTWRAP_BUILD_CACHE_DIR") or os.path.join(cache_dir(), "builds")
 
 
+#: The build cache's default size cap, in MiB (``ORTWRAP_BUILD_CACHE_MAX_MB``).
+BUILD_CACHE_MAX_MB = 1024
+
+
+def build_cache_max_bytes() -> int:
+    """The build cache's size cap: ``$ORTWRAP_BUILD_CACHE_MAX_MB`` MiB (default 1024); least
+    recently used entries are deleted beyond it."""
+    raw = os.environ.get("ORTWRAP_BUILD_CACHE_MAX_MB") or str(BUILD_CACHE_MAX_MB)
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable ORTWRAP_BUILD_CACHE_MAX_MB={raw!r} is invalid: expected a number") from None
+    return int(max(mb, 0.0) * (1 << 20))
+
+
+def build_cache_secret_path() -> tuple[str, bool]:
+    """The file holding the secret build cache entries are signed with, and whether the user named
+    it: ``$ORTWRAP_BUILD_CACHE_SECRET``, else ``~/.cache/ortwrap/build-cache.secret``, which is the
+    user's own whatever ``ORTWRAP_CACHE_DIR`` says (a shared cache directory must not hold the key
+    that makes its entries trusted; ``cache.py``)."""
+    explicit = os.environ.get("ORTWRAP_BUILD_CACHE_SECRET")
+    if explicit:
+        return explicit, True
+    return os.path.join(os.path.expanduser("~"), ".cache", "ortwrap", "build-cache.secret"), False
+
+
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.
 ENV_VARS: dict[str, tuple[str, str]] = {
     env: (f.name, f.metadata["help"])
