@@ -303,7 +303,9 @@ def _fx_graph(gm: torch.fx.GraphModule, out: list, prefix: str = "") -> None:
     """Every node of ``gm`` and of its subgraphs (higher-order ops' bodies), appended to ``out``."""
     for node in gm.graph.nodes:
         target = node.target
-        target_name = target if isinstance(target, str) else str(target) if compat.is_op_overload(target) else _name(target)
+        target_name = (
+            target if isinstance(target, str) else str(target) if compat.is_op_overload(target) else _name(target)
+        )
         stack = node.meta.get("nn_module_stack") or {}
         out.append(
             (
@@ -378,7 +380,7 @@ def _capture_digest(exporter: str, capture: Any) -> tuple:
     return (
         graph,
         spec,
-        tuple(str(d) for d in adapter._traced.out_dtypes),  # noqa: SLF001
+        tuple(str(d) for d in adapter._traced.out_dtypes),
         tuple(adapter.buffer_names),
         tuple(capture.input_names),
         bool(capture.static_spatial),
@@ -386,9 +388,7 @@ def _capture_digest(exporter: str, capture: Any) -> tuple:
     )
 
 
-def build_key(
-    module: nn.Module, schema: Any, options: Any, native: bool, *, exporter: str, capture: Any
-) -> str:
+def build_key(module: nn.Module, schema: Any, options: Any, native: bool, *, exporter: str, capture: Any) -> str:
     """The cache key of a build, from its capture (see the module docstring).
 
     Args:

@@ -316,7 +316,9 @@ def build_cache_max_bytes() -> int:
     try:
         mb = float(raw)
     except ValueError:
-        raise ValueError(f"environment variable ORTWRAP_BUILD_CACHE_MAX_MB={raw!r} is invalid: expected a number") from None
+        raise ValueError(
+            f"environment variable ORTWRAP_BUILD_CACHE_MAX_MB={raw!r} is invalid: expected a number"
+        ) from None
     return int(max(mb, 0.0) * (1 << 20))
 
 

@@ -386,22 +386,9 @@ def _export(
         capture_stage, translate_stage = export_stages(name)
         exports = 0
         cache_key: str | None = None
-
-        def captured(static_spatial: bool) -> build_cache.CacheEntry | None:
-            """Capture; the first capture of this exporter looks the build up in the cache."""
-            nonlocal values, cache_key
-            start = {"request": request, "static_spatial": static_spatial, "exporter": name}
-            values = run_stages([capture_stage], start, records=records, **debug)
-            if cache_key is not None:
-                return None
-            run_stages([cache_lookup], values, records=records, **debug)
-            cache_key = values["cache_key"]
-            return values["cached"]
-
-        values: dict[str, Any] = {}
         try:
             try:
-                hit = captured(False)
+                values, cache_key, hit = _capture(request, capture_stage, name, False, True, records, debug)
                 if hit is not None:
                     return None, 0, [], name, cache_key, hit
                 values = run_stages([translate_stage], values, records=records, **debug)
@@ -417,7 +404,10 @@ def _export(
             exports += 1
             if exported is None or (exported.static_reasons and not exported.static_spatial):
                 logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
-                hit = captured(True)
+                # the first capture's key serves (its entries record their static shape); when the
+                # first capture failed, this one's
+                values, key, hit = _capture(request, capture_stage, name, True, cache_key is None, records, debug)
+                cache_key = cache_key or key
                 if hit is not None:
                     return None, 0, [], name, cache_key, hit
                 values = run_stages([translate_stage], values, records=records, **debug)
@@ -448,6 +438,25 @@ def _export(
         f"the {n} exporter also failed: {str(e).removeprefix('[ortwrap:export] ')}" for n, e in errors[1:]
     )
     raise type(first)(f"{str(first).removeprefix('[ortwrap:export] ')} ({others})") from first
+
+
+def _capture(
+    request: BuildRequest,
+    capture_stage: Stage,
+    exporter: str,
+    static_spatial: bool,
+    lookup: bool,
+    records: list[StageRecord],
+    debug: dict,
+) -> tuple[dict[str, Any], str | None, build_cache.CacheEntry | None]:
+    """Run an exporter's capture stage; with ``lookup``, then the build cache's lookup
+    (``cache_lookup``). Returns the stage values, the cache key and the entry that fits, if any."""
+    start = {"request": request, "static_spatial": static_spatial, "exporter": exporter}
+    values = run_stages([capture_stage], start, records=records, **debug)
+    if not lookup:
+        return values, None, None
+    run_stages([cache_lookup], values, records=records, **debug)
+    return values, values["cache_key"], values["cached"]
 
 
 def build_stages(request: BuildRequest) -> list[Stage]:
