@@ -280,7 +280,7 @@ def _fx_arg(a: Any) -> Any:
     """
     if isinstance(a, torch.fx.Node):
         return ("%", a.name)
-    if a is None or isinstance(a, (bool, int, float, complex, str)):
+    if a is None or a is Ellipsis or isinstance(a, (bool, int, float, complex, str)):
         return repr(a)
     if isinstance(a, (list, tuple)):
         return (type(a).__name__, tuple(_fx_arg(x) for x in a))

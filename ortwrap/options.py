@@ -132,8 +132,10 @@ class Options:
         True,
         "ORTWRAP_BUILD_CACHE",
         "Keep built graphs in a cache directory that survives the process (ORTWRAP_BUILD_CACHE_DIR, default "
-        "<ORTWRAP_CACHE_DIR>/builds), keyed by the module's structure and code, the input schema, the options and "
-        "the versions: a second process skips export, passes and the gradient build (docs/user-guide.md).",
+        "<ORTWRAP_CACHE_DIR>/builds, capped at ORTWRAP_BUILD_CACHE_MAX_MB), keyed by the captured graph with its "
+        "constants, the input schema, the options and the versions: a second process captures the forward again "
+        "and skips translation, passes and the gradient build. Entries are signed with a per-user secret "
+        "(docs/user-guide.md, 'The build cache').",
     )
     recompute: str = _opt(
         "cheap",
