@@ -473,7 +473,8 @@ def _user_secret() -> bytes:
         if st.st_size >= 32:
             break
         time.sleep(0.01)
-    if not explicit and (st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)):
+    owner = getattr(os, "getuid", lambda: st.st_uid)()  # (no uids on Windows)
+    if not explicit and (st.st_uid != owner or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)):
         raise OSError(f"{path} is not the user's own 0600 file")
     with open(path, "rb") as f:
         key = f.read()
