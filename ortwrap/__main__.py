@@ -95,7 +95,12 @@ def env(out=sys.stdout) -> None:
     w(f"python: {platform.python_version()} ({sys.executable})\n")
     w(f"platform: {platform.platform()}\n")
     for label, dists in _DISTS:
-        w(f"{label}: {_version(dists)}\n")
+        version = _version(dists)
+        if label == "torch":
+            import torch
+
+            version = torch.__version__  # with its local tag (+cpu, +cu130): which build
+        w(f"{label}: {version}\n")
     w(f"supported torch: {SUPPORTED_RANGE} (tested on {', '.join(CHECKED_RELEASES)})\n")
     model, flags, vendor = _cpu()
     w(f"cpu: {model}{f' ({vendor})' if vendor else ''}, {os.cpu_count()} logical cores\n")
