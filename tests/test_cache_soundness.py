@@ -375,6 +375,37 @@ def test_a_zero_dim_int64_attribute_builds_twice_and_its_value_is_keyed(user, ex
     torch.testing.assert_close(w(x), eager(x))  # an inference build of the same module
 
 
+@pytest.mark.slow
+def test_funnel_trains_at_three_lengths(user, exporter):
+    """Issue 28, item 5, as found: transformers' Funnel, steps at lengths 8, 12 and 10 with a padded
+    row; the second length's build died computing the cache key (a 0-d int64 module attribute)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FunnelConfig(
+        vocab_size=64, block_sizes=[1, 1], block_repeats=None, d_model=16, n_head=2, d_head=8, d_inner=32,
+        num_decoder_layers=1, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.FunnelForSequenceClassification(cfg)
+    torch.manual_seed(0)
+    eager = transformers.FunnelForSequenceClassification(cfg)
+    w = ORTWrap(model, fallback=False, exporter=exporter)
+    for length in (8, 12, 10):
+        ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[1, length - 3 :] = 0
+        labels = torch.tensor([0, 1])
+        w.zero_grad()
+        eager.zero_grad()
+        loss = w(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        ref = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ref.backward()
+        torch.testing.assert_close(loss, ref)
+        for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
 # ----------------------------------------------------------------------------------- across processes
 
 _CHILD = """
