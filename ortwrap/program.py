@@ -720,6 +720,14 @@ def cache_lookup(request: BuildRequest, capture: Any, exporter: str) -> dict:
     except build_cache.Uncacheable as e:
         logger.info("build cache: %s cannot be cached: %s", type(request.module).__name__, e)
         return {"cached": None, "cache_key": None}
+    except Exception as e:  # the cache never fails a build: a capture the key does not know is a miss
+        logger.warning(
+            "build cache: no key for %s's capture (%s: %s); it is built without the cache",
+            type(request.module).__name__,
+            type(e).__name__,
+            e,
+        )
+        return {"cached": None, "cache_key": None}
     entries = build_cache.load(build_cache_dir(), key) or []
     entry = next((e for e in entries if _entry_fits(e, request.leaves)), None)
     return {"cached": entry, "cache_key": key}
