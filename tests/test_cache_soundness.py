@@ -345,6 +345,24 @@ def test_a_changed_torch_or_transformers_version_rebuilds(user, monkeypatch):
     assert _train(Small, "torchscript")
 
 
+def test_a_capture_the_key_cannot_describe_is_built_without_the_cache(user, tmp_path, monkeypatch):
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return torch.tanh(self.l(x))
+
+    def fails(exporter, capture):
+        raise RuntimeError("a capture from a torch release the key does not know")
+
+    monkeypatch.setattr(cache, "_capture_digest", fails)
+    assert not _train(Small, "torchscript")
+    assert not _train(Small, "torchscript")
+    assert not os.path.exists(tmp_path / "builds") or not os.listdir(tmp_path / "builds")
+
+
 class ZeroDimCounter(nn.Module):
     """A 0-d int64 tensor kept as a plain attribute and one as a buffer (Funnel keeps such
     attributes: issue 28, item 5, where the build-cache key died on ``.view(torch.uint8)``)."""
