@@ -511,7 +511,12 @@ def store(directory: str, key: str, entries: list[CacheEntry]) -> str | None:
     try:
         signature = _sign(payload)
     except OSError as e:
-        logger.warning("build cache: not storing %s: no signing secret (%s)", key, e)
+        logger.warning(
+            "build cache: not storing %s: no signing secret (%s); point ORTWRAP_BUILD_CACHE_SECRET at a file of "
+            "your own, or turn the cache off (build_cache=False)",
+            key,
+            e,
+        )
         return None
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=directory)
@@ -558,7 +563,7 @@ def load(directory: str, key: str, *, warn: bool = True) -> list[CacheEntry] | N
         try:
             expected = _sign(payload)
         except OSError as e:
-            logger.warning("build cache: not loading %s: no signing secret (%s)", path, e)
+            logger.info("build cache: not loading %s: no signing secret (%s)", path, e)
             return None
         if not hmac.compare_digest(header[len(_SIGNATURE) :], expected):
             raise ValueError("bad signature: corrupt, or not written by this user's ortwrap; it was not unpickled")
