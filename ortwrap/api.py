@@ -224,7 +224,8 @@ class ORTWrap(nn.Module):
 
     @property
     def export_count(self) -> int:
-        """How many times the module has been exported (one per new input schema or mode)."""
+        """How many times the module has been exported (one per new input schema or mode; a build the
+        build cache serves captures the forward but translates nothing, and counts 0)."""
         return self._export_count
 
     @property

@@ -1,29 +1,35 @@
-"""A persistent build cache: a second process skips export, passes and the gradient build.
+"""A persistent build cache: a second process skips translation, passes and the gradient build.
 
-A build's key is a hash of everything that decides the graph, computed without exporting:
+NOTE: soundness. The cache must never return a program that differs from what a fresh build of the
+same code and inputs gives. A key computed from the module before capture (its classes' source
+files, its attributes) cannot promise that: the forward may call a helper in another file, read a
+module-level constant, a closure variable, a monkeypatched method, a config field, a global flag.
+So, as torch's FX graph cache does, the key is computed from what the program is built *from*, after
+the capture (which always runs):
 
-- the module: every submodule's class, name and ``training`` flag; the names, shapes, dtypes and
-  ``requires_grad`` of its parameters and buffers (not their values: they are graph inputs); its
-  plain attributes (numbers, strings, containers of them, configs with ``to_dict()``, such as
-  transformers' ``PretrainedConfig``), the plain values its classes hold (a class-level flag the
-  forward reads, changed at run time), and the bytes of tensors it keeps outside parameters and
-  buffers (the graph bakes those in);
-- the code: the source file of every class in the module tree and its bases, or, for classes
-  installed as a package (torch, transformers, ...), that package's version;
+- the captured graph with its constants: for the dynamo exporter, every node of the
+  ``torch.export`` graph (op, target, arguments, the dtype, symbolic shape and device of its value,
+  its module path) and of its subgraphs, the graph signature, the range constraints and the bytes of
+  every lifted constant tensor (a tensor attribute, a 0-d counter); for the TorchScript exporter,
+  the ONNX model its trace wrote (constants included). Everything a Python edit can change and the
+  build depends on is in there, or in the capture's output structure (its tree spec and constants,
+  also keyed);
+- the module's state table: names, shapes, dtypes, devices and ``requires_grad`` of its parameters
+  and buffers (their values are graph inputs, fed each step, never built in);
 - the input schema ortwrap keys its programs by (structure, constants, per tensor rank, dtype,
-  device, ``requires_grad``; train/eval; backward or not) and, for programs with static
-  dimensions, the shape;
-- the options that shape the graph, the machine's CPU kernel flags, and the versions of Python,
-  torch, onnxruntime, onnx, onnxscript and ortwrap (with a hash of ortwrap's own source, so an
-  edited checkout never loads what an older one built).
+  device, ``requires_grad``; train/eval; backward or not; autocast) and the exporter;
+- the options that shape the graph, the machine's CPU flags where the native kernels serve the
+  build, and the versions of Python, torch, onnxruntime, onnx, onnxscript, onnx-ir, transformers
+  and ortwrap (with a hash of ortwrap's own source, so an edited checkout never loads what an older
+  one built).
+
+Everything after the capture (translation, passes, gradient build) is a deterministic function of
+those, so a hit is what a fresh build would give. The capture itself is the price: a cached
+process still traces the forward once per input schema (docs/performance.md, "Build cache").
 
 An entry holds the built graph (ORT's forward+backward model), its ``GraphInfo``, how flat inputs,
 parameters, buffers and outputs map to the graph, the shape guards, and the exported and
 pre-gradient models for ``last_artifacts``. Loading one costs a session creation.
-
-NOTE: what the key cannot see: code outside the files of the module's classes that the forward
-calls (a helper in another file of yours), and global state the forward reads. Edit such code with
-``build_cache=False`` (``ORTWRAP_BUILD_CACHE=0``), or delete the cache directory.
 
 Graphs that call ``torch.autograd.Function``s (PythonOps) are not cached: their nodes point at
 Python objects of the process that built them. An output ORTWrap cannot take apart (kept as the
@@ -31,21 +37,36 @@ object the export built, such as transformers' ``DynamicCache`` in ``past_key_va
 when it pickles; one that does not (the dynamo capture leaves fake tensors in it) is stored as
 ``None``, and the process that loads the entry says so once (``portable_out_spec``).
 
+NOTE: security. Entries are pickles, and unpickling runs code. Each entry is signed with
+HMAC-SHA256 under a per-user secret (``options.build_cache_secret_path()``: 32 random bytes in
+``~/.cache/ortwrap/build-cache.secret``, created 0600, never inside ``ORTWRAP_BUILD_CACHE_DIR``
+or ``ORTWRAP_CACHE_DIR`` when those point elsewhere: a directory shared with others must not hold
+the key that makes its files trusted). The signature is checked before anything is unpickled; a
+file someone else dropped there (or an entry another user signed) is ignored with a warning and
+rebuilt. Users who share a cache on purpose point ``ORTWRAP_BUILD_CACHE_SECRET`` at one secret
+file that only they can read.
+
 Entries are written atomically (a temporary file, then ``os.replace``): a crash mid-write leaves no
-entry, never half of one. Each entry carries a checksum; one that fails to load (corrupt, or written
-by an incompatible ortwrap) is deleted and rebuilt, with a warning.
+entry, never half of one. The directory is kept under a size cap (``ORTWRAP_BUILD_CACHE_MAX_MB``,
+default 1024): after each store the least recently used entries (by modification time, which a
+load refreshes) are deleted. ``python -m ortwrap cache info`` and ``... cache clear`` show and
+empty it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import importlib.metadata
-import inspect
 import io
 import os
 import pickle
+import secrets
+import stat
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,15 +76,28 @@ from torch import nn
 
 from ._compat import torch as compat
 from ._logging import logger
+from .options import build_cache_max_bytes, build_cache_secret_path
 
-__all__ = ["BuildCacheWarning", "CacheEntry", "build_key", "load", "portable_out_spec", "store"]
+__all__ = [
+    "BuildCacheWarning",
+    "CacheEntry",
+    "Uncacheable",
+    "build_key",
+    "clear",
+    "entries_info",
+    "evict",
+    "load",
+    "portable_out_spec",
+    "store",
+]
 
 #: Bumped when the entry format changes: older entries are ignored.
-FORMAT = 2
+FORMAT = 3
 _MAGIC = b"ORTWRAP-BUILD\n"
-#: Tensors kept as plain attributes up to this size are hashed by value; a larger one makes the
-#: module uncacheable (hashing it would cost more than the cache saves).
-_MAX_HASHED_TENSOR_BYTES = 16 << 20
+_SIGNATURE = b"hmac-sha256:"
+#: Lifted constant tensors larger than this make the build uncacheable (hashing them would cost
+#: more than the cache saves).
+_MAX_HASHED_TENSOR_BYTES = 64 << 20
 
 
 class BuildCacheWarning(UserWarning):
@@ -135,30 +169,36 @@ def portable_out_spec(spec: tuple, path: str = "output") -> tuple[tuple, list[st
 # ------------------------------------------------------------------------------------------- the key
 
 
-def _versions() -> tuple:
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "-"
+def _dist_version(dist: str) -> str:
+    """The installed version of distribution ``dist``, or ``"-"``."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
 
+
+@functools.cache
+def _versions() -> tuple:
+    """Python's and every library's version that decides what a build produces (read once per
+    process: ``_versions.cache_clear()`` reads them again)."""
     from . import __version__ as ortwrap_version
 
-    ortwrap_version = f"{ortwrap_version}+{_own_code()}"
-
     ort = "-"
-    for dist in ("onnxruntime-training-cpu", "onnxruntime-training"):
-        if version(dist) != "-":
-            ort = f"{dist}=={version(dist)}"
+    for dist in ("onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime"):
+        if _dist_version(dist) != "-":
+            ort = f"{dist}=={_dist_version(dist)}"
+            break
     return (
-        FORMAT,
-        sys.version_info[:3],
-        torch.__version__,
-        ort,
-        version("onnx"),
-        version("onnxscript"),
-        version("onnx-ir"),
-        ortwrap_version,
+        ("format", FORMAT),
+        ("python", sys.version_info[:3]),
+        ("torch", torch.__version__, _dist_version("torch")),
+        ("onnxruntime", ort),
+        ("onnx", _dist_version("onnx")),
+        ("onnxscript", _dist_version("onnxscript")),
+        ("onnx-ir", _dist_version("onnx-ir")),
+        # its models' code, config classes and cache layers shape the graphs of HF models
+        ("transformers", _dist_version("transformers")),
+        ("ortwrap", f"{ortwrap_version}+{_own_code()}"),
     )
 
 
@@ -181,167 +221,189 @@ def _own_code() -> str:
     return _own_code_hash[0]
 
 
-_file_hashes: dict[str, str] = {}
-
-
-def _class_code(cls: type) -> str:
-    """What identifies the code of ``cls``: its package's version if installed as a distribution,
-    else the hash of its source file."""
-    module_name = getattr(cls, "__module__", "") or ""
-    top = module_name.split(".")[0]
-    try:
-        path = inspect.getsourcefile(cls)
-    except (TypeError, OSError):
-        path = None
-    if path is None:
-        return f"{module_name}:?"
-    if "site-packages" in path or "dist-packages" in path:
-        try:
-            return f"{top}=={importlib.metadata.version(top)}"
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    digest = _file_hashes.get(path)
-    if digest is None:
-        try:
-            with open(path, "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            digest = "?"
-        _file_hashes[path] = digest
-    return f"{path}:{digest}"
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """A hashable description of an attribute value, or raise Uncacheable."""
-    if depth > 6:
-        return "..."
-    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        return (type(value).__name__, repr(value))
-    if isinstance(value, torch.Tensor):
-        if value.numel() * value.element_size() > _MAX_HASHED_TENSOR_BYTES:
-            raise Uncacheable(f"a {tuple(value.shape)} tensor kept as a plain attribute")
-        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
-        return ("tensor", str(value.dtype), tuple(value.shape), hashlib.sha256(data).hexdigest())
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_plain(v, depth + 1) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(k), _plain(v, depth + 1)) for k, v in value.items())))
-    if isinstance(value, (set, frozenset)):
-        return ("set", tuple(sorted(repr(v) for v in value)))
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):  # transformers' configs
-        try:
-            return (type(value).__qualname__, _plain(to_dict(), depth + 1))
-        except Exception:
-            pass
-    if isinstance(value, nn.Module):
-        return ("module", type(value).__qualname__)
-    if callable(value):
-        return _callable(value, depth)
-    return ("object", type(value).__module__, type(value).__qualname__)
-
-
-def _code(code: Any, depth: int) -> tuple:
-    consts = tuple(_code(c, depth + 1) if inspect.iscode(c) else repr(c) for c in code.co_consts)
-    return (code.co_name, code.co_code, consts, code.co_names)
-
-
-def _callable(fn: Any, depth: int) -> tuple:
-    """What a callable attribute computes: a function's bytecode, constants, defaults and closure
-    values (two lambdas differ even though both are named ``<lambda>``); a partial's function and
-    arguments; a bound method's function and owner class; else its type."""
-    import functools
-    import types
-
-    if isinstance(fn, functools.partial):
-        return ("partial", _callable(fn.func, depth + 1), _plain(fn.args, depth + 1), _plain(fn.keywords, depth + 1))
-    if isinstance(fn, types.MethodType):
-        return ("method", type(fn.__self__).__qualname__, _callable(fn.__func__, depth + 1))
-    if isinstance(fn, types.FunctionType):
-        cells = tuple(_plain(c.cell_contents, depth + 1) for c in fn.__closure__ or () if _cell_set(c))
-        return (
-            "function",
-            fn.__module__,
-            fn.__qualname__,
-            _code(fn.__code__, depth),
-            _plain(fn.__defaults__, depth + 1),
-            cells,
-        )
-    return ("callable", type(fn).__module__, getattr(fn, "__qualname__", type(fn).__qualname__))
-
-
-def _cell_set(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:
-        return False
-    return True
-
-
-#: Class attributes whose values enter the key (methods, properties and descriptors are code).
-_CLASS_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, tuple, list, dict, set, frozenset, torch.dtype)
-
-
-def _module_fingerprint(module: nn.Module) -> tuple:
-    parts: list = []
-    classes: set[type] = set()
-    skip = compat.module_internal_attributes()
-    for name, sub in module.named_modules(remove_duplicate=False):
-        classes.update(c for c in type(sub).__mro__ if c not in (object, nn.Module))
-        attrs = []
-        for key, value in vars(sub).items():
-            if key in skip:
-                continue
-            attrs.append((key, _plain(value)))
-        params = tuple(
-            (n, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.device.type)
-            for n, p in compat.parameter_table(sub).items()
-            if p is not None
-        )
-        buffers = tuple(
-            (n, tuple(b.shape), str(b.dtype), n in compat.non_persistent_buffers(sub), b.device.type)
-            for n, b in compat.buffer_table(sub).items()
-            if b is not None
-        )
-        parts.append((name, type(sub).__module__, type(sub).__qualname__, sub.training, params, buffers, tuple(attrs)))
-    code = tuple(sorted(_class_code(c) for c in classes))
-    # Class-level settings a forward reads (``factor = 1.0`` on the class, changed at run time by a
-    # config or a test): the source file does not change, so the values themselves are keyed.
-    class_values = tuple(
-        sorted(
-            (c.__module__, c.__qualname__, name, repr(_plain(value)))
-            for c in classes
-            for name, value in vars(c).items()
-            if not name.startswith("__") and isinstance(value, _CLASS_VALUE_TYPES)
-        )
-    )
-    # A class defined inside a function can close over that function's variables (a test's
-    # parametrized equation, say): its methods' closure values are part of its code.
-    closures = tuple(
-        sorted(
-            (
-                c.__qualname__,
-                name,
-                repr(_plain(fn.__closure__ and tuple(x.cell_contents for x in fn.__closure__ if _cell_set(x)))),
-            )
-            for c in classes
-            if "<locals>" in c.__qualname__
-            for name, fn in vars(c).items()
-            if inspect.isfunction(fn) and fn.__closure__
-        )
-    )
-    return tuple(parts), code, class_values, closures
-
-
-def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: bool) -> str:
-    """The cache key of a build (see the module docstring).
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (0-d tensors included: ``view(torch.uint8)``
+    refuses a 0-d tensor of a wider dtype, so the bytes are read from a 1-d view).
 
     Raises:
-        Uncacheable: the module holds something the key cannot describe.
+        Uncacheable: the tensor is too large to hash, or has no bytes to read (a fake or meta tensor).
+    """
+    nbytes = t.numel() * t.element_size()
+    if nbytes > _MAX_HASHED_TENSOR_BYTES:
+        raise Uncacheable(f"a {tuple(t.shape)} constant tensor ({nbytes >> 20} MiB) is built into the graph")
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        try:
+            flat = t.detach().cpu().contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).numpy().tobytes())
+        except Exception as e:  # a fake tensor, a tensor subclass without storage
+            raise Uncacheable(f"a constant tensor's bytes cannot be read ({type(e).__name__}: {e})") from None
+    return h.hexdigest()
+
+
+def _state_table(module: nn.Module) -> tuple:
+    """Names, shapes, dtypes, devices and ``requires_grad`` of every parameter and buffer: what the
+    graph's state inputs and the gradient build's trainable set are made from (not the values)."""
+    rows = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for n, p in compat.parameter_table(sub).items():
+            if p is not None:
+                rows.append(("P", name, n, tuple(p.shape), str(p.dtype), bool(p.requires_grad), p.device.type))
+        persistent_not = compat.non_persistent_buffers(sub)
+        for n, b in compat.buffer_table(sub).items():
+            if b is not None:
+                rows.append(("B", name, n, tuple(b.shape), str(b.dtype), n in persistent_not, b.device.type))
+    return tuple(rows)
+
+
+def _name(obj: Any) -> str:
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"{module}.{getattr(obj, '__qualname__', None) or getattr(obj, '__name__', None) or type(obj).__qualname__}"
+
+
+def _fx_value(v: Any) -> Any:
+    """A node's ``meta['val']`` as dtype, symbolic shape and device (what translation reads)."""
+    if isinstance(v, torch.Tensor):
+        return ("T", str(v.dtype), tuple(str(s) for s in v.shape), v.device.type, bool(v.requires_grad))
+    if isinstance(v, (list, tuple)):
+        return tuple(_fx_value(x) for x in v)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v)
+    return (type(v).__name__, str(v))  # SymInt, SymFloat, SymBool
+
+
+def _fx_arg(a: Any) -> Any:
+    """A node argument, described without object addresses.
+
+    Raises:
+        Uncacheable: an argument of a kind the key cannot describe.
+    """
+    if isinstance(a, torch.fx.Node):
+        return ("%", a.name)
+    if a is None or a is Ellipsis or isinstance(a, (bool, int, float, complex, str)):
+        return repr(a)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_fx_arg(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((repr(k), _fx_arg(v)) for k, v in a.items()))
+    if isinstance(a, slice):
+        return ("slice", _fx_arg(a.start), _fx_arg(a.stop), _fx_arg(a.step))
+    if isinstance(a, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tensor_digest(a))
+    if compat.is_op_overload(a):
+        return ("op", str(a))
+    if callable(a):
+        return ("fn", _name(a))
+    raise Uncacheable(f"the captured graph holds a {type(a).__module__}.{type(a).__qualname__} argument")
+
+
+def _fx_graph(gm: torch.fx.GraphModule, out: list, prefix: str = "") -> None:
+    """Every node of ``gm`` and of its subgraphs (higher-order ops' bodies), appended to ``out``."""
+    for node in gm.graph.nodes:
+        target = node.target
+        target_name = (
+            target if isinstance(target, str) else str(target) if compat.is_op_overload(target) else _name(target)
+        )
+        stack = node.meta.get("nn_module_stack") or {}
+        out.append(
+            (
+                prefix,
+                node.op,
+                node.name,
+                target_name,
+                _fx_arg(node.args),
+                _fx_arg(node.kwargs),
+                _fx_value(node.meta.get("val")),
+                tuple((str(path), t if isinstance(t, str) else _name(t)) for path, t in stack.values()),
+            )
+        )
+        if node.op == "get_attr":
+            attr: Any = gm
+            for part in str(target).split("."):
+                attr = getattr(attr, part)
+            if isinstance(attr, torch.fx.GraphModule):
+                _fx_graph(attr, out, f"{prefix}{target}/")
+            elif isinstance(attr, torch.Tensor):
+                out.append((prefix, "attr", str(target), tensor_digest(attr)))
+            else:
+                raise Uncacheable(f"the captured graph reads a {type(attr).__qualname__} attribute {target!r}")
+
+
+def _dynamo_capture(capture: Any) -> tuple:
+    """What a ``torch.export`` capture (``export.dynamo.DynamoCapture``) holds that its translation reads."""
+    if getattr(capture.bridge, "calls", None):
+        raise Uncacheable("the graph calls autograd Functions (PythonOps)")
+    program = capture.program
+    nodes: list = []
+    _fx_graph(program.graph_module, nodes)
+    signature = program.graph_signature
+    fed = {s.target for s in signature.input_specs if s.kind.name in ("PARAMETER", "BUFFER")}
+    constants = []
+    for name, value in sorted(program.constants.items()):
+        if isinstance(value, torch.Tensor):
+            # a non-persistent buffer is a graph input fed each step; any other constant (a tensor
+            # attribute, a counter) is built into the graph: its bytes are keyed
+            constants.append((name, "fed" if name in fed else tensor_digest(value)))
+        else:
+            raise Uncacheable(f"the captured program holds a {type(value).__qualname__} constant {name!r}")
+    return (
+        "dynamo",
+        tuple(nodes),
+        str(signature),
+        tuple(sorted((str(k), str(v)) for k, v in program.range_constraints.items())),
+        tuple(constants),
+        capture.aten_ops,
+        capture.opset,
+    )
+
+
+def _torchscript_capture(capture: Any) -> tuple:
+    """What a TorchScript capture (``export.torchscript.TorchScriptCapture``) holds: the ONNX model
+    its trace wrote, constants included."""
+    if getattr(capture.bridge, "functions", None):
+        raise Uncacheable("the graph calls autograd Functions (PythonOps)")
+    data = capture.model.SerializeToString(deterministic=True)
+    return ("torchscript", hashlib.sha256(data).hexdigest())
+
+
+def _capture_digest(exporter: str, capture: Any) -> tuple:
+    graph = _dynamo_capture(capture) if exporter == "dynamo" else _torchscript_capture(capture)
+    adapter = capture.adapter
+    out_spec, _ = portable_out_spec(adapter.out_spec)
+    try:
+        # the output's structure and constants (what the program's outputs are rebuilt into)
+        spec = hashlib.sha256(pickle.dumps(out_spec, protocol=4)).hexdigest()
+    except Exception as e:
+        raise Uncacheable(f"the output structure cannot be stored ({type(e).__name__}: {e})") from None
+    return (
+        graph,
+        spec,
+        tuple(str(d) for d in adapter._traced.out_dtypes),
+        tuple(adapter.buffer_names),
+        tuple(capture.input_names),
+        bool(capture.static_spatial),
+        tuple(capture.static_reasons),
+    )
+
+
+def build_key(module: nn.Module, schema: Any, options: Any, native: bool, *, exporter: str, capture: Any) -> str:
+    """The cache key of a build, from its capture (see the module docstring).
+
+    Args:
+        module: the user's module (its state table is keyed, not its code: the capture has that).
+        schema: the input schema ortwrap keys its programs by (``program._schema``).
+        options: the resolved :class:`~ortwrap.options.Options`.
+        native: whether ortwrap's CPU kernels serve this build (then the CPU's flags are keyed).
+        exporter: ``"dynamo"`` or ``"torchscript"``.
+        capture: the exporter's capture stage's result.
+
+    Raises:
+        Uncacheable: the capture holds something the key cannot describe.
     """
     h = hashlib.sha256()
     graph_options = (
-        options.exporters,
         options.opset,
         options.inline_functions,
         options.aten_ops,
@@ -353,7 +415,17 @@ def build_key(module: nn.Module, schema: Any, shape: Any, options: Any, native: 
         options.zero3_gather,
     )
     cpu = _cpu_flags() if native else ()
-    for part in (_versions(), _module_fingerprint(module), repr(schema), repr(shape), graph_options, native, cpu):
+    parts = (
+        _versions(),
+        exporter,
+        _capture_digest(exporter, capture),
+        _state_table(module),
+        repr(schema),
+        graph_options,
+        native,
+        cpu,
+    )
+    for part in parts:
         h.update(repr(part).encode())
         h.update(b"\0")
     return h.hexdigest()[:40]
@@ -368,16 +440,67 @@ def _cpu_flags() -> tuple:
     return tuple(sorted(flags))
 
 
+# ------------------------------------------------------------------------------------------- signing
+
+
+_secret: list[bytes] = []
+
+
+def _user_secret() -> bytes:
+    """The per-user key entries are signed with (see the module docstring), created on first use.
+
+    NOTE: created with ``O_EXCL`` and mode 0600, so two processes starting at once agree on one
+    secret (the loser reads the winner's file). The default file must be the user's own and closed to
+    others; a secret others can read signs nothing they could not forge.
+
+    Raises:
+        OSError: the secret cannot be created or read, or the default file is open to others.
+    """
+    if _secret:
+        return _secret[0]
+    path, explicit = build_cache_secret_path()
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    for _ in range(50):  # another process may have created it an instant ago, still empty
+        st = os.stat(path)
+        if st.st_size >= 32:
+            break
+        time.sleep(0.01)
+    owner = getattr(os, "getuid", lambda: st.st_uid)()  # (no uids on Windows)
+    if not explicit and (st.st_uid != owner or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)):
+        raise OSError(f"{path} is not the user's own 0600 file")
+    with open(path, "rb") as f:
+        key = f.read()
+    if len(key) < 32:
+        raise OSError(f"{path} holds {len(key)} bytes, expected at least 32")
+    _secret.append(key)
+    return key
+
+
+def _sign(payload: bytes) -> bytes:
+    return hmac.new(_user_secret(), payload, hashlib.sha256).hexdigest().encode()
+
+
 # ------------------------------------------------------------------------------------------- storage
 
 
+_SUFFIX = ".build"
+
+
 def _path(directory: str, key: str) -> str:
-    return os.path.join(directory, f"{key}.build")
+    return os.path.join(directory, f"{key}{_SUFFIX}")
 
 
 def store(directory: str, key: str, entries: list[CacheEntry]) -> str | None:
-    """Write the entries of ``key`` (one per shape-specialization) atomically; return the path (None
-    if they could not be written)."""
+    """Write the entries of ``key`` (one per shape-specialization) atomically, signed; keep the
+    directory under its size cap; return the path (None if they could not be written)."""
     try:
         buf = io.BytesIO()
         pickle.dump(entries, buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -385,12 +508,21 @@ def store(directory: str, key: str, entries: list[CacheEntry]) -> str | None:
         logger.info("build cache: not storing %s (%s: %s)", key, type(e).__name__, e)
         return None
     payload = buf.getvalue()
-    digest = hashlib.sha256(payload).hexdigest().encode()
+    try:
+        signature = _sign(payload)
+    except OSError as e:
+        logger.warning(
+            "build cache: not storing %s: no signing secret (%s); point ORTWRAP_BUILD_CACHE_SECRET at a file of "
+            "your own, or turn the cache off (build_cache=False)",
+            key,
+            e,
+        )
+        return None
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + digest + b"\n" + payload)
+            f.write(_MAGIC + _SIGNATURE + signature + b"\n" + payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, _path(directory, key))
@@ -401,11 +533,18 @@ def store(directory: str, key: str, entries: list[CacheEntry]) -> str | None:
         except OSError:
             pass
         return None
+    evict(directory, keep=key)
     return _path(directory, key)
 
 
-def load(directory: str, key: str) -> list[CacheEntry] | None:
-    """The entries stored under ``key``, or None. A corrupt file is deleted, with a warning."""
+def load(directory: str, key: str, *, warn: bool = True) -> list[CacheEntry] | None:
+    """The entries stored under ``key``, or None.
+
+    The signature is checked before anything is unpickled. An entry that fails it (corrupt, written
+    by another user or by someone else altogether, or by an older ortwrap) is ignored, with a
+    warning, and rebuilt; it is deleted when it is ours to delete (an unreadable payload under a
+    good signature), else left to be replaced by the rebuilt one.
+    """
     path = _path(directory, key)
     try:
         with open(path, "rb") as f:
@@ -419,21 +558,106 @@ def load(directory: str, key: str) -> list[CacheEntry] | None:
         if not data.startswith(_MAGIC):
             raise ValueError("not an ortwrap build cache entry")
         header, _, payload = data[len(_MAGIC) :].partition(b"\n")
-        if hashlib.sha256(payload).hexdigest().encode() != header:
-            raise ValueError("checksum mismatch")
+        if not header.startswith(_SIGNATURE):
+            raise ValueError("unsigned (written by an older ortwrap, or not by ortwrap)")
+        try:
+            expected = _sign(payload)
+        except OSError as e:
+            logger.info("build cache: not loading %s: no signing secret (%s)", path, e)
+            return None
+        if not hmac.compare_digest(header[len(_SIGNATURE) :], expected):
+            raise ValueError("bad signature: corrupt, or not written by this user's ortwrap; it was not unpickled")
+    except ValueError as e:
+        if warn:
+            _unusable(path, e, delete=False)
+        return None
+    try:
         entries = pickle.loads(payload)
         if not isinstance(entries, list) or not all(isinstance(e, CacheEntry) for e in entries):
             raise ValueError(f"unexpected content {type(entries).__name__}")
-        return entries
     except Exception as e:
+        _unusable(path, e, delete=True, warn=warn)
+        return None
+    try:
+        os.utime(path)  # least recently used goes first (atime is often not kept)
+    except OSError:
+        pass
+    return entries
+
+
+def _unusable(path: str, e: BaseException, *, delete: bool, warn: bool = True) -> None:
+    if warn:
         warnings.warn(
-            f"ortwrap: the build cache entry {path} is unusable ({type(e).__name__}: {e}); it was deleted and the "
-            "graph is rebuilt",
+            f"ortwrap: the build cache entry {path} is unusable ({type(e).__name__}: {e}); "
+            f"{'it was deleted and ' if delete else ''}the graph is rebuilt",
             BuildCacheWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
+    if delete:
         try:
             os.unlink(path)
         except OSError:
             pass
-        return None
+
+
+# ------------------------------------------------------------------------------------------- size cap
+
+
+def entries_info(directory: str) -> list[tuple[str, int, float]]:
+    """(path, size in bytes, last use) of every entry in ``directory``, most recently used first."""
+    rows = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(_SUFFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        rows.append((path, st.st_size, max(st.st_mtime, st.st_atime)))
+    rows.sort(key=lambda r: r[2], reverse=True)
+    return rows
+
+
+def evict(directory: str, keep: str | None = None, max_bytes: int | None = None) -> list[str]:
+    """Delete the least recently used entries until the directory holds at most ``max_bytes``
+    (``ORTWRAP_BUILD_CACHE_MAX_MB``); never the entry ``keep`` just written. Return what was deleted."""
+    limit = build_cache_max_bytes() if max_bytes is None else max_bytes
+    rows = entries_info(directory)
+    total = sum(size for _, size, _ in rows)
+    removed = []
+    for path, size, _ in reversed(rows):
+        if total <= limit:
+            break
+        if keep is not None and os.path.basename(path) == f"{keep}{_SUFFIX}":
+            continue
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        total -= size
+        removed.append(path)
+    if removed:
+        logger.info("build cache: evicted %d entries to stay under %d MiB", len(removed), limit >> 20)
+    return removed
+
+
+def clear(directory: str) -> int:
+    """Delete every entry (and leftover temporary file) in ``directory``; return how many entries."""
+    count = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if name.endswith(_SUFFIX) or (name.startswith(".") and name.endswith(".tmp")):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                continue
+            count += name.endswith(_SUFFIX)
+    return count

@@ -138,8 +138,10 @@ class Options:
         True,
         "ORTWRAP_BUILD_CACHE",
         "Keep built graphs in a cache directory that survives the process (ORTWRAP_BUILD_CACHE_DIR, default "
-        "<ORTWRAP_CACHE_DIR>/builds), keyed by the module's structure and code, the input schema, the options and "
-        "the versions: a second process skips export, passes and the gradient build (docs/user-guide.md).",
+        "<ORTWRAP_CACHE_DIR>/builds, capped at ORTWRAP_BUILD_CACHE_MAX_MB), keyed by the captured graph with its "
+        "constants, the input schema, the options and the versions: a second process captures the forward again "
+        "and skips translation, passes and the gradient build. Entries are signed with a per-user secret "
+        "(docs/user-guide.md, 'The build cache').",
     )
     recompute: str = _opt(
         "cheap",
@@ -399,6 +401,34 @@ def cache_dir() -> str:
 def build_cache_dir() -> str:
     """Where built graphs are cached: ``$ORTWRAP_BUILD_CACHE_DIR`` or ``<cache_dir()>/builds``."""
     return os.environ.get("ORTWRAP_BUILD_CACHE_DIR") or os.path.join(cache_dir(), "builds")
+
+
+#: The build cache's default size cap, in MiB (``ORTWRAP_BUILD_CACHE_MAX_MB``).
+BUILD_CACHE_MAX_MB = 1024
+
+
+def build_cache_max_bytes() -> int:
+    """The build cache's size cap: ``$ORTWRAP_BUILD_CACHE_MAX_MB`` MiB (default 1024); least
+    recently used entries are deleted beyond it."""
+    raw = os.environ.get("ORTWRAP_BUILD_CACHE_MAX_MB") or str(BUILD_CACHE_MAX_MB)
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable ORTWRAP_BUILD_CACHE_MAX_MB={raw!r} is invalid: expected a number"
+        ) from None
+    return int(max(mb, 0.0) * (1 << 20))
+
+
+def build_cache_secret_path() -> tuple[str, bool]:
+    """The file holding the secret build cache entries are signed with, and whether the user named
+    it: ``$ORTWRAP_BUILD_CACHE_SECRET``, else ``~/.cache/ortwrap/build-cache.secret``, which is the
+    user's own whatever ``ORTWRAP_CACHE_DIR`` says (a shared cache directory must not hold the key
+    that makes its entries trusted; ``cache.py``)."""
+    explicit = os.environ.get("ORTWRAP_BUILD_CACHE_SECRET")
+    if explicit:
+        return explicit, True
+    return os.path.join(os.path.expanduser("~"), ".cache", "ortwrap", "build-cache.secret"), False
 
 
 #: Environment variable -> (option name, help). Documented in docs/user-guide.md.

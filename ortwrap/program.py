@@ -374,9 +374,13 @@ def export_stages(exporter: str) -> list[Stage]:
 
 def _export(
     request: BuildRequest, records: list[StageRecord], debug: dict
-) -> tuple[ExportedModel, int, list[str], str]:
+) -> tuple[ExportedModel | None, int, list[str], str, str | None, build_cache.CacheEntry | None]:
     """Run the export stages of the first of ``request.options.exporters`` that succeeds: (the export,
-    how many exports it took, why its non-batch dimensions are static, the exporter's name).
+    how many exports it took, why its non-batch dimensions are static, the exporter's name, the
+    build cache key, the cache entry that serves this build).
+
+    Between each exporter's first capture and its translation the build cache is looked up
+    (``cache_lookup``): on a hit the translation never runs, and the export is None.
 
     A graph that needs static non-batch dimensions (see ``export.adapter``) is exported again
     with them. Only the successful exporter's exports are counted.
@@ -387,11 +391,15 @@ def _export(
     exporters = request.options.exporters
     errors: list[tuple[str, ExportError]] = []
     for name in exporters:
-        stages = export_stages(name)
+        capture_stage, translate_stage = export_stages(name)
         exports = 0
+        cache_key: str | None = None
         try:
             try:
-                values = run_stages(stages, {"request": request, "static_spatial": False}, records=records, **debug)
+                values, cache_key, hit = _capture(request, capture_stage, name, False, True, records, debug)
+                if hit is not None:
+                    return None, 0, [], name, cache_key, hit
+                values = run_stages([translate_stage], values, records=records, **debug)
                 exported: ExportedModel | None = values["exported"]
             except ExportError as e:
                 # Some symbolics (adaptive pooling to a size > 1) need the traced spatial sizes.
@@ -404,7 +412,13 @@ def _export(
             exports += 1
             if exported is None or (exported.static_reasons and not exported.static_spatial):
                 logger.info("exporting with static non-batch dimensions: %s", "; ".join(reasons))
-                values = run_stages(stages, {"request": request, "static_spatial": True}, records=records, **debug)
+                # the first capture's key serves (its entries record their static shape); when the
+                # first capture failed, this one's
+                values, key, hit = _capture(request, capture_stage, name, True, cache_key is None, records, debug)
+                cache_key = cache_key or key
+                if hit is not None:
+                    return None, 0, [], name, cache_key, hit
+                values = run_stages([translate_stage], values, records=records, **debug)
                 exported = values["exported"]
                 exports += 1
         except UnsupportedOutputError:
@@ -424,7 +438,7 @@ def _export(
                 str(e).split(". ")[0][:300],
                 name,
             )
-        return exported, exports, reasons, name
+        return exported, exports, reasons, name, cache_key, None
     name, first = errors[0]
     if len(errors) == 1:
         raise first
@@ -432,6 +446,25 @@ def _export(
         f"the {n} exporter also failed: {str(e).removeprefix('[ortwrap:export] ')}" for n, e in errors[1:]
     )
     raise type(first)(f"{str(first).removeprefix('[ortwrap:export] ')} ({others})") from first
+
+
+def _capture(
+    request: BuildRequest,
+    capture_stage: Stage,
+    exporter: str,
+    static_spatial: bool,
+    lookup: bool,
+    records: list[StageRecord],
+    debug: dict,
+) -> tuple[dict[str, Any], str | None, build_cache.CacheEntry | None]:
+    """Run an exporter's capture stage; with ``lookup``, then the build cache's lookup
+    (``cache_lookup``). Returns the stage values, the cache key and the entry that fits, if any."""
+    start = {"request": request, "static_spatial": static_spatial, "exporter": exporter}
+    values = run_stages([capture_stage], start, records=records, **debug)
+    if not lookup:
+        return values, None, None
+    run_stages([cache_lookup], values, records=records, **debug)
+    return values, values["cache_key"], values["cached"]
 
 
 def build_stages(request: BuildRequest) -> list[Stage]:
@@ -739,17 +772,26 @@ def _entry_fits(entry: build_cache.CacheEntry, leaves: list[torch.Tensor]) -> bo
     return entry.shape_guards is None or entry.shape_guards.check(leaves)
 
 
-@stage("cache_lookup", ("request",), ("cached", "cache_key"), group="export")
-def cache_lookup(request: BuildRequest) -> dict:
-    """The build cache's entry for this module, schema and options that fits these inputs, if any."""
+@stage("cache_lookup", ("request", "capture", "exporter"), ("cached", "cache_key"), group="export")
+def cache_lookup(request: BuildRequest, capture: Any, exporter: str) -> dict:
+    """The build cache's entry for this capture, schema and options that fits these inputs, if any
+    (the key is made from the capture: ``cache.py``)."""
     o = request.options
     if not o.build_cache:
         return {"cached": None, "cache_key": None}
     native = o.native_kernels and request.with_backward and request.device.type == "cpu"
     try:
-        key = build_cache.build_key(request.module, _schema(request), None, o, native)
+        key = build_cache.build_key(request.module, _schema(request), o, native, exporter=exporter, capture=capture)
     except build_cache.Uncacheable as e:
         logger.info("build cache: %s cannot be cached: %s", type(request.module).__name__, e)
+        return {"cached": None, "cache_key": None}
+    except Exception as e:  # the cache never fails a build: a capture the key does not know is a miss
+        logger.warning(
+            "build cache: no key for %s's capture (%s: %s); it is built without the cache",
+            type(request.module).__name__,
+            type(e).__name__,
+            e,
+        )
         return {"cached": None, "cache_key": None}
     entries = build_cache.load(build_cache_dir(), key) or []
     entry = next((e for e in entries if _entry_fits(e, request.leaves)), None)
@@ -790,7 +832,7 @@ def cache_store(
         dropped_outputs=dropped,
     )
     directory = build_cache_dir()
-    entries = [e for e in (build_cache.load(directory, cache_key) or []) if not _same_fit(e, entry)]
+    entries = [e for e in (build_cache.load(directory, cache_key, warn=False) or []) if not _same_fit(e, entry)]
     build_cache.store(directory, cache_key, [*entries, entry])
     return {}
 
@@ -956,20 +998,20 @@ def _compile(
 ) -> tuple[Program, BuildArtifacts]:
     """:func:`compile_program`'s build, its progress reported by ``debug["progress"]``."""
     training, with_backward = request.training, request.with_backward
-    looked_up = run_stages([cache_lookup], {"request": request}, records=records, **debug)
-    if looked_up["cached"] is not None:
-        return _from_cache(request, looked_up["cached"], records, debug, t0)
-    exported, exports, reasons, exporter = _export(request, records, debug)
+    exported, exports, reasons, exporter, cache_key, cached = _export(request, records, debug)
+    if cached is not None:
+        return _from_cache(request, cached, records, debug, t0)
+    assert exported is not None
     exported_proto = onnx.ModelProto()
     exported_proto.CopyFrom(exported.model)
     values = run_stages(build_stages(request), {"request": request, "exported": exported}, records=records, **debug)
     program = values["program"]
-    if looked_up["cache_key"] is not None:
+    if cache_key is not None:
         run_stages(
             [cache_store],
             {
                 **values,
-                "cache_key": looked_up["cache_key"],
+                "cache_key": cache_key,
                 "exported_proto": exported_proto,
                 "exporter": exporter,
                 "exports": exports,

@@ -149,7 +149,10 @@ def test_verify_catches_a_broken_pass_with_the_torchscript_exporter(monkeypatch)
         "call",
         lambda self, model: batchnorm_running_stats.ir.passes.PassResult(model, modified=False),
     )
-    w = ORTWrap(BatchNormNet(), verify=True, fallback=False)
+    # build_cache=False: this test breaks ortwrap's own code, which the cache key does not see, and a
+    # good build of the same capture may be in the session's cache (the key names the exporter that
+    # built it, not the ``exporter`` option's list)
+    w = ORTWrap(BatchNormNet(), verify=True, fallback=False, build_cache=False)
     (x, y), _ = _bn_inputs(8, torch.Generator().manual_seed(0))
     with pytest.raises(VerificationError, match=r"buffer 'bn\.running_mean' after the step"):
         w(x, y)
