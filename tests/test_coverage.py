@@ -99,3 +99,43 @@ def test_where_broadcast_input_gets_reduced_gradient(exporter):
         return (torch.randn(b, 2, 5, 5, generator=g, requires_grad=True), mask), {}
 
     check_parity(_MaskedBias, inputs, wrap_options={"exporter": exporter})
+
+
+# --- causes behind model families (issue 28) ---------------------------------------------------
+
+
+class _WindowCache:
+    """Stands in for transformers' sliding-window cache layer: the keys, the window as a 0-d int64
+    tensor built in forward(), and the length seen so far (an int)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+        self.window = torch.tensor(4)
+        self.length = keys.shape[1]
+
+
+class _ConstantOutputs(torch.nn.Module):
+    """Returns, beside its result, outputs that depend on no input: ORT folds them into initializers
+    and its gradient builder found no producer for them ("output:N: couldn't find the producer
+    node")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        steps = torch.arange(3) * 2 + 1  # a constant computed by several ops
+        return h.tanh(), _WindowCache(h), steps, torch.ones(2)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_outputs_that_depend_on_no_input_train(exporter):
+    def inputs(b, g):
+        return (torch.randn(2, 3 + b, 4, generator=g),), {}
+
+    w = check_parity(_ConstantOutputs, inputs, batch_sizes=(2, 5, 3), wrap_options={"exporter": exporter})
+    out = w(torch.randn(2, 6, 4))
+    assert out[1].window.dtype == torch.int64 and int(out[1].window) == 4
+    assert out[1].length == 6, out[1].length
+    assert out[2].tolist() == [1, 3, 5] and not out[2].requires_grad
