@@ -139,3 +139,37 @@ def test_outputs_that_depend_on_no_input_train(exporter):
     assert out[1].window.dtype == torch.int64 and int(out[1].window) == 4
     assert out[1].length == 6, out[1].length
     assert out[2].tolist() == [1, 3, 5] and not out[2].requires_grad
+
+
+class _Scan(torch.nn.Module):
+    """RecurrentGemma's ``_rnn_scan`` and Mamba's selective scan: a Python loop over the sequence
+    length. Traced at one length, the loop is unrolled that many times; reused at another length,
+    the graph computed the first length's steps (silently wrong) or failed to broadcast."""
+
+    def __init__(self, unpacked: bool) -> None:
+        super().__init__()
+        self.unpacked = unpacked  # a size unpacked from x.shape: the tracer warns of nothing
+        self.proj = torch.nn.Linear(4, 4)
+        self.decay = torch.nn.Parameter(torch.full((4,), 0.7))
+
+    def forward(self, x):
+        h = self.proj(x)
+        steps = x.shape[1] if not self.unpacked else tuple(x.shape)[1]
+        state = torch.zeros_like(h[:, 0])
+        out = []
+        for t in range(steps):
+            state = state * self.decay + h[:, t]
+            out.append(state)
+        return torch.stack(out, 1).tanh()
+
+
+@pytest.mark.parametrize("unpacked", [False, True], ids=["shape", "unpacked"])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_python_loop_over_a_length_is_never_reused_at_another(exporter, unpacked):
+    def inputs(b, g):
+        return (torch.randn(2, {2: 8, 3: 12, 4: 10}[b], 4, generator=g),), {}
+
+    w = check_parity(lambda: _Scan(unpacked), inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": exporter})
+    assert len(w.programs()) == 3  # one graph per length
+    if exporter == "torchscript":
+        assert any("depends on the inputs' size" in r for r in w.last_artifacts.static_reasons)
