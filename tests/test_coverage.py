@@ -173,3 +173,33 @@ def test_python_loop_over_a_length_is_never_reused_at_another(exporter, unpacked
     assert len(w.programs()) == 3  # one graph per length
     if exporter == "torchscript":
         assert any("depends on the inputs' size" in r for r in w.last_artifacts.static_reasons)
+
+
+class _InterleavedRope(torch.nn.Module):
+    """Cohere's (and GLM's, Helium's, ERNIE 4.5's) interleaved rotary embedding: the table by
+    ``repeat_interleave(..., dim=-1)``, the rotation by ``::2`` slices and ``stack(..., dim=-1)``.
+    torch's symbolic for repeat_interleave rewrote the ``-1`` the trace shares with the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 16)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, pos):
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q = self.q(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        rotated = torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
+        q = q * cos + rotated * sin
+        return (q @ q.transpose(-1, -2)).softmax(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_interleaved_rotary_embedding_trains(exporter):
+    def inputs(b, g):
+        t = {2: 8, 3: 12, 4: 10}[b]
+        return (torch.randn(2, t, 8, generator=g), torch.arange(t).expand(2, t)), {}
+
+    check_parity(_InterleavedRope, inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": exporter})
