@@ -10,6 +10,12 @@ is ``slow``. Cases that need an op
 the other half of issue 14 adds are ``xfail(strict=False)`` with the reason, so they show as XPASS
 once it lands.
 
+Issue 28's families (``model_zoo.FAMILY_CASES``: sliding-window caches, recurrent scans,
+interleaved RoPE, MoE routing; ``attn_implementation="eager"``, the default ``use_cache``, lengths
+8, 12, 10 and a padded row) are all ``slow``; one whose dynamo capture stops on a data-dependent
+guard also runs under the default exporter, ``"auto"``, which falls to TorchScript. Each cause
+behind them has a small test below that runs by default.
+
 AdamW with ``eps=1e-5``: with the default 1e-8, a gradient that is rounding noise (1e-9 on both
 sides, different bits) gets a full learning-rate step in a random direction, and eager and ORT drift
 apart for reasons no implementation could avoid.
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_zoo import BATCH_SIZES, CASES
+from model_zoo import BATCH_SIZES, CASES, FAMILY_CASES
 from parity import check_parity, default_loss
 
 pytest.importorskip("transformers")
@@ -38,7 +44,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
 
 
-@pytest.mark.parametrize("case, exporter", list(_params()))
+def _family_params():
+    for case in FAMILY_CASES:
+        for exporter in ("torchscript", "dynamo", *(("auto",) if "dynamo" in case.xfail else ())):
+            marks = [pytest.mark.slow]
+            if exporter in case.xfail:
+                marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
+            yield pytest.param(case, exporter, id=f"{case.name}-{exporter}", marks=marks)
+
+
+@pytest.mark.parametrize("case, exporter", [*_params(), *_family_params()])
 def test_architecture_trains_like_eager(case, exporter):
     wrapped = check_parity(
         case.make_model,
