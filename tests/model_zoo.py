@@ -379,7 +379,7 @@ def dbrx():
     t = _tf()
     return t.DbrxForCausalLM(
         t.DbrxConfig(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
-                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0),
+                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                      ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
                      attn_implementation="eager")
     )  # fmt: skip

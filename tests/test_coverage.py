@@ -218,3 +218,26 @@ def test_interleaved_rotary_embedding_trains(exporter):
         return (torch.randn(2, t, 8, generator=g), torch.arange(t).expand(2, t)), {}
 
     check_parity(_InterleavedRope, inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": exporter})
+
+
+class _DetachesIntAndFloat(torch.nn.Module):
+    """DeBERTa-v2's pattern: ``.detach()`` of an integer tensor (its relative positions) beside a
+    float one. Both became ATen ``detach`` nodes, one with a float output and one without, and
+    ORT keeps one gradient definition per op: the build failed under TorchScript."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, ids):
+        positions = (ids[:, :, None] - ids[:, None, :]).detach()
+        h = self.proj(x)
+        return (h * h.detach().tanh()).sum(-1) + positions.float().mean(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_detach_of_an_integer_beside_a_float_one(exporter):
+    def inputs(b, g):
+        return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
+
+    check_parity(_DetachesIntAndFloat, inputs, wrap_options={"exporter": exporter})
