@@ -578,6 +578,13 @@ CASES: list[Case] = [
     Case("bilstm", lambda: RecurrentStack(bidirectional=True), recurrent_inputs, None, atol=1e-4),
 ]
 
+_GUARD = "torch.export: data-dependent guard ({}) in {}; exporter='auto' falls to TorchScript"
+_EXPERT_LOOP = (
+    "a Python loop over the experts a batch routes to: torch.export stops on its data-dependent guard "
+    "(Eq(u0, 0)), and the TorchScript trace is refused (it depends on the routing); it runs in PyTorch. "
+    "The default experts_implementation trains on ORT (the 'mixtral' case)"
+)
+
 #: Issue 28's families (all slow): 3 AdamW steps at lengths 8, 12, 10 with a padded row.
 FAMILY_CASES: list[Case] = [
     Case(name, make, padded_lm_inputs, hf_loss)
@@ -585,8 +592,14 @@ FAMILY_CASES: list[Case] = [
         ("mistral", mistral), ("gemma2", gemma2), ("gemma3", gemma3), ("gpt_oss", gpt_oss),
         ("exaone4", exaone4), ("cohere2", cohere2), ("recurrent_gemma", recurrent_gemma), ("mamba", mamba),
         ("cohere", cohere), ("helium", helium), ("ernie4_5", ernie4_5), ("glm", glm), ("glm4", glm4),
-        ("dbrx", dbrx), ("mixtral_eager_experts", mixtral_eager_experts),
     ]
-] + [Case("deberta_v2", deberta_v2, padded_classification_inputs, hf_loss)]  # fmt: skip
+] + [
+    Case(name, make, padded_lm_inputs, hf_loss,
+         xfail={"torchscript": _EXPERT_LOOP, "dynamo": _EXPERT_LOOP, "auto": _EXPERT_LOOP})
+    for name, make in [("dbrx", dbrx), ("mixtral_eager_experts", mixtral_eager_experts)]
+] + [
+    Case("deberta_v2", deberta_v2, padded_classification_inputs, hf_loss,
+         xfail={"dynamo": _GUARD.format("u0 > 0", "DeBERTa-v2's classification loss (nonzero of the valid labels)")}),
+]  # fmt: skip
 
 BY_NAME = {c.name: c for c in [*CASES, *FAMILY_CASES]}

@@ -241,3 +241,44 @@ def test_detach_of_an_integer_beside_a_float_one(exporter):
         return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
 
     check_parity(_DetachesIntAndFloat, inputs, wrap_options={"exporter": exporter})
+
+
+class _ExpertLoop(torch.nn.Module):
+    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to. A trace
+    unrolls it for the traced batch's routing: a batch that reaches one more expert silently got
+    zeros for that expert's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(4))  # token -> the expert of its largest feature
+        self.experts = torch.nn.Parameter(torch.randn(4, 4, 4))
+
+    def forward(self, x):
+        route = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
+        for expert in hit:
+            idx = torch.where(route == expert[0])[0]
+            out = out.index_add(0, idx, x[idx] @ self.experts[expert[0]])
+        return out
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "auto"])
+def test_loop_over_routed_experts_is_refused_not_wrong(exporter):
+    import copy
+    import warnings
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = _ExpertLoop()
+    wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter)
+    few = torch.randn(6, 4) - torch.tensor([0.0, 0.0, 9.0, 9.0])  # routes to experts 0 and 1 only
+    every = torch.randn(8, 4) + 9.0 * torch.eye(4).repeat(2, 1)  # routes to all four
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in (few, every):
+            torch.testing.assert_close(wrapped(x), eager(x))
+    assert "depends on the input values" in str(wrapped.fallback_reason)

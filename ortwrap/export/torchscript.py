@@ -157,7 +157,52 @@ def capture_torchscript(
         reason = _size_dependence(module, flat_inputs, in_spec, input_paths, model, baked[:1], again)
         if reason is not None:
             reasons.append(reason)
+    if probe and any(n.op_type == "NonZero" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        again = dict(training=training, opset=opset, with_backward=with_backward, inline_functions=inline_functions,
+                     aten_ops=aten_ops, autocast=autocast, static_spatial=static_spatial)  # fmt: skip
+        reason = _value_dependence(module, flat_inputs, in_spec, input_paths, model, again)
+        if reason is not None:
+            raise ExportError(f"the TorchScript trace of {type(module).__name__} is refused: {reason}")
     return TorchScriptCapture(model, adapter, input_names, bridge, reasons, static_spatial)
+
+
+def _value_dependence(
+    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], model, kw: dict
+) -> str | None:
+    """Why the trace is valid only for its inputs' values, or None.
+
+    NOTE: a graph with ``NonZero`` has sizes that depend on values (MoE routing: which experts got
+    tokens). Python code that loops over such a count or branches on it (Mixtral's and DBRX's
+    eager experts: ``for expert in expert_hit``) is traced for this batch's routing: a batch
+    routed to fewer experts fails in ORT, one routed to more loses the experts the trace did not
+    see. The module is traced again on inputs of the same shapes whose values come from this
+    call's own: each tensor filled with its first element (every token alike: the fewest experts),
+    then each tensor's elements sampled with replacement (token ids stay valid ids, labels valid
+    labels). A graph that differs depends on the values: no graph can be reused.
+    """
+    g = torch.Generator().manual_seed(0)
+    alike = [t.detach().reshape(-1)[:1].expand(t.shape).clone() if t.numel() else t.detach() for t in flat_inputs]
+    drawn = []
+    for t in flat_inputs:
+        flat = t.detach().reshape(-1)
+        pick = torch.randint(0, max(flat.numel(), 1), (flat.numel(),), generator=g).to(flat.device)
+        drawn.append(flat[pick].reshape(t.shape) if flat.numel() else t.detach())
+    mine = _structure(model)
+    for values in (alike, drawn):
+        try:
+            other = capture_torchscript(module, values, in_spec, input_paths, probe=False, **kw)
+        except ExportError:
+            continue
+        if _structure(other.model) != mine:
+            break
+    else:
+        return None
+    return (
+        "the traced graph depends on the input values (traced again on other values of the same shapes, it "
+        "differs: a Python loop or branch over a data-dependent count, such as the experts a batch routes to); "
+        "use exporter='dynamo' where it captures the module (a transformers MoE: its default "
+        "experts_implementation), or run it in PyTorch (fallback=True)"
+    )
 
 
 #: TracerWarnings that say the trace turned a traced value (a size) into a Python constant: a loop
