@@ -29,6 +29,9 @@ TENSOR = ("T",)
 INT = ("I",)
 
 _CONST_TYPES = (int, float, bool, type(None), str, torch.dtype, torch.device)
+#: Spec of a symbolic float output, returned as a 0-d float64 tensor leaf (``.item()`` on each call).
+FLOAT = ("F",)
+_SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat)
 
 
 def flatten(
@@ -66,6 +69,11 @@ def flatten(
     if isinstance(obj, (tuple, list)):
         children = tuple(flatten(v, f"{path}[{i}]", leaves, on_other, objects) for i, v in enumerate(obj))
         return ("S", cls, children)
+    if objects and cls in _SYMBOLIC_TYPES:
+        # NOTE: a size a torch.export capture keeps symbolic (a cache layer's length): an int64
+        # graph output, an int again on every call (its ShapeEnv must not be taken apart).
+        leaves.append(torch.scalar_tensor(obj, dtype=torch.int64 if cls is torch.SymInt else torch.float64))
+        return INT if cls is torch.SymInt else FLOAT
     if objects and id(obj) not in _active and holds_tensors(obj) and not isinstance(obj, (torch.nn.Module, type)):
         _active.add(id(obj))  # an object that holds itself (a parent link) is opaque the second time
         try:
@@ -120,6 +128,8 @@ def holds_tensors(value: Any, depth: int = 8) -> bool:
         return any(holds_tensors(v, depth - 1) for v in value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
         return any(holds_tensors(v, depth - 1) for v in value)
+    if type(value) in _SYMBOLIC_TYPES:
+        return True  # (as a tensor output: see flatten)
     attributes = _attributes(value)
     return attributes is not None and any(holds_tensors(v, depth - 1) for v in attributes.values())
 
@@ -136,7 +146,7 @@ def _build(spec: tuple, it: Any) -> Any:
         return next(it)
     if kind == "C":
         return spec[2]
-    if kind == "I":
+    if kind == "I" or kind == "F":
         value = next(it)
         return value if torch.jit.is_tracing() else value.item()
     if kind == "O":  # an opaque object kept by identity (outputs only)

@@ -666,10 +666,15 @@ def _run_program(program: Program, leaves: list[torch.Tensor]) -> list[torch.Ten
     caller copies back). Used by every call and by verification."""
     feeds, values = program.bind(leaves)
     if program.with_backward:
-        return run_training_graph(program, values, *feeds)
-    outputs = program.runner.forward(values)
-    if program.n_pythonops:
-        bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
+        outputs = run_training_graph(program, values, *feeds)
+    else:
+        outputs = program.runner.forward(values)
+        if program.n_pythonops:
+            bridge_state.entries_left(program.n_pythonops)  # inference contexts stay in ORT's map
+    if program.constant_outputs:  # a new tensor each call, as the module's forward makes one
+        outputs = list(outputs)
+        for i, value in program.constant_outputs:
+            outputs.insert(i, value.clone())
     return outputs
 
 

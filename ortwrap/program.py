@@ -163,7 +163,14 @@ class Program:
                 ref = refs[exported.state_names[name]]
                 self._plan.append((-2 if name in graph.float_feeds else -1, ref.table(), ref.attr))
         outputs = list(graph.info.user_output_names)
+        #: outputs that depend on no graph input, ``(index, value)``: not outputs of the graph, put
+        #: back by ``outputs`` (grad/builder.py's split_constant_outputs)
+        self.constant_outputs = tuple((i, value.to(runner.device)) for i, _, value in graph.constant_outputs)
+        for i, name, _ in graph.constant_outputs:
+            outputs.insert(i, name)
         self.n_outputs = len(exported.output_names)
+        # the graph's own user outputs (RunTrainingGraph's indices count only the graph's outputs)
+        n_graph = self.n_outputs - sum(i < self.n_outputs for i, _ in self.constant_outputs)
         self._label = f"{'training' if self.with_backward else 'inference'} program for {type(module).__name__}"
         #: forward runs that succeeded (the first failure of a program that never ran falls back)
         self.runs = 0
@@ -176,11 +183,13 @@ class Program:
         self.buffer_outputs = [exported.buffer_outputs[name] for name in buffer_names]
         #: Outputs autograd must not differentiate: ORT's non-differentiable ones, buffers, context ids.
         self.non_differentiable = tuple(
-            i for i in range(len(outputs)) if i in graph.info.non_differentiable_outputs or i >= self.n_outputs
+            i
+            for i in range(len(graph.info.user_output_names))
+            if i in graph.info.non_differentiable_outputs or i >= n_graph
         )
         #: User outputs ORT's backward reads: saved with save_for_backward, so that autograd's
         #: version counters catch an in-place edit before the backward, as in eager.
-        self.saved_outputs = tuple(i for i in graph.info.saved_output_indices if i < self.n_outputs)
+        self.saved_outputs = tuple(i for i in graph.info.saved_output_indices if i < n_graph)
         self._state_cache = StateValueCache(len(self._plan))
         # NOTE: the graph's PythonOps hold the addresses of these objects: they live exactly as long
         # as this program (and its session) can run.

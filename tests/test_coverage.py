@@ -10,6 +10,12 @@ is ``slow``. Cases that need an op
 the other half of issue 14 adds are ``xfail(strict=False)`` with the reason, so they show as XPASS
 once it lands.
 
+Issue 28's families (``model_zoo.FAMILY_CASES``: sliding-window caches, recurrent scans,
+interleaved RoPE, MoE routing; ``attn_implementation="eager"``, the default ``use_cache``, lengths
+8, 12, 10 and a padded row) are all ``slow``; one whose dynamo capture stops on a data-dependent
+guard also runs under the default exporter, ``"auto"``, which falls to TorchScript. Each cause
+behind them has a small test below that runs by default.
+
 AdamW with ``eps=1e-5``: with the default 1e-8, a gradient that is rounding noise (1e-9 on both
 sides, different bits) gets a full learning-rate step in a random direction, and eager and ORT drift
 apart for reasons no implementation could avoid.
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_zoo import BATCH_SIZES, CASES
+from model_zoo import BATCH_SIZES, CASES, FAMILY_CASES
 from parity import check_parity, default_loss
 
 pytest.importorskip("transformers")
@@ -38,7 +44,16 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
 
 
-@pytest.mark.parametrize("case, exporter", list(_params()))
+def _family_params():
+    for case in FAMILY_CASES:
+        for exporter in ("torchscript", "dynamo", *(("auto",) if "dynamo" in case.xfail else ())):
+            marks = [pytest.mark.slow]
+            if exporter in case.xfail:
+                marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
+            yield pytest.param(case, exporter, id=f"{case.name}-{exporter}", marks=marks)
+
+
+@pytest.mark.parametrize("case, exporter", [*_params(), *_family_params()])
 def test_architecture_trains_like_eager(case, exporter):
     wrapped = check_parity(
         case.make_model,
@@ -99,3 +114,171 @@ def test_where_broadcast_input_gets_reduced_gradient(exporter):
         return (torch.randn(b, 2, 5, 5, generator=g, requires_grad=True), mask), {}
 
     check_parity(_MaskedBias, inputs, wrap_options={"exporter": exporter})
+
+
+# --- causes behind model families (issue 28) ---------------------------------------------------
+
+
+class _WindowCache:
+    """Stands in for transformers' sliding-window cache layer: the keys, the window as a 0-d int64
+    tensor built in forward(), and the length seen so far (an int)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+        self.window = torch.tensor(4)
+        self.length = keys.shape[1]
+
+
+class _ConstantOutputs(torch.nn.Module):
+    """Returns, beside its result, outputs that depend on no input: ORT folds them into initializers
+    and its gradient builder found no producer for them ("output:N: couldn't find the producer
+    node")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        steps = torch.arange(3) * 2 + 1  # a constant computed by several ops
+        return h.tanh(), _WindowCache(h), steps, torch.ones(2)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_outputs_that_depend_on_no_input_train(exporter):
+    def inputs(b, g):
+        return (torch.randn(2, 3 + b, 4, generator=g),), {}
+
+    w = check_parity(_ConstantOutputs, inputs, batch_sizes=(2, 5, 3), wrap_options={"exporter": exporter})
+    out = w(torch.randn(2, 6, 4))
+    assert out[1].window.dtype == torch.int64 and int(out[1].window) == 4
+    assert out[1].length == 6, out[1].length
+    assert out[2].tolist() == [1, 3, 5] and not out[2].requires_grad
+
+
+class _Scan(torch.nn.Module):
+    """RecurrentGemma's ``_rnn_scan`` and Mamba's selective scan: a Python loop over the sequence
+    length. Traced at one length, the loop is unrolled that many times; reused at another length,
+    the graph computed the first length's steps (silently wrong) or failed to broadcast."""
+
+    def __init__(self, unpacked: bool) -> None:
+        super().__init__()
+        self.unpacked = unpacked  # a size unpacked from x.shape: the tracer warns of nothing
+        self.proj = torch.nn.Linear(4, 4)
+        self.decay = torch.nn.Parameter(torch.full((4,), 0.7))
+
+    def forward(self, x):
+        h = self.proj(x)
+        steps = x.shape[1] if not self.unpacked else tuple(x.shape)[1]
+        state = torch.zeros_like(h[:, 0])
+        out = []
+        for t in range(steps):
+            state = state * self.decay + h[:, t]
+            out.append(state)
+        return torch.stack(out, 1).tanh()
+
+
+@pytest.mark.parametrize("unpacked", [False, True], ids=["shape", "unpacked"])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_python_loop_over_a_length_is_never_reused_at_another(exporter, unpacked):
+    def inputs(b, g):
+        return (torch.randn(2, {2: 8, 3: 12, 4: 10}[b], 4, generator=g),), {}
+
+    w = check_parity(lambda: _Scan(unpacked), inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": exporter})
+    assert len(w.programs()) == 3  # one graph per length
+    if exporter == "torchscript":
+        assert any("depends on the inputs' size" in r for r in w.last_artifacts.static_reasons)
+
+
+class _InterleavedRope(torch.nn.Module):
+    """Cohere's (and GLM's, Helium's, ERNIE 4.5's) interleaved rotary embedding: the table by
+    ``repeat_interleave(..., dim=-1)``, the rotation by ``::2`` slices and ``stack(..., dim=-1)``.
+    torch's symbolic for repeat_interleave rewrote the ``-1`` the trace shares with the stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 16)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, pos):
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        q = self.q(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        rotated = torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).flatten(-2)
+        q = q * cos + rotated * sin
+        return (q @ q.transpose(-1, -2)).softmax(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_interleaved_rotary_embedding_trains(exporter):
+    def inputs(b, g):
+        t = {2: 8, 3: 12, 4: 10}[b]
+        return (torch.randn(2, t, 8, generator=g), torch.arange(t).expand(2, t)), {}
+
+    check_parity(_InterleavedRope, inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": exporter})
+
+
+class _DetachesIntAndFloat(torch.nn.Module):
+    """DeBERTa-v2's pattern: ``.detach()`` of an integer tensor (its relative positions) beside a
+    float one. Both became ATen ``detach`` nodes, one with a float output and one without, and
+    ORT keeps one gradient definition per op: the build failed under TorchScript."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, ids):
+        positions = (ids[:, :, None] - ids[:, None, :]).detach()
+        h = self.proj(x)
+        return (h * h.detach().tanh()).sum(-1) + positions.float().mean(-1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_detach_of_an_integer_beside_a_float_one(exporter):
+    def inputs(b, g):
+        return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
+
+    check_parity(_DetachesIntAndFloat, inputs, wrap_options={"exporter": exporter})
+
+
+class _ExpertLoop(torch.nn.Module):
+    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to. A trace
+    unrolls it for the traced batch's routing: a batch that reaches one more expert silently got
+    zeros for that expert's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(4))  # token -> the expert of its largest feature
+        self.experts = torch.nn.Parameter(torch.randn(4, 4, 4))
+
+    def forward(self, x):
+        route = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
+        for expert in hit:
+            idx = torch.where(route == expert[0])[0]
+            out = out.index_add(0, idx, x[idx] @ self.experts[expert[0]])
+        return out
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "auto"])
+def test_loop_over_routed_experts_is_refused_not_wrong(exporter):
+    import copy
+    import warnings
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = _ExpertLoop()
+    wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter)
+    few = torch.randn(6, 4) - torch.tensor([0.0, 0.0, 9.0, 9.0])  # routes to experts 0 and 1 only
+    every = torch.randn(8, 4) + 9.0 * torch.eye(4).repeat(2, 1)  # routes to all four
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in (few, every):
+            torch.testing.assert_close(wrapped(x), eager(x))
+    assert "depends on the input values" in str(wrapped.fallback_reason)

@@ -27,6 +27,9 @@ softmax, log_softmax           with ``dtype=``, torch's symbolic casts the resul
 squeeze (training graphs)      of a dim whose size ONNX lost (``LocalResponseNorm``'s, after a
                                computed ``Pad``): torch writes an ``If``; ortwrap an ATen node
                                ``ortwrap_ops::squeeze_ones`` where the traced call squeezed.
+repeat_interleave              torch's symbolic normalizes a negative dim in place, on the constant
+                               the trace shares with every other ``-1`` (a ``stack``'s dim): it
+                               gets a constant of its own.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
 ``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist: torch's ONNX
@@ -435,6 +438,24 @@ def _unfold(default: Callable) -> Callable:
     return symbolic
 
 
+def _repeat_interleave(default: Callable) -> Callable:
+    """``repeat_interleave`` with a negative ``dim``: torch's symbolic normalizes it in place
+    (``dim += rank`` on the tensor its constant node holds), and the trace pools equal constants,
+    so every other op reading that ``-1`` (Cohere's RoPE: the ``stack(..., dim=-1)`` of
+    ``rotate_half``) read the repeat's normalized dim instead: a wrong Concat axis ("Incompatible
+    dimensions" in ORT, "All tensors must have the same rank" in GLM's export). It gets a
+    constant node of its own."""
+
+    def symbolic(g, self, repeats, dim=None, output_size=None):
+        if dim is not None and not compat.ts_is_none(dim):
+            d = compat.ts_constant(dim, "i")
+            if isinstance(d, int):
+                dim = g.op("Constant", value_t=torch.tensor(d, dtype=torch.int64))
+        return default(g, self, repeats, dim, output_size)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
@@ -477,6 +498,9 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
     default_unfold = compat.ts_symbolic("aten::unfold", opset)
     if default_unfold is not None:
         symbolics["aten::unfold"] = _unfold(default_unfold)
+    default_repeat_interleave = compat.ts_symbolic("aten::repeat_interleave", opset)
+    if default_repeat_interleave is not None:
+        symbolics["aten::repeat_interleave"] = _repeat_interleave(default_repeat_interleave)
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)

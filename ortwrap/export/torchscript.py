@@ -77,6 +77,7 @@ def capture_torchscript(
     inline_functions: tuple[str, ...] = (),
     aten_ops: tuple[str, ...] = (),
     autocast: tuple | None = None,
+    probe: bool = True,
 ) -> TorchScriptCapture:
     """Export ``module`` called with the inputs that ``in_spec`` and ``flat_inputs`` describe.
 
@@ -91,6 +92,8 @@ def capture_torchscript(
         with_backward: the graph will get a backward (PythonOps keep their contexts).
         inline_functions: qualified names of autograd.Functions to export as ops, not PythonOps.
         aten_ops: names of aten ops to export as ATen nodes (PyTorch's kernels) in any case.
+        probe: where the trace turned a traced value into a Python constant, trace again at other
+            sizes to find out whether the graph depends on them (see :func:`_size_dependence`).
 
     Raises:
         ExportError: chained to the exporter's error.
@@ -110,9 +113,9 @@ def capture_torchscript(
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
             ortwrap_symbolics(opset, aten_ops, with_backward) as symbolic_reasons,
             collective_stubs(),
-            warnings.catch_warnings(),
+            warnings.catch_warnings(record=True) as caught,
         ):
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("always")
             torch.onnx.export(
                 adapter,
                 tuple(t.detach() for t in flat_inputs),
@@ -145,7 +148,139 @@ def capture_torchscript(
     finally:
         module.train(was_training)
     model = onnx.load_model_from_string(f.getvalue())
-    return TorchScriptCapture(model, adapter, input_names, bridge, list(symbolic_reasons), static_spatial)
+    reasons = list(symbolic_reasons)
+    if probe and not static_spatial:
+        baked = [str(w.message) for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+        baked = [m for m in baked if any(k in m for k in _BAKED)]
+        again = dict(training=training, opset=opset, with_backward=with_backward, inline_functions=inline_functions,
+                     aten_ops=aten_ops, autocast=autocast)  # fmt: skip
+        reason = _size_dependence(module, flat_inputs, in_spec, input_paths, model, baked[:1], again)
+        if reason is not None:
+            reasons.append(reason)
+    if probe and any(n.op_type == "NonZero" and n.domain in ("", "ai.onnx") for n in model.graph.node):
+        again = dict(training=training, opset=opset, with_backward=with_backward, inline_functions=inline_functions,
+                     aten_ops=aten_ops, autocast=autocast, static_spatial=static_spatial)  # fmt: skip
+        reason = _value_dependence(module, flat_inputs, in_spec, input_paths, model, again)
+        if reason is not None:
+            raise ExportError(f"the TorchScript trace of {type(module).__name__} is refused: {reason}")
+    return TorchScriptCapture(model, adapter, input_names, bridge, reasons, static_spatial)
+
+
+def _value_dependence(
+    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], model, kw: dict
+) -> str | None:
+    """Why the trace is valid only for its inputs' values, or None.
+
+    NOTE: a graph with ``NonZero`` has sizes that depend on values (MoE routing: which experts got
+    tokens). Python code that loops over such a count or branches on it (Mixtral's and DBRX's
+    eager experts: ``for expert in expert_hit``) is traced for this batch's routing: a batch
+    routed to fewer experts fails in ORT, one routed to more loses the experts the trace did not
+    see. The module is traced again on inputs of the same shapes whose values come from this
+    call's own: each tensor filled with its first element (every token alike: the fewest experts),
+    then each tensor's elements sampled with replacement (token ids stay valid ids, labels valid
+    labels). A graph that differs depends on the values: no graph can be reused.
+    """
+    g = torch.Generator().manual_seed(0)
+    alike = [t.detach().reshape(-1)[:1].expand(t.shape).clone() if t.numel() else t.detach() for t in flat_inputs]
+    drawn = []
+    for t in flat_inputs:
+        flat = t.detach().reshape(-1)
+        pick = torch.randint(0, max(flat.numel(), 1), (flat.numel(),), generator=g).to(flat.device)
+        drawn.append(flat[pick].reshape(t.shape) if flat.numel() else t.detach())
+    mine = _structure(model)
+    for values in (alike, drawn):
+        try:
+            other = capture_torchscript(module, values, in_spec, input_paths, probe=False, **kw)
+        except ExportError:
+            continue
+        if _structure(other.model) != mine:
+            break
+    else:
+        return None
+    return (
+        "the traced graph depends on the input values (traced again on other values of the same shapes, it "
+        "differs: a Python loop or branch over a data-dependent count, such as the experts a batch routes to); "
+        "use exporter='dynamo' where it captures the module (a transformers MoE: its default "
+        "experts_implementation), or run it in PyTorch (fallback=True)"
+    )
+
+
+#: TracerWarnings that say the trace turned a traced value (a size) into a Python constant: a loop
+#: count, a branch, an index (quoted in the reason; a size unpacked from ``x.shape`` warns of nothing).
+_BAKED = ("Converting a tensor to a Python", "Iterating over a tensor", "results are registered as constants")
+
+
+def _size_dependence(
+    module: nn.Module,
+    flat_inputs: list[torch.Tensor],
+    in_spec: tuple,
+    input_paths: list[str],
+    model: onnx.ModelProto,
+    warnings_: list[str],
+    kw: dict,
+) -> str | None:
+    """Why the trace is valid only at its inputs' non-batch sizes, or None.
+
+    NOTE: the TorchScript exporter makes every dimension a graph input, but Python code that turns
+    a size into a constant (RecurrentGemma's and Mamba's ``for t in range(seq_len)``) is traced
+    once, at this call's size: reused at another length, the unrolled loop silently computes the
+    first length (or fails). The tracer does not always warn (a size unpacked from ``x.shape`` is
+    a plain int), so every dynamic trace is checked: the module is traced again with one size
+    grown by one (each input's dims of that size, by repeating their last slice: token ids
+    stay valid ids, masks stay masks); a graph that differs from this one depends on the size, and
+    is exported with static non-batch dimensions instead: one graph per size, never reused. A
+    size whose grown inputs the module rejects says nothing; the two most frequent sizes are tried.
+    """
+    counts: dict[int, int] = {}
+    for t in flat_inputs:
+        for s in t.shape[1:]:
+            if s > 1:
+                counts[s] = counts.get(s, 0) + 1
+    for size in sorted(counts, key=lambda s: -counts[s])[:2]:
+        grown = [_grow(t, size) for t in flat_inputs]
+        try:
+            other = capture_torchscript(module, grown, in_spec, input_paths, probe=False, **kw)
+        except ExportError:
+            continue
+        if _structure(other.model) != _structure(model):
+            said = f"; the tracer said: {warnings_[0].splitlines()[0][:200]}" if warnings_ else ""
+            return (
+                f"the traced graph depends on the inputs' size {size} (traced again at {size + 1}, it differs: "
+                f"a Python loop or branch over a size{said})"
+            )
+        return None
+    return None
+
+
+def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` with each non-batch dimension of ``size`` grown by one, repeating its last slice."""
+    out = t.detach()
+    for d in range(1, out.dim()):
+        if out.shape[d] == size:
+            out = torch.cat([out, out.narrow(d, size - 1, 1)], d)
+    return out
+
+
+def _structure(model: onnx.ModelProto) -> list[tuple]:
+    """The graph's nodes with values numbered by first use (names differ between traces), with the
+    standard ops' attributes (constants included); other domains' attributes hold object ids."""
+    numbers: dict[str, int] = {}
+
+    def number(name: str) -> int:
+        return numbers.setdefault(name, len(numbers)) if name else -1
+
+    for i in model.graph.input:
+        number(i.name)
+    out: list[tuple] = []
+    for node in model.graph.node:
+        attrs = (
+            tuple(sorted((a.name, a.SerializeToString()) for a in node.attribute))
+            if node.domain in ("", "ai.onnx")
+            else ()
+        )
+        out.append((node.domain, node.op_type, tuple(map(number, node.input)), tuple(map(number, node.output)), attrs))
+    out.append(tuple(number(o.name) for o in model.graph.output))
+    return out
 
 
 def forget_traced_shapes(model: onnx.ModelProto) -> bool:

@@ -9,11 +9,14 @@ the optimized forward graph alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
+import torch
 
 from .._logging import logger
 from .._ort import C
@@ -57,6 +60,10 @@ class TrainingGraph:
         has_backward: whether ``model_bytes`` contains the backward (a ``YieldOp`` graph).
         float_feeds: feeds the graph takes as float32 while the module's tensor is bfloat16 or
             float16 (``fuse_initializers``): the runtime feeds a float32 copy.
+        constant_outputs: outputs of the forward that depend on no graph input, as
+            ``(index, name, value)`` in the order of the forward's outputs: they are not outputs of
+            ``model_bytes`` (see :func:`split_constant_outputs`); the program puts ``value`` back at
+            ``index`` of the outputs on every run. ``info`` counts only the graph's own outputs.
     """
 
     model_bytes: bytes
@@ -65,6 +72,7 @@ class TrainingGraph:
     info: GraphInfo
     has_backward: bool
     float_feeds: frozenset[str] = frozenset()
+    constant_outputs: tuple[tuple[int, str, torch.Tensor], ...] = ()
 
     def model(self) -> onnx.ModelProto:
         """The built graph as an ``onnx.ModelProto`` (parsed on each call)."""
@@ -108,9 +116,11 @@ def build_graph(
         GradientBuildError: chained to the builder's error.
     """
     trainable, inputs = list(trainable_names), list(input_names_require_grad)
+    model, constants = split_constant_outputs(model)
     while True:
         try:
-            return _build_graph(model, state_names, trainable, inputs, build_gradient, log_level, propagate_casts)
+            graph = _build_graph(model, state_names, trainable, inputs, build_gradient, log_level, propagate_casts)
+            return dataclasses.replace(graph, constant_outputs=constants) if constants else graph
         except GradientBuildError as e:
             # A parameter (or input) that reaches the outputs only through ops without a gradient
             # (an argmax, a comparison): eager leaves its .grad None; ORT's builder refuses it. It
@@ -124,6 +134,113 @@ def build_graph(
             else:
                 raise
             logger.debug("%s reaches no output through a differentiable op: no gradient (as in eager)", name)
+
+
+#: Nodes a constant output may be computed by: the standard domain, none with a subgraph, none random.
+_NOT_CONSTANT_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
+)
+
+
+def split_constant_outputs(
+    model: onnx.ModelProto,
+) -> tuple[onnx.ModelProto, tuple[tuple[int, str, torch.Tensor], ...]]:
+    """The forward without its outputs that depend on no graph input, and those outputs' values.
+
+    NOTE: ORT folds such an output into an initializer (a Constant node becomes one when ORT loads
+    the graph; constant folding does the rest), and its gradient builder then refuses the graph:
+    "output:N: couldn't find the producer node, and it's not a graph input" (a sliding-window KV
+    cache returns its window as a 0-d int64 tensor built in forward()). Such an output needs no
+    gradient and is the same on every run: it is computed once here and returned by the program
+    (``TrainingGraph.constant_outputs``). An output is constant when every value it is computed
+    from is a Constant node's or an initializer, through standard ops without subgraphs or
+    randomness; one whose value cannot be computed here stays an output. At least one output is
+    left to the graph.
+    """
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output if o}
+    initializers = {t.name: t for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    constant: dict[str, bool] = {}
+
+    def is_constant(name: str) -> bool:
+        stack = [name]
+        while stack:  # iterative: graphs are deep
+            value = stack[-1]
+            if value in constant:
+                stack.pop()
+                continue
+            node = producer.get(value)
+            if node is None:
+                constant[value] = value in initializers and value not in inputs
+                stack.pop()
+                continue
+            if (
+                node.domain not in ("", "ai.onnx")
+                or node.op_type in _NOT_CONSTANT_OPS
+                or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+            ):
+                for out in node.output:
+                    constant[out] = False
+                stack.pop()
+                continue
+            pending = [i for i in node.input if i and i not in constant]
+            if pending:
+                stack.extend(pending)
+                continue
+            result = all(constant[i] for i in node.input if i)
+            for out in node.output:
+                constant[out] = result
+            stack.pop()
+        return constant[name]
+
+    found = [(i, o) for i, o in enumerate(graph.output) if o.name not in inputs and is_constant(o.name)]
+    if not found or len(found) == len(graph.output):
+        return model, ()
+    try:
+        values = _evaluate(model, [o.name for _, o in found], producer, initializers)
+    except Exception as e:  # the builder then says what it thinks of the output
+        logger.debug("could not compute the constant outputs %s: %s", [o.name for _, o in found], e)
+        return model, ()
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    names = {o.name for _, o in found}
+    del stripped.graph.output[:]
+    stripped.graph.output.extend(o for o in graph.output if o.name not in names)
+    constants = tuple((i, o.name, torch.from_numpy(np.array(v))) for (i, o), v in zip(found, values))
+    logger.debug("constant outputs returned without the graph: %s", [c[1] for c in constants])
+    return stripped, constants
+
+
+def _evaluate(model: onnx.ModelProto, names: list[str], producer: dict, initializers: dict) -> list:
+    """The values of ``names`` (computed from Constant nodes and initializers only), by an ORT
+    inference session over the nodes they are computed by."""
+    from .._ort import ort
+
+    seen: set[int] = set()
+    used: set[str] = set(names)  # (an output may be an initializer itself)
+    stack = list(names)
+    while stack:
+        node = producer.get(stack.pop())
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for i in node.input:
+            if i:
+                used.add(i)
+                stack.append(i)
+    order = [n for n in model.graph.node if id(n) in seen]  # the graph's order is topological
+    elem = {o.name: o.type.tensor_type.elem_type for o in (*model.graph.value_info, *model.graph.output)}
+    sub = onnx.helper.make_graph(
+        order,
+        "ortwrap_constant_outputs",
+        [],
+        [onnx.helper.make_tensor_value_info(n, elem.get(n, 0), None) for n in names],
+        initializer=[initializers[n] for n in used if n in initializers],
+    )
+    sub_model = onnx.helper.make_model(sub, opset_imports=model.opset_import, ir_version=model.ir_version)
+    sess = ort.InferenceSession(sub_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(names, {})
 
 
 #: ORT's builder's message for a trained input no output depends on through differentiable ops

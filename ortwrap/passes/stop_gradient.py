@@ -11,7 +11,10 @@ and translations mark such values (``detach``/``detach_``, the padding row of an
 - ``x`` computed, in a graph that gets a backward: ``ATen(operator="detach")``, PyTorch's own
   detach, whose only input ORT's gradient builder is told is a stop-gradient edge
   (``bridge.aten.NO_GRADIENT_OPS``); its output is a copy (the ATen bridge copies aliases);
-- otherwise (an inference graph, or a value computed from constants only): the marker goes.
+- otherwise (an inference graph, a value computed from constants only, or an integer or bool value,
+  which ORT never differentiates): the marker goes. (One ATen ``detach`` reading an integer beside
+  one reading a float made ORT's one gradient definition per op conflict: DeBERTa-v2's
+  ``.detach()`` of its relative positions.)
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
                     graph.inputs.append(dup)
                     frozen[src.name] = dup
                 _replace(graph, node, dup)
-            elif self.with_backward and _reads_graph_inputs(src):
+            elif self.with_backward and not _integer(src) and _reads_graph_inputs(src):
                 detach = ir.node(
                     "ATen",
                     [src],
@@ -72,6 +75,12 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
             model.opset_imports.pop(ORTWRAP_DOMAIN, None)
             graph.opset_imports.pop(ORTWRAP_DOMAIN, None)
         return ir.passes.PassResult(model, modified=modified)
+
+
+def _integer(value: ir.Value | None) -> bool:
+    """Whether ``value`` is known to hold integers or bools."""
+    dtype = value.dtype if value is not None else None
+    return dtype is not None and (dtype.is_integer() or dtype == ir.DataType.BOOL)
 
 
 def _replace(graph: ir.Graph, node: ir.Node, new: ir.Value) -> None:

@@ -304,6 +304,7 @@ class TrainingRunner:
 
     def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
         self.graph = graph
+        self.device = device
         sess, ort_device = _create_session(graph, device, options)
         self._session = sess
         info = graph.info
@@ -420,6 +421,7 @@ class InferenceRunner:
 
     def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
         self.graph = graph
+        self.device = device
         self._session, ort_device = _create_session(graph, device, options)
         self._sess = self._session._sess
         self._feed_names = list(graph.feed_names)
