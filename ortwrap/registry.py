@@ -592,6 +592,19 @@ def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None
     return [value(0), value(1), value(2), axes, [int(v) for v in np_.asarray(steps).reshape(-1)]]
 
 
+def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Pow with a computed exponent: ORT 1.19.2's gradient builder differentiates the base only (the
+    exponent got no gradient: ``exp2``, ``logaddexp2``, ``float_power``, ``x ** y``)."""
+    from .passes._build import constant_value
+
+    x, y = node.inputs[0], node.inputs[1]
+    if constant_value(y) is not None or y.dtype is None or not y.dtype.is_floating_point():
+        return None  # a constant or integer exponent: ORT's gradient of the base is all there is
+    if x.dtype is None or x.dtype != y.dtype:
+        return None
+    return [value(0), value(1)]
+
+
 #: ONNX ops ORT 1.19.2 cannot differentiate, run as PyTorch ops (``passes/torch_gradients.py``).
 GRADIENTS: dict[str, OnnxViaTorch] = {
     g.onnx: g
@@ -640,6 +653,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         # ORT 1.19.2's ReduceL2 gradient builds an invalid graph (a one-input Unsqueeze) at opset >= 13.
         OnnxViaTorch("ReduceL2", "ortwrap_ops::reduce", _reduce_to("l2")),
         OnnxViaTorch("Mod", "fmod.Tensor", _mod),
+        OnnxViaTorch("Pow", "pow.Tensor_Tensor", _pow, why="ORT 1.19.2's Pow gradient leaves out the exponent"),
         OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
         OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
         OnnxViaTorch("Slice", "ortwrap_ops::slice", _slice, why="SliceGrad fails on negative steps"),
