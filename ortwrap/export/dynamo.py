@@ -42,7 +42,7 @@ from ..errors import ExportError, output_error_in
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .model import ExportedModel
-from .translations import training_decompositions, training_translations
+from .translations import TRAINING_ATEN_OPS, training_decompositions, training_translations
 
 _log = logging.getLogger("ortwrap")
 
@@ -253,7 +253,11 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
                 decompose=False,
                 decompositions=training_decompositions(),
                 extra=lambda prog, is_registered, allow_missing: fallback_translations(
-                    prog, is_registered, aten_ops=capture.aten_ops, scope=bridge, allow_missing=allow_missing
+                    prog,
+                    is_registered,
+                    aten_ops=(*capture.aten_ops, *TRAINING_ATEN_OPS),
+                    scope=bridge,
+                    allow_missing=allow_missing,
                 ),
             )
     except Exception as e:

@@ -42,6 +42,18 @@ promotion)                                              a float64 scalar loses i
                                                         (and bias of 0).
 ======================================================  ===========================================
 
+Some ops run as ATen nodes instead (:data:`TRAINING_ATEN_OPS`: PyTorch's kernel forward, PyTorch's
+autograd for the gradient, ``export/aten_fallback.py``), where torchlib's form trains wrong:
+
+========================================  ===========================================================
+``aten.scatter_reduce``                   ``ScatterElements(reduction=...)``, whose ORT gradient is
+                                          a plain scatter's: the gradients of ``self`` and ``src``
+                                          were wrong for every reduction, and ``mean`` forgot to
+                                          count ``self`` (its output too).
+``aten.index_add``                        the gradient of ``self`` was zeroed at the added rows.
+``aten._safe_softmax``                    a row that is all -inf gave NaN (eager: zeros).
+========================================  ===========================================================
+
 One op is decomposed before translation instead (:func:`training_decompositions`):
 ``aten.instance_norm`` in training mode with running statistics (``InstanceNorm(track_running_stats=True)``)
 updates them in place although its schema does not say so, so ``torch.export`` keeps no buffer
@@ -342,6 +354,15 @@ def _instance_norm(input, weight, bias, running_mean, running_var, use_input_sta
 def _instance_norm_updates_stats(node) -> bool:
     args = list(node.args) + [None] * 9
     return args[3] is not None and args[4] is not None and args[5] is True
+
+
+#: ATen ops the dynamo path always writes as ATen nodes (the module docstring).
+TRAINING_ATEN_OPS: tuple[str, ...] = (
+    "scatter_reduce",
+    "index_add",
+    "_unsafe_masked_index_put_accumulate",
+    "_safe_softmax",
+)
 
 
 def training_decompositions() -> dict:
