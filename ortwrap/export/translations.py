@@ -52,6 +52,10 @@ autograd for the gradient, ``export/aten_fallback.py``), where torchlib's form t
                                           count ``self`` (its output too).
 ``aten.index_add``                        the gradient of ``self`` was zeroed at the added rows.
 ``aten._safe_softmax``                    a row that is all -inf gave NaN (eager: zeros).
+``aten.max_pool{1,2,3}d_with_indices``    on an unbatched input (``Unsqueeze`` -> ``MaxPool`` with
+(``return_indices=True``)                 indices), ORT 1.19.2's ``MaxPoolGrad`` crashed the
+                                          process (SIGSEGV). A pool without indices is
+                                          ``aten.max_pool2d``, left to ORT.
 ========================================  ===========================================================
 
 One op is decomposed before translation instead (:func:`training_decompositions`):
@@ -360,8 +364,10 @@ def _instance_norm_updates_stats(node) -> bool:
 TRAINING_ATEN_OPS: tuple[str, ...] = (
     "scatter_reduce",
     "index_add",
-    "_unsafe_masked_index_put_accumulate",
     "_safe_softmax",
+    "max_pool1d_with_indices",
+    "max_pool2d_with_indices",
+    "max_pool3d_with_indices",
 )
 
 

@@ -39,6 +39,7 @@ from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
 from .torch_gradients import TorchGradientsPass
+from .unbatched_loss import UnbatchedLossPass
 from .vector_matmul import VectorMatMulPass
 from .where_broadcast import WhereBroadcastPass
 
@@ -81,6 +82,7 @@ def default_passes(
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
+        UnbatchedLossPass(),  # (ORT aborts on an unbatched loss: forward graphs too)
         # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
         ExplicitConvPadsPass(),
     ]
