@@ -201,11 +201,17 @@ def _judge(what, got, e32, e64) -> str | None:
 
 
 def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    first = re.sub(r"0x[0-9a-f]+", "0x…", first)
-    first = re.sub(r"/tmp/\S+", "/tmp/…", first)
-    return f"{type(e).__name__}: {first}"[:160]
+    """The error's class and message, short and stable: ortwrap's phase tags, ORT's source paths,
+    addresses and temporary paths dropped."""
+    text = " ".join(str(e).split())
+    text = re.sub(r"\[ortwrap:[a-z-]+\]\s*", "", text)
+    text = re.sub(r"/onnxruntime_src/\S+ onnxruntime::.*?\[ONNXRuntimeError\] : \d+ : ", "", text)
+    text = re.sub(r"/onnxruntime_src/\S+|\S+\.(cc|h|cpp):\d+\S*", "", text)
+    text = re.sub(r"\. Ops in the graph: .*|If an op above lacks .*|Error in forward pass execution: ", "", text)
+    text = re.sub(r"0x[0-9a-fA-F]+", "0x…", text)
+    text = re.sub(r"/tmp/\S+", "/tmp/…", text)
+    text = re.sub(r"\s+", " ", text).strip()
+    return f"{type(e).__name__}: {text}"[:200]
 
 
 def run_case(op, sample_index: int, sample, exporter: str) -> str:

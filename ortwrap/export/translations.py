@@ -15,6 +15,10 @@ ATen op                                                 torchlib 0.7 does / ortw
                                                         ``BatchNormRunningStatsPass`` routes to the
                                                         buffer outputs with PyTorch's unbiased
                                                         variance, as for the TorchScript exporter.
+``aten.native_batch_norm`` (running statistics          normalizes with the wrong statistics. ortwrap
+that are module inputs)                                 writes the same as for the op above; both
+                                                        return eager's saved mean and inverse std
+                                                        (outputs 1 and 2; they were the running ones).
 ``aten.embedding`` with ``padding_idx``                 a plain ``Gather``, whose gradient reaches
                                                         the padding row. ortwrap emits the
                                                         TorchScript path's form: padding positions
@@ -87,14 +91,43 @@ def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, run
         y, new_mean, new_var = op.BatchNormalization(
             input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum, training_mode=1
         )
+        # Outputs 1 and 2: the batch mean and 1/sqrt(biased variance + eps), as eager returns them
+        # (they were the running statistics: wrong wherever a caller read them). Not differentiable
+        # in eager: stop-gradient here. Nothing reads them in a model's graph, and the cleanup drops them.
+        axes = op.Concat(
+            op.Constant(value_ints=[0]), op.Range(op.Constant(value_int=2), op.Size(op.Shape(input)), 1), axis=0
+        )
+        mean = op.ReduceMean(input, axes, keepdims=1)
+        centered = op.Sub(input, mean)
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=0)
+        eps_value = op.CastLike(op.Constant(value_float=eps), input)
+        stop = _stop_gradient_op()
+        save_mean = stop(op.Reshape(mean, op.Constant(value_ints=[-1])))
+        save_invstd = stop(op.Reciprocal(op.Sqrt(op.Add(var, eps_value))))
     else:
         y = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum)
         new_mean, new_var = running_mean, running_var
-    # Outputs 1 and 2 (saved mean / inverse std) serve ATen's backward only: nothing in the forward
-    # graph reads them. Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the
-    # running-stat inputs; BatchNormRunningStatsPass rewires them to the node's updated statistics.
+        save_mean, save_invstd = op.Identity(running_mean), op.Identity(running_var)
+    # Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the running-stat inputs;
+    # BatchNormRunningStatsPass rewires them to the node's updated statistics.
     del new_mean, new_var
-    return y, op.Identity(running_mean), op.Identity(running_var), op.Identity(running_mean), op.Identity(running_var)
+    return y, save_mean, save_invstd, op.Identity(running_mean), op.Identity(running_var)
+
+
+def _native_batch_norm(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
+                       momentum=0.1, eps=1e-5):  # fmt: skip
+    """``aten.native_batch_norm`` (left unfunctionalized where the running statistics are inputs of
+    the module): torchlib's normalized with the wrong statistics. ortwrap's training form, or in
+    eval mode the empty saved statistics eager returns."""
+    from onnxscript import opset18 as op
+
+    y, save_mean, save_invstd, _, _ = _batch_norm_functional(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    if not training:
+        empty = op.CastLike(op.Constant(value_floats=[]), input)
+        save_mean, save_invstd = empty, op.Identity(empty)
+    return y, save_mean, save_invstd
 
 
 def _stop_gradient_op():
@@ -384,6 +417,7 @@ def training_translations() -> dict:
     table = {}
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
+    table[aten.native_batch_norm.default] = _native_batch_norm
     table[aten.embedding.default] = _embedding
     table[aten.cross_entropy_loss.default] = _cross_entropy
     table[aten.gelu.default] = _gelu

@@ -50,11 +50,13 @@ class UnbatchedLossPass(ir.passes.InPlacePass):
                     continue
                 squeezed = after.op("Squeeze", out, after.const(np.array([0], dtype=np.int64)))
                 squeezed.dtype = out.dtype
-                if out.shape is not None and len(out.shape) >= 1:
-                    squeezed.shape = ir.Shape(list(out.shape)[1:])
-                    out.shape = ir.Shape([1, *list(out.shape)[1:]]) if k == 1 else ir.Shape([1])
+                if k == 0:  # the per-sample loss: 0-d, now [1]
+                    squeezed.shape, out.shape = ir.Shape([]), ir.Shape([1])
+                elif out.shape is not None:  # the log-probabilities: [C], now [1, C]
+                    squeezed.shape, out.shape = out.shape, ir.Shape([1, *out.shape])
                 name = out.name
                 out.replace_all_uses_with(squeezed, replace_graph_outputs=True)
+                squeezed.producer().replace_input_with(0, out)  # (its own input was replaced too)
                 if name:  # the graph's output keeps its name
                     out.name, squeezed.name = f"{name}/batched", name
             graph.insert_after(node, after.nodes)
