@@ -190,8 +190,3 @@ def test_complex_output_refused(exporter, fn):
     with pytest.raises(ExportError, match=r"(?i)complex"):
         m(randn(3), randn(3, seed=5))
 
-
-def test_complex_inside_the_graph_still_trains(exporter):
-    if exporter == "torchscript":
-        pytest.skip("the TorchScript exporter has no complex dtype at all")
-    check(lambda x, y: torch.view_as_real(torch.complex(x, y) * 2).sum(-1), [randn(3), randn(3, seed=6)], exporter)
