@@ -189,4 +189,3 @@ def test_complex_output_refused(exporter, fn):
     m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
     with pytest.raises(ExportError, match=r"(?i)complex"):
         m(randn(3), randn(3, seed=5))
-
