@@ -189,3 +189,12 @@ def test_complex_output_refused(exporter, fn):
     m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
     with pytest.raises(ExportError, match=r"(?i)complex"):
         m(randn(3), randn(3, seed=5))
+
+
+def test_log_sigmoid_large_logits(exporter):
+    """``Log(Sigmoid(x))`` underflowed: -inf from x = -17 on (eager: x), also inside
+    ``binary_cross_entropy_with_logits``."""
+    x = (torch.linspace(-40, 40, 17) + 0.3).requires_grad_()
+    check(lambda x: F.logsigmoid(x), [x], exporter)
+    target = torch.tensor([0.0, 1.0] * 8 + [1.0])
+    check(lambda x: F.binary_cross_entropy_with_logits(x, target, reduction="none"), [x], exporter)

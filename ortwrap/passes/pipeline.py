@@ -28,6 +28,7 @@ from .half_precision import HalfPrecisionOnCPUPass
 from .half_values import HalfValuesOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
+from .log_sigmoid import LogSigmoidPass
 from .native_attention import NativeAttentionPass
 from .native_cpu_kernels import NativeCPUKernelsPass
 from .nll_loss import DecomposeNLLLossPass
@@ -83,6 +84,7 @@ def default_passes(
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
         UnbatchedLossPass(),  # (ORT aborts on an unbatched loss: forward graphs too)
+        LogSigmoidPass(),  # (Log(Sigmoid(x)) underflows: forward graphs too)
         # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
         ExplicitConvPadsPass(),
     ]
