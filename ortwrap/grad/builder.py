@@ -134,6 +134,10 @@ def _rank(value: onnx.ValueInfoProto | None) -> int | None:
     return len(value.type.tensor_type.shape.dim)
 
 
+#: the builder's name for the gradient of a value: ``<value>_grad``
+_GRADIENT_NAME = re.compile(r"(.+)_grad")
+
+
 def _scalar_gradients(model: onnx.ModelProto) -> bool:
     """Give the gradient of each 0-d value the 0-d shape; True if any changed.
 
@@ -153,7 +157,8 @@ def _scalar_gradients(model: onnx.ModelProto) -> bool:
     for node in graph.node:
         nodes.append(node)
         for i, out in enumerate(node.output):
-            if not out.endswith("_grad") or _rank(info.get(out[: -len("_grad")])) != 0 or _rank(info.get(out)) == 0:
+            of = _GRADIENT_NAME.fullmatch(out)
+            if of is None or _rank(info.get(of.group(1))) != 0 or _rank(info.get(out)) == 0:
                 continue
             raw, shape = f"{out}/unreshaped", f"{out}/scalar_shape"
             if raw in known:
