@@ -163,6 +163,11 @@ def cross_entropy_unbatched(exporter):
             [randn(3), randn(4, 3)],
             exporter,
         )
+        check(
+            lambda x, w: F.nll_loss(F.log_softmax(F.linear(x, w), -1), target, reduction=reduction),  # noqa: B023
+            [randn(3), randn(4, 3)],
+            exporter,
+        )
 
 
 def test_cross_entropy_unbatched(exporter):
