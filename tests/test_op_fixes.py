@@ -201,3 +201,10 @@ def test_log_sigmoid_large_logits(exporter):
     check(lambda x: F.logsigmoid(x), [x], exporter)
     target = torch.tensor([0.0, 1.0] * 8 + [1.0])
     check(lambda x: F.binary_cross_entropy_with_logits(x, target, reduction="none"), [x], exporter)
+
+
+def test_module_returning_its_input(exporter):
+    """A graph without nodes (``contiguous``/``positive`` of the input) imported no opset under
+    dynamo, and the Identity that copies the output failed type inference."""
+    check(lambda x: x.contiguous(), [randn(3, 4)], exporter)
+    check(lambda x: torch.positive(x), [randn(5)], exporter)

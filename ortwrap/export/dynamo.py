@@ -306,6 +306,9 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     try:
         bridge.finish(ir_model)
         _cleanup(ir_model)
+        # A graph without nodes (the module returns an input: ``contiguous``, ``conj``, ``t`` of a
+        # vector) imports no opset, and the Identity that gives the output its own value had none.
+        ir_model.opset_imports.setdefault("", capture.opset)
     except ExportError:
         raise
     except Exception as e:
