@@ -592,6 +592,34 @@ def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None
     return [value(0), value(1), value(2), axes, [int(v) for v in np_.asarray(steps).reshape(-1)]]
 
 
+def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Pow with a computed exponent: ORT 1.19.2's gradient builder differentiates the base only (the
+    exponent got no gradient: ``exp2``, ``logaddexp2``, ``float_power``, ``x ** y``)."""
+    from .passes._build import constant_value
+
+    x, y = node.inputs[0], node.inputs[1]
+    if constant_value(y) is not None or y.dtype is None or not y.dtype.is_floating_point():
+        return None  # a constant or integer exponent: ORT's gradient of the base is all there is
+    if x.dtype is None or x.dtype != y.dtype:
+        return None
+    return [value(0), value(1)]
+
+
+def _scatter_nd(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """ScatterND(reduction="add") (``index_put(accumulate=True)``, ``_unsafe_masked_index_put_accumulate``
+    under dynamo): ORT 1.19.2's gradient is a plain scatter's, which zeroes the gradient of ``data``
+    where an update lands (eager's is the identity)."""
+    from .errors import PassError
+
+    reduction = _attr(node, "reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction == "none":
+        return None
+    if reduction != "add":
+        raise PassError(f"node {node.name!r}: ScatterND(reduction={reduction!r}) cannot be trained")
+    return [value(0), value(1), value(2)]
+
+
 #: ONNX ops ORT 1.19.2 cannot differentiate, run as PyTorch ops (``passes/torch_gradients.py``).
 GRADIENTS: dict[str, OnnxViaTorch] = {
     g.onnx: g
@@ -640,6 +668,13 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         # ORT 1.19.2's ReduceL2 gradient builds an invalid graph (a one-input Unsqueeze) at opset >= 13.
         OnnxViaTorch("ReduceL2", "ortwrap_ops::reduce", _reduce_to("l2")),
         OnnxViaTorch("Mod", "fmod.Tensor", _mod),
+        OnnxViaTorch(
+            "ScatterND",
+            "ortwrap_ops::scatter_nd_add",
+            _scatter_nd,
+            why="ORT's ScatterND gradient ignores the reduction",
+        ),
+        OnnxViaTorch("Pow", "pow.Tensor_Tensor", _pow, why="ORT 1.19.2's Pow gradient leaves out the exponent"),
         OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
         OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
         OnnxViaTorch("Slice", "ortwrap_ops::slice", _slice, why="SliceGrad fails on negative steps"),
@@ -911,6 +946,11 @@ def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: l
         s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
         x = torch.ops.aten.slice.Tensor(x.flip(a), a, dim - 1 - s, max(dim - 1 - e, dim - 1 - s), -st)
     return x  # a view of the input is copied by the ATen bridge
+
+
+def _scatter_nd_add(data, indices, updates):
+    """ONNX ``ScatterND(reduction="add")``: ``indices[..., k]`` index the first dims of ``data``."""
+    return data.index_put(tuple(indices[..., i] for i in range(indices.shape[-1])), updates, accumulate=True)
 
 
 def _cat2(a, b, dim: int):
@@ -1247,6 +1287,7 @@ def _matmul_bf16_backward(grad, ac, bc, dtypes: list[int], output_mask: list[boo
 
 _OPS = {
     "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
+    "scatter_nd_add": ("scatter_nd_add(Tensor data, Tensor indices, Tensor updates) -> Tensor", _scatter_nd_add),
     "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
     "linear": ("linear(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _linear),
     "matmul": ("matmul(Tensor a, Tensor b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _matmul),

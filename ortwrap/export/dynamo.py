@@ -38,11 +38,11 @@ from torch import nn
 
 from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
-from ..errors import ExportError, output_error_in
+from ..errors import ExportError, UnsupportedOutputError, output_error_in
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .model import ExportedModel
-from .translations import training_decompositions, training_translations
+from .translations import TRAINING_ATEN_OPS, training_decompositions, training_translations
 
 _log = logging.getLogger("ortwrap")
 
@@ -203,6 +203,7 @@ def capture_dynamo(
         raise _export_error("torch.export.export", type(module).__name__, e) from e
     finally:
         module.train(was_training)
+    _refuse_complex_outputs(program, type(module).__name__)
     return DynamoCapture(
         program,
         adapter,
@@ -215,6 +216,27 @@ def capture_dynamo(
         type(module).__name__,
         tuple(static_reasons),
     )
+
+
+def _refuse_complex_outputs(program: torch.export.ExportedProgram, module_name: str) -> None:
+    """Refuse a complex output: torchlib writes complex values as real ``[..., 2]`` tensors, which
+    came back as the output (``torch.complex``, ``polar``, ``view_as_complex``: silently the wrong
+    shape and dtype). Complex values inside the graph are left to torchlib.
+
+    Raises:
+        UnsupportedOutputError: naming the output and the op that makes it.
+    """
+    out = next(n for n in program.graph.nodes if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    for i, node in enumerate(values):  # (the adapter's outputs: flat)
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.is_complex():
+            op = node.target if node.op == "call_function" else node.op
+            raise UnsupportedOutputError(
+                f"output {i} of {module_name} is a {val.dtype} tensor (made by {op}): the dynamo exporter writes "
+                "complex values as real [..., 2] tensors and ONNX Runtime has no complex outputs. Return "
+                "torch.view_as_real(...) of it, or run the module without ORTWrap"
+            )
 
 
 def _export_error(step: str, module_name: str, e: BaseException) -> ExportError:
@@ -253,7 +275,11 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
                 decompose=False,
                 decompositions=training_decompositions(),
                 extra=lambda prog, is_registered, allow_missing: fallback_translations(
-                    prog, is_registered, aten_ops=capture.aten_ops, scope=bridge, allow_missing=allow_missing
+                    prog,
+                    is_registered,
+                    aten_ops=(*capture.aten_ops, *TRAINING_ATEN_OPS),
+                    scope=bridge,
+                    allow_missing=allow_missing,
                 ),
             )
     except Exception as e:
@@ -280,6 +306,9 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     try:
         bridge.finish(ir_model)
         _cleanup(ir_model)
+        # A graph without nodes (the module returns an input: ``contiguous``, ``conj``, ``t`` of a
+        # vector) imports no opset, and the Identity that gives the output its own value had none.
+        ir_model.opset_imports.setdefault("", capture.opset)
     except ExportError:
         raise
     except Exception as e:

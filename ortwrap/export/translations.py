@@ -15,6 +15,10 @@ ATen op                                                 torchlib 0.7 does / ortw
                                                         ``BatchNormRunningStatsPass`` routes to the
                                                         buffer outputs with PyTorch's unbiased
                                                         variance, as for the TorchScript exporter.
+``aten.native_batch_norm`` (running statistics          normalizes with the wrong statistics. ortwrap
+that are module inputs)                                 writes the same as for the op above; both
+                                                        return eager's saved mean and inverse std
+                                                        (outputs 1 and 2; they were the running ones).
 ``aten.embedding`` with ``padding_idx``                 a plain ``Gather``, whose gradient reaches
                                                         the padding row. ortwrap emits the
                                                         TorchScript path's form: padding positions
@@ -41,6 +45,22 @@ promotion)                                              a float64 scalar loses i
                                                         fails. ortwrap passes a constant scale of 1
                                                         (and bias of 0).
 ======================================================  ===========================================
+
+Some ops run as ATen nodes instead (:data:`TRAINING_ATEN_OPS`: PyTorch's kernel forward, PyTorch's
+autograd for the gradient, ``export/aten_fallback.py``), where torchlib's form trains wrong:
+
+========================================  ===========================================================
+``aten.scatter_reduce``                   ``ScatterElements(reduction=...)``, whose ORT gradient is
+                                          a plain scatter's: the gradients of ``self`` and ``src``
+                                          were wrong for every reduction, and ``mean`` forgot to
+                                          count ``self`` (its output too).
+``aten.index_add``                        the gradient of ``self`` was zeroed at the added rows.
+``aten._safe_softmax``                    a row that is all -inf gave NaN (eager: zeros).
+``aten.max_pool{1,2,3}d_with_indices``    on an unbatched input (``Unsqueeze`` -> ``MaxPool`` with
+(``return_indices=True``)                 indices), ORT 1.19.2's ``MaxPoolGrad`` crashed the
+                                          process (SIGSEGV). A pool without indices is
+                                          ``aten.max_pool2d``, left to ORT.
+========================================  ===========================================================
 
 One op is decomposed before translation instead (:func:`training_decompositions`):
 ``aten.instance_norm`` in training mode with running statistics (``InstanceNorm(track_running_stats=True)``)
@@ -71,14 +91,43 @@ def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, run
         y, new_mean, new_var = op.BatchNormalization(
             input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum, training_mode=1
         )
+        # Outputs 1 and 2: the batch mean and 1/sqrt(biased variance + eps), as eager returns them
+        # (they were the running statistics: wrong wherever a caller read them). Not differentiable
+        # in eager: stop-gradient here. Nothing reads them in a model's graph, and the cleanup drops them.
+        axes = op.Concat(
+            op.Constant(value_ints=[0]), op.Range(op.Constant(value_int=2), op.Size(op.Shape(input)), 1), axis=0
+        )
+        mean = op.ReduceMean(input, axes, keepdims=1)
+        centered = op.Sub(input, mean)
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=0)
+        eps_value = op.CastLike(op.Constant(value_float=eps), input)
+        stop = _stop_gradient_op()
+        save_mean = stop(op.Reshape(mean, op.Constant(value_ints=[-1])))
+        save_invstd = stop(op.Reciprocal(op.Sqrt(op.Add(var, eps_value))))
     else:
         y = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum)
         new_mean, new_var = running_mean, running_var
-    # Outputs 1 and 2 (saved mean / inverse std) serve ATen's backward only: nothing in the forward
-    # graph reads them. Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the
-    # running-stat inputs; BatchNormRunningStatsPass rewires them to the node's updated statistics.
+        save_mean, save_invstd = op.Identity(running_mean), op.Identity(running_var)
+    # Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the running-stat inputs;
+    # BatchNormRunningStatsPass rewires them to the node's updated statistics.
     del new_mean, new_var
-    return y, op.Identity(running_mean), op.Identity(running_var), op.Identity(running_mean), op.Identity(running_var)
+    return y, save_mean, save_invstd, op.Identity(running_mean), op.Identity(running_var)
+
+
+def _native_batch_norm(input, weight=None, bias=None, running_mean=None, running_var=None, training=False,
+                       momentum=0.1, eps=1e-5):  # fmt: skip
+    """``aten.native_batch_norm`` (left unfunctionalized where the running statistics are inputs of
+    the module): torchlib's normalized with the wrong statistics. ortwrap's training form, or in
+    eval mode the empty saved statistics eager returns."""
+    from onnxscript import opset18 as op
+
+    y, save_mean, save_invstd, _, _ = _batch_norm_functional(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    if not training:
+        empty = op.CastLike(op.Constant(value_floats=[]), input)
+        save_mean, save_invstd = empty, op.Identity(empty)
+    return y, save_mean, save_invstd
 
 
 def _stop_gradient_op():
@@ -344,6 +393,17 @@ def _instance_norm_updates_stats(node) -> bool:
     return args[3] is not None and args[4] is not None and args[5] is True
 
 
+#: ATen ops the dynamo path always writes as ATen nodes (the module docstring).
+TRAINING_ATEN_OPS: tuple[str, ...] = (
+    "scatter_reduce",
+    "index_add",
+    "_safe_softmax",
+    "max_pool1d_with_indices",
+    "max_pool2d_with_indices",
+    "max_pool3d_with_indices",
+)
+
+
 def training_decompositions() -> dict:
     """``{op: (needs(node), decomposition)}``: ops the dynamo path decomposes before translating,
     where ``needs`` says a node of the captured graph needs it (the module docstring)."""
@@ -357,6 +417,7 @@ def training_translations() -> dict:
     table = {}
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
+    table[aten.native_batch_norm.default] = _native_batch_norm
     table[aten.embedding.default] = _embedding
     table[aten.cross_entropy_loss.default] = _cross_entropy
     table[aten.gelu.default] = _gelu

@@ -243,6 +243,63 @@ def _evaluate(model: onnx.ModelProto, names: list[str], producer: dict, initiali
     return sess.run(names, {})
 
 
+def _rank(value: onnx.ValueInfoProto | None) -> int | None:
+    if value is None or not value.type.HasField("tensor_type") or not value.type.tensor_type.HasField("shape"):
+        return None
+    return len(value.type.tensor_type.shape.dim)
+
+
+#: the builder's name for the gradient of a value: ``<value>_grad``
+_GRADIENT_NAME = re.compile(r"(.+)_grad")
+
+
+def _scalar_gradients(model: onnx.ModelProto) -> bool:
+    """Give the gradient of each 0-d value the 0-d shape; True if any changed.
+
+    NOTE: ORT 1.19.2's gradient builders write their constants with shape [1] (``Sqrt``'s gradient is
+    ``Div([0.5], Y)``), so the gradient of a 0-d value comes out as [1]. The builders below it take
+    the forward's shapes on trust: ``ReduceMean``'s gradient unsqueezes it by the reduced axes into a
+    rank-4 tensor for a 3-D input, and the gradient of ``std(x)`` (``Sqrt`` of a full reduction)
+    came out wrong, silently. Each such gradient (``<value>_grad``, as the builder names them) is
+    reshaped to 0-d where it is made, so what reads it sees the forward's shape.
+    """
+    graph = model.graph
+    info = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+    known = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    known |= {o for n in graph.node for o in n.output}
+    nodes: list[onnx.NodeProto] = []
+    reshaped: set[str] = set()
+    for node in graph.node:
+        nodes.append(node)
+        for i, out in enumerate(node.output):
+            of = _GRADIENT_NAME.fullmatch(out)
+            if of is None or _rank(info.get(of.group(1))) != 0 or _rank(info.get(out)) == 0:
+                continue
+            raw, shape = f"{out}/unreshaped", f"{out}/scalar_shape"
+            if raw in known:
+                continue
+            node.output[i] = raw
+            nodes.append(
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [shape],
+                    name=f"{out}/ScalarShape",
+                    value=onnx.helper.make_tensor(shape, onnx.TensorProto.INT64, [0], []),
+                )
+            )
+            nodes.append(onnx.helper.make_node("Reshape", [raw, shape], [out], name=f"{out}/Scalar"))
+            reshaped.add(out)
+    if not reshaped:
+        return False
+    del graph.node[:]
+    graph.node.extend(nodes)
+    for v in (*graph.value_info, *graph.output):
+        if v.name in reshaped and v.type.HasField("tensor_type"):
+            v.type.tensor_type.shape.ClearField("dim")
+    return True
+
+
 #: ORT's builder's message for a trained input no output depends on through differentiable ops
 _UNREACHABLE = re.compile(r"Cannot compute the partial derivative for '([^']+)' as it's unreachable")
 
@@ -280,7 +337,7 @@ def _build_graph(
     gi = builder.get_graph_info()
     built = builder.get_gradient_model() if build_gradient else builder.get_forward_model()
     proto = onnx.load_model_from_string(built)
-    if aten.mark_used_outputs(proto) | aten.drop_missing_gradients(proto):
+    if aten.mark_used_outputs(proto) | aten.drop_missing_gradients(proto) | _scalar_gradients(proto):
         built = proto.SerializeToString()
     feed_names = tuple(i.name for i in proto.graph.input)
     grad_names = tuple(o.name for o in proto.graph.output) if build_gradient else ()

@@ -28,6 +28,7 @@ from .half_precision import HalfPrecisionOnCPUPass
 from .half_values import HalfValuesOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
 from .linear_to_gemm import LinearToGemmPass
+from .log_sigmoid import LogSigmoidPass
 from .native_attention import NativeAttentionPass
 from .native_cpu_kernels import NativeCPUKernelsPass
 from .nll_loss import DecomposeNLLLossPass
@@ -39,6 +40,7 @@ from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
 from .torch_gradients import TorchGradientsPass
+from .unbatched_loss import UnbatchedLossPass
 from .vector_matmul import VectorMatMulPass
 from .where_broadcast import WhereBroadcastPass
 
@@ -81,6 +83,8 @@ def default_passes(
         BatchNormRunningStatsPass(),
         PruneUnchangedBufferOutputsPass(),
         RestoreOptionalOutputsPass(),
+        UnbatchedLossPass(),  # (ORT aborts on an unbatched loss: forward graphs too)
+        LogSigmoidPass(),  # (Log(Sigmoid(x)) underflows: forward graphs too)
         # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
         ExplicitConvPadsPass(),
     ]
