@@ -571,6 +571,28 @@ def _mod(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     return [value(0), value(1)]
 
 
+#: ScatterElements' reduction -> scatter_reduce's
+_SCATTER_REDUCTIONS = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _scatter_reduce(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """ScatterElements with a reduction (``scatter_add``, ``scatter_reduce``): ORT 1.19.2's gradient
+    ignores the reduction, treating it as a plain scatter (the gradient of ``data`` zeroed where an
+    update lands; eager's is the identity for ``add``)."""
+    from .errors import PassError
+
+    reduction = _attr(node, "reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction == "none":
+        return None  # ORT's gradient is right for a plain scatter
+    if reduction not in _SCATTER_REDUCTIONS:
+        raise PassError(f"node {node.name!r}: ScatterElements(reduction={reduction!r}) cannot be trained")
+    index = node.inputs[1]
+    if index.dtype is not None and index.dtype.name != "INT64":
+        index = b.op("Cast", index, to=7)
+    return [value(0), int(_attr(node, "axis", 0)), index, value(2), _SCATTER_REDUCTIONS[reduction], True]
+
+
 def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Slice with a negative step (``flip``): ORT 1.19.2's SliceGrad fails on it (narrowing_error)."""
     import numpy as np_
@@ -640,6 +662,12 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         # ORT 1.19.2's ReduceL2 gradient builds an invalid graph (a one-input Unsqueeze) at opset >= 13.
         OnnxViaTorch("ReduceL2", "ortwrap_ops::reduce", _reduce_to("l2")),
         OnnxViaTorch("Mod", "fmod.Tensor", _mod),
+        OnnxViaTorch(
+            "ScatterElements",
+            "scatter_reduce.two",
+            _scatter_reduce,
+            why="ORT's ScatterElements gradient ignores the reduction",
+        ),
         OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
         OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
         OnnxViaTorch("Slice", "ortwrap_ops::slice", _slice, why="SliceGrad fails on negative steps"),
@@ -829,7 +857,53 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         ("torchscript",),
         "torch's symbolic is Sqrt of summed squares: its gradient is NaN at a zero distance (eager's is 0)",
     ),
+    *(
+        AtenViaTorch(
+            pool,
+            ("torchscript", "dynamo"),
+            "ONNX AveragePool has no divisor: divisor_override was dropped (the sums divided by the window size)",
+            when=lambda c: len(c) > 6 and _is_number(c[6]),
+        )
+        for pool in ("avg_pool2d", "avg_pool3d")
+    ),
+    *(
+        AtenViaTorch(
+            norm,
+            ("torchscript", "dynamo"),
+            "the ONNX form of a p-norm (p not 1, 2 or inf) is Pow(ReduceSum(Pow(|x|, p)), 1/p): its gradient "
+            "is NaN or inf where the norm is 0 (eager's is 0)",
+            when=lambda c: len(c) > 1 and _is_number(c[1]) and float(c[1]) not in (1.0, 2.0, math.inf, -math.inf),
+        )
+        for norm in ("linalg_vector_norm", "linalg_norm")
+    ),
+    AtenViaTorch(
+        "index_fill",
+        ("torchscript", "dynamo"),
+        "the fill value's gradient through the ONNX Expand/ScatterElements form is wrong",
+        when=lambda c: len(c) > 3 and c[3] is None,  # a tensor fill value (its gradient is needed)
+    ),
+    AtenViaTorch(
+        "pairwise_distance",
+        ("torchscript",),
+        "torch's symbolic raises to 1/(p+eps) and drops the absolute value (wrong for any p but 2 and for odd p)",
+    ),
+    AtenViaTorch(
+        "cosine_similarity",
+        ("torchscript",),
+        "torch's symbolic does not broadcast the norms and clamps their product, not each norm, with eps",
+    ),
+    AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
+    AtenViaTorch(
+        "pad",
+        ("torchscript",),
+        "torch's circular padding is built from slices that assume non-negative pads",
+        when=lambda c: len(c) > 2 and c[2] == "circular",
+    ),
 )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------------------ ortwrap's own ops

@@ -191,7 +191,7 @@ def fallback_translations(
             when there are such ops (the caller decomposes the graph first).
     """
     records: dict[Any, collections.deque] = {}
-    wanted = set(aten_ops)
+    wanted = set(aten_ops) | _wrong_translations(program)
     for node in program.graph.nodes:
         if node.op != "call_function" or not compat.is_op_overload(node.target):
             continue
@@ -203,3 +203,33 @@ def fallback_translations(
             schema = compat.op_schema(target)
             records.setdefault(target, collections.deque()).append(_bind(schema, node.args, node.kwargs))
     return {target: _make_translation(target, rec, scope) for target, rec in records.items()}
+
+
+def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
+    """Names of the ops of ``program`` that ``registry.ATEN_OPS`` sends to PyTorch under dynamo: an
+    entry without ``when``, or one whose ``when`` holds for a call (its constant arguments by
+    position, defaults filled in, None for a graph value). Every call of such an op becomes an ATen node."""
+    from ..registry import ATEN_OPS
+
+    entries = {e.aten: e for e in ATEN_OPS if "dynamo" in e.exporters}
+    found: set[str] = set()
+    if not entries:
+        return found
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not compat.is_op_overload(node.target):
+            continue
+        schema = compat.op_schema(node.target)
+        name = schema.name.split("::", 1)[-1]
+        entry = entries.get(name)
+        if entry is None or name in found:
+            continue
+        if entry.when is None:
+            found.add(name)
+            continue
+        constants = [
+            None if _is_fx_node(v) or (isinstance(v, (list, tuple)) and any(map(_is_fx_node, v))) else v
+            for _, v in _bind(schema, node.args, node.kwargs)
+        ]
+        if entry.when(constants):
+            found.add(name)
+    return found

@@ -440,17 +440,32 @@ def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     aten = _aten_symbolic(name)
 
     def symbolic(g, *args):
-        constants = []
-        for a in args:
-            try:
-                constants.append(compat.ts_constant(a, "f"))
-            except Exception:
-                constants.append(None)
-        if when(constants):
+        if when([_ts_argument(a) for a in args]):
             return aten(g, *args)
         return default(g, *args)
 
     return symbolic
+
+
+def _ts_argument(value) -> object:
+    """A symbolic argument as the Python constant it holds (a number, a string, a list of numbers), or
+    None where it is not a constant (a tensor computed by the graph) or is an absent optional."""
+    try:
+        if compat.ts_is_none(value):
+            return None
+        for desc in ("f", "is", "fs"):
+            try:
+                v = compat.ts_constant(value, desc)
+            except Exception:
+                continue
+            if isinstance(v, (int, float, list, tuple)):
+                return v
+        node = value.node()
+        if node.kind() == "prim::Constant" and node.hasAttribute("value") and node.kindOf("value") == "s":
+            return node.s("value")
+    except Exception:
+        pass
+    return None
 
 
 @contextlib.contextmanager
