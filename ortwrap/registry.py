@@ -823,6 +823,19 @@ DOUBLE_PRECISION: dict[tuple[str, str], OnnxViaTorch] = {
 }
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _var_needs_aten(c: list[Any]) -> bool:
+    """``var``/``std`` (and their ``_mean`` forms) as TorchScript calls them, ``(self, dim, correction
+    or unbiased, keepdim)``: a fractional correction, or ``keepdim`` with no dims (a full reduction)."""
+    if len(c) != 4:
+        return False
+    fractional = _is_number(c[2]) and float(c[2]) != int(c[2])
+    return fractional or (c[1] in (None, [], ()) and bool(c[3]))
+
+
 @dataclass(frozen=True)
 class AtenViaTorch:
     """An ATen op whose ONNX form loses what training needs: exported as an ATen node instead, so
@@ -892,6 +905,15 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         ("torchscript",),
         "torch's symbolic does not broadcast the norms and clamps their product, not each norm, with eps",
     ),
+    *(
+        AtenViaTorch(
+            reduction,
+            ("torchscript",),
+            "torch's symbolic reads the correction as an int (1.3 becomes 1) and drops keepdim on a full reduction",
+            when=_var_needs_aten,
+        )
+        for reduction in ("var", "std", "var_mean", "std_mean")
+    ),
     AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
     AtenViaTorch(
         "pad",
@@ -900,10 +922,6 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         when=lambda c: len(c) > 2 and c[2] == "circular",
     ),
 )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ------------------------------------------------------------------------------ ortwrap's own ops

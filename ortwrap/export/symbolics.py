@@ -126,7 +126,13 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
 
 
 def _adaptive_pool(name: str, default: Callable) -> Callable:
+    dims = int(name[-2])  # adaptive_avg_pool2d -> 2
+
     def symbolic(g, x, output_size, *rest):
+        if compat.ts_rank(x) != dims + 2:
+            # Unbatched (or of unknown rank): torch's symbolic pools the last ``rank - 2`` dims
+            # (GlobalAveragePool of a [C, D, H, W] input averaged H and W only).
+            return _aten_symbolic(name)(g, x, output_size, *rest)
         sizes = compat.ts_constant(output_size, "is")
         t = x.type()
         spatial = t.varyingSizes()[2:] if hasattr(t, "varyingSizes") and t.varyingSizes() else None
@@ -453,6 +459,10 @@ def _ts_argument(value) -> object:
     try:
         if compat.ts_is_none(value):
             return None
+        node = value.node()
+        if node.kind() in ("prim::Constant", "onnx::Constant") and node.hasAttribute("value"):
+            if node.kindOf("value") == "s":
+                return node.s("value")
         for desc in ("f", "is", "fs"):
             try:
                 v = compat.ts_constant(value, desc)
@@ -460,9 +470,6 @@ def _ts_argument(value) -> object:
                 continue
             if isinstance(v, (int, float, list, tuple)):
                 return v
-        node = value.node()
-        if node.kind() == "prim::Constant" and node.hasAttribute("value") and node.kindOf("value") == "s":
-            return node.s("value")
     except Exception:
         pass
     return None
