@@ -241,8 +241,9 @@ def name_outputs(
     for i, rank in enumerate(ranks):
         value = graph.outputs[i]
         have = None if value.shape is None else len(value.shape)
-        if have == rank:
-            continue
+        producer = value.producer()
+        if have == rank or (producer is not None and producer.op_type in ("If", "Loop", "Scan")):
+            continue  # (the exporter guesses a control-flow output's shape; such graphs are refused later)
         if rank == 0:
             shape = ir.node(
                 "Constant",

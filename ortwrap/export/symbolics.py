@@ -441,6 +441,21 @@ def _unfold(default: Callable) -> Callable:
     return symbolic
 
 
+def _stable_sort(default: Callable) -> Callable:
+    """``sort``/``argsort`` with ``stable=``: the ``.stable`` overload's arguments are ``(self, stable,
+    dim, descending)``, which torch's symbolic reads as ``(self, dim, descending, out)``: it sorted
+    along ``stable`` (dim 1 for True, 0 for False), in the order ``dim`` said (a silently wrong
+    result). ONNX TopK keeps equal values in index order, as a stable sort does."""
+
+    def symbolic(g, self, *args):
+        if len(args) == 3:
+            _stable, dim, descending = args
+            return default(g, self, dim, descending)
+        return default(g, self, *args)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
@@ -499,6 +514,10 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
     default_unfold = compat.ts_symbolic("aten::unfold", opset)
     if default_unfold is not None:
         symbolics["aten::unfold"] = _unfold(default_unfold)
+    for name in ("aten::sort", "aten::argsort"):
+        default = compat.ts_symbolic(name, opset)
+        if default is not None:
+            symbolics[name] = _stable_sort(default)
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)
