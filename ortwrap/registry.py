@@ -571,6 +571,20 @@ def _mod(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     return [value(0), value(1)]
 
 
+def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Pow of an exponent computed by the graph: ORT 1.19.2 differentiates the base only ("not
+    implemented for Pow's input exponent"). Its probe of a lone Pow with a constant base passes,
+    so the general rule (``passes/torch_gradients.py``) does not see it."""
+    from .passes._build import constant_value
+
+    base, exponent = node.inputs[0], node.inputs[1]
+    if constant_value(exponent) is not None or exponent.dtype is None or not exponent.dtype.is_floating_point():
+        return None
+    if base.dtype is not None and exponent.dtype != base.dtype:
+        exponent = b.op("Cast", exponent, to=int(base.dtype))  # ONNX Pow keeps the base's type
+    return [value(0), exponent]
+
+
 #: ScatterElements' reduction -> scatter_reduce's
 _SCATTER_REDUCTIONS = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
 
@@ -662,6 +676,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         # ORT 1.19.2's ReduceL2 gradient builds an invalid graph (a one-input Unsqueeze) at opset >= 13.
         OnnxViaTorch("ReduceL2", "ortwrap_ops::reduce", _reduce_to("l2")),
         OnnxViaTorch("Mod", "fmod.Tensor", _mod),
+        OnnxViaTorch("Pow", "pow.Tensor_Tensor", _pow, why="ORT's Pow gradient covers the base only"),
         OnnxViaTorch(
             "ScatterElements",
             "scatter_reduce.two",

@@ -288,4 +288,8 @@ def name_outputs(
             graph.outputs[i] = value
         seen.add(id(value))
         value.name = names[i]
+    if "" not in ir_model.opset_imports and any(n.domain == "" for n in graph):
+        # A graph of ATen nodes only (dynamo's ``dropout2d``) imports no ONNX opset; the nodes
+        # added here need one.
+        ir_model.opset_imports[""] = 18
     return ir.serde.serialize_model(ir_model)

@@ -441,6 +441,25 @@ def _unfold(default: Callable) -> Callable:
     return symbolic
 
 
+def _feature_dropout(g, input, p, train):
+    """``feature_dropout`` (``dropout2d``/``dropout3d``: one draw per channel): torch has no ONNX
+    form for it. Here ONNX ``Dropout`` of a ones tensor of shape ``[N, C, 1, ...]`` makes the scaled
+    channel mask (``1/(1-p)`` or 0), which multiplies the input: one random draw, which the
+    gradient (``Mul``'s, reading the mask) reuses."""
+    if not compat.ts_constant(train, "b"):
+        return input
+    rank = compat.ts_rank(input)
+    if rank is None or rank < 2:
+        raise RuntimeError("ortwrap: feature_dropout needs an input of known rank >= 2")
+    dtype = compat.ts_scalar_type(input)[1]
+    sizes = g.op("Slice", g.op("Shape", input), *(g.op("Constant", value_t=torch.tensor([v])) for v in (0, 2)))
+    shape = g.op("Concat", sizes, g.op("Constant", value_t=torch.ones(rank - 2, dtype=torch.int64)), axis_i=0)
+    ones = g.op("ConstantOfShape", shape, value_t=torch.ones(1, dtype=dtype))
+    ratio = g.op("Constant", value_t=torch.tensor(float(compat.ts_constant(p, "f")), dtype=dtype))
+    mask, _ = g.op("Dropout", ones, ratio, g.op("Constant", value_t=torch.tensor(True)), outputs=2)
+    return g.op("Mul", input, mask)
+
+
 def _stable_sort(default: Callable) -> Callable:
     """``sort``/``argsort`` with ``stable=``: the ``.stable`` overload's arguments are ``(self, stable,
     dim, descending)``, which torch's symbolic reads as ``(self, dim, descending, out)``: it sorted
@@ -506,6 +525,7 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
         "aten::_grouped_mm": grouped_mm_symbolic,
+        "aten::feature_dropout": _feature_dropout,
     }
     compat.ts_load_opset_symbolics(opset)
     default_multinomial = compat.ts_symbolic("aten::multinomial", opset)

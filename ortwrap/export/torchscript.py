@@ -189,6 +189,43 @@ def forget_traced_shapes(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def aten_ops_as_aten_nodes(model: onnx.ModelProto) -> list[str]:
+    """Write each ``org.pytorch.aten::<op>`` node as ``org.pytorch.aten::ATen(operator=<op>)``.
+
+    For some ops without an ONNX form (``feature_dropout``, which ``dropout2d``/``dropout3d`` call;
+    ``unfold`` of a dynamic size; ``index_add``) the TorchScript exporter writes the aten op itself as
+    a node of the ATen domain, every argument an input, which ORT cannot load ("is not a registered
+    function/op"). As ``ATen`` nodes they run PyTorch's kernel, and the ATen bridge differentiates
+    them with PyTorch's autograd (the overload resolved as for any ATen node without one).
+    Returns the ops rewritten.
+
+    Raises:
+        ExportError: a random op (``feature_dropout``): the ATen bridge's gradient recomputes the op,
+            which would draw another mask than the forward's.
+    """
+    from ..bridge.aten import ATEN_DOMAIN
+
+    rewritten = []
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type == "ATen" or node.attribute:
+            continue
+        packet = getattr(torch.ops.aten, node.op_type, None)
+        if packet is None:
+            continue
+        if any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()):
+            raise ExportError(
+                f"aten::{node.op_type} has no ONNX form, and it is random: as an ATen node its gradient would "
+                "recompute it with another random draw than its forward's (F.dropout2d/dropout3d in training: "
+                "use nn.Dropout, or run the module without ORTWrap)"
+            )
+        node.attribute.extend(
+            [onnx.helper.make_attribute("operator", node.op_type), onnx.helper.make_attribute("overload_name", "")]
+        )
+        rewritten.append(node.op_type)
+        node.op_type = "ATen"
+    return rewritten
+
+
 def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """The capture as an :class:`ExportedModel`: inputs mapped to the module's parameters and buffers,
     outputs named (the TorchScript exporter already wrote ONNX).
@@ -198,6 +235,7 @@ def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """
     adapter, model, input_names = capture.adapter, capture.model, capture.input_names
     forget_traced_shapes(model)
+    aten_ops_as_aten_nodes(model)
     named_state = state_tensors(adapter)
     state_inputs: dict[str, torch.Tensor] = {}
     for name in [i.name for i in model.graph.input]:
