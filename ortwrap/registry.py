@@ -28,8 +28,12 @@ Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op 
 composite's decomposition).
 
 **ATen ops whose ONNX form is wrong** (:data:`ATEN_OPS`): an :class:`AtenViaTorch` entry makes the
-exporter (TorchScript: ``export/symbolics.py``) write the op as an ATen node, with the same gradient
-mechanism.
+exporters it names (TorchScript: ``export/symbolics.py``; dynamo: ``export/aten_fallback.py``) write
+the op as an ATen node, with the same gradient mechanism.
+
+**Any other ONNX op ORT cannot differentiate** (no gradient builder: ``Acosh``, ``Cosh``, ...): the
+general rule of ``passes/torch_gradients.py`` asks ORT (a probe of the node alone) and, where its
+gradient build fails, runs the PyTorch op of the same name and tensor arguments instead.
 
 Each registry op costs a Python call per node per step (forward, and one for its gradient), and
 runs where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.

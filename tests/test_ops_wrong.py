@@ -120,6 +120,12 @@ CASES: dict[str, tuple[Callable, Callable]] = {
     "var_correction_1.3": (lambda x: torch.var(x, dim=1, correction=1.3), inputs(randn(5, 5, 5))),
     "std_correction_1.3": (lambda x: torch.std(x, dim=(1,), correction=1.3), inputs(randn(5, 5, 5))),
     "var_keepdim_full": (lambda x: torch.var(x, dim=None, correction=0, keepdim=True), inputs(randn(5, 5, 5))),
+    # ORT's gradient of a 0-d value arriving as [1] (both exporters)
+    "std_vector_biased": (lambda x: torch.std(x, 0, unbiased=False), inputs(randn(5))),
+    "masked_std_full": (lambda x: torch.masked.std(x, mask=x > -0.5), inputs(randn(4, 5))),
+    "sqrt_of_centered_mean": (lambda x: torch.sqrt(((x - x.mean(0)) ** 2).mean(0)), inputs(randn(6))),
+    "atan2_0d": (lambda x: torch.atan2(x.var(0), x.var(0) + 1), inputs(randn(5))),
+    "softplus_0d": (lambda x: F.softplus(x.var(0) + 0.5), inputs(randn(5))),
     "lerp_broadcast_weight": (torch.lerp, inputs(randn(5, 5), randn(5, 1), randn(5))),
     "pad_circular_negative": (
         lambda x: F.pad(x, (-1, 1, -2, 1), mode="circular"),

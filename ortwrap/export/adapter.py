@@ -232,9 +232,9 @@ def name_outputs(
     cast to it: the TorchScript exporter computes some float16 ops in float32 (LayerNorm, MatMul
     of a transposed weight) and returns float32 where eager returns float16.
 
-    ``ranks``: the rank of each output the module returned. A 0-d output that the graph computes
-    with another rank (torch's symbolics write constants such as ``log(10)`` as ``[1]`` tensors,
-    and broadcasting makes ``log10`` of a 0-d input ``[1]``) is reshaped to 0-d; any other rank
+    ``ranks``: the rank of each output the module returned. A 0-d output is reshaped to 0-d, as the
+    graph may compute it with another rank (torch's symbolics write constants such as ``log(10)``
+    as ``[1]`` tensors, and broadcasting makes ``log10`` of a 0-d input ``[1]``); any other rank
     difference is a wrong translation, refused (:class:`ExportError`)."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
@@ -242,9 +242,10 @@ def name_outputs(
         value = graph.outputs[i]
         have = None if value.shape is None else len(value.shape)
         producer = value.producer()
-        if have == rank or (producer is not None and producer.op_type in ("If", "Loop", "Scan")):
+        if rank != 0 and (have == rank or (producer is not None and producer.op_type in ("If", "Loop", "Scan"))):
             continue  # (the exporter guesses a control-flow output's shape; such graphs are refused later)
         if rank == 0:
+            # Always: the TorchScript exporter also declares 0-d some values its ops make [1] (atan2).
             shape = ir.node(
                 "Constant",
                 [],

@@ -29,9 +29,17 @@ squeeze (training graphs)      of a dim whose size ONNX lost (``LocalResponseNor
                                ``ortwrap_ops::squeeze_ones`` where the traced call squeezed.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
-``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist: torch's ONNX
-                               form is wrong or untrainable (cdist: NaN gradient at distance 0);
-                               ATen nodes (PyTorch's kernel and autograd).
+``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
+                               ``divisor_override``, p-norms, index_fill of a tensor value,
+                               pairwise_distance, cosine_similarity, lerp, circular pad, var/std
+                               with a fractional correction: torch's ONNX form is wrong or
+                               untrainable (cdist: NaN gradient at distance 0); ATen nodes
+                               (PyTorch's kernel and autograd), where the entry's ``when`` says so.
+adaptive pools, unbatched      torch's symbolic pools the last ``rank - 2`` dims: ATen nodes.
+sort, argsort                  the ``stable=`` overload's arguments are read as the other's
+                               (sorted along the wrong dim).
+feature_dropout                (``dropout2d``/``3d``) no ONNX form: ONNX Dropout of a ones tensor
+                               of shape ``[N, C, 1, ...]`` makes the channel mask.
 =============================  =================================================================
 """
 

@@ -35,6 +35,7 @@ from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 from .pythonop_context import AddPythonOpContextPass
 from .resize_to_matmul import ResizeToMatMulPass
+from .scalar_gradients import ScalarGradientShapesPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
@@ -112,6 +113,7 @@ def default_passes(
             BidirectionalRNNPass(),
             # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
             TorchGradientsPass(device_type),
+            ScalarGradientShapesPass(),
             WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),

@@ -4,6 +4,10 @@ Each ONNX node whose op has an entry in ``ortwrap.registry.GRADIENTS`` (HardSwis
 Mish, Elu, Selu, Celu, Softplus, PRelu, Shrink, ReduceMax/ReduceMin, ConvTranspose on CPU, ...) is
 replaced by one ``org.pytorch.aten::ATen`` node calling the entry's PyTorch op, with the arguments
 its ``args`` maps from the node's inputs and attributes (constants as the ATen bridge encodes them).
+The general rule covers the others: a node without attributes whose ORT gradient build fails
+(``grad/probe.py``, asked once per op type, input types, ranks and constant inputs) runs as the
+PyTorch op of the same name that takes the same tensors (``Acosh`` -> ``acosh``), if there is one
+and it is not random.
 ORT then runs the op through the ATen bridge, and its gradient is the bridge's vjp: PyTorch's
 autograd of the same op (``bridge/aten.py``). An entry whose ``args`` returns None leaves the node
 to ORT. Training graphs only (an inference graph keeps ORT's kernels); the output keeps the
