@@ -152,6 +152,10 @@ BUILDABLE: dict[str, tuple[Callable, Callable]] = {
         lambda x, i, s: x.index_add(0, i, s, alpha=-2.0),
         inputs(randn(5, 3), lambda gen: torch.tensor([4, 0, 4]), randn(3, 3)),
     ),
+    "square_of_input": (lambda x: x * x, inputs(randn(5))),
+    "matrix_norm_fro": (torch.linalg.matrix_norm, inputs(randn(3, 4))),
+    "adaptive_max_pool1d_to_1": (lambda x: F.adaptive_max_pool1d(x, 1), inputs(randn(3, 4, 6))),
+    "adaptive_max_pool3d_to_1": (lambda x: F.adaptive_max_pool3d(x, 1, True)[0], inputs(randn(1, 4, 4, 3, 5))),
 }
 CASES.update(BUILDABLE)
 

@@ -142,6 +142,10 @@ def _adaptive_pool(name: str, default: Callable) -> Callable:
             # (GlobalAveragePool of a [C, D, H, W] input averaged H and W only).
             return _aten_symbolic(name)(g, x, output_size, *rest)
         sizes = compat.ts_constant(output_size, "is")
+        if not isinstance(sizes, (list, tuple)) or (name.startswith("adaptive_max") and all(s == 1 for s in sizes)):
+            # An output size read off the input (``(None, 3)``): torch's symbolic has no form for it.
+            # A max pool to size 1: GlobalMaxPool, which ORT cannot differentiate (nor return indices of).
+            return _aten_symbolic(name)(g, x, output_size, *rest)
         t = x.type()
         spatial = t.varyingSizes()[2:] if hasattr(t, "varyingSizes") and t.varyingSizes() else None
         if (

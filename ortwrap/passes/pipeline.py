@@ -34,6 +34,7 @@ from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 from .pythonop_context import AddPythonOpContextPass
+from .repeated_inputs import RepeatedGraphInputsPass
 from .resize_to_matmul import ResizeToMatMulPass
 from .scalar_gradients import ScalarGradientShapesPass
 from .sequence_ops import RefuseSequenceOpsPass
@@ -114,6 +115,7 @@ def default_passes(
             # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
             TorchGradientsPass(device_type),
             ScalarGradientShapesPass(),
+            RepeatedGraphInputsPass(),
             WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),
