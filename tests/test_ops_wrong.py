@@ -152,6 +152,8 @@ BUILDABLE: dict[str, tuple[Callable, Callable]] = {
         lambda x, i, s: x.index_add(0, i, s, alpha=-2.0),
         inputs(randn(5, 3), lambda gen: torch.tensor([4, 0, 4]), randn(3, 3)),
     ),
+    "masked_sum": (lambda x: torch.masked.sum(x, mask=x > 0), inputs(randn(4, 5))),
+    "scatter_reduce_mean": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False), scatter_inputs),
     "square_of_input": (lambda x: x * x, inputs(randn(5))),
     "matrix_norm_fro": (torch.linalg.matrix_norm, inputs(randn(3, 4))),
     "adaptive_max_pool1d_to_1": (lambda x: F.adaptive_max_pool1d(x, 1), inputs(randn(3, 4, 6))),

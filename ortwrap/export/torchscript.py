@@ -226,6 +226,51 @@ def aten_ops_as_aten_nodes(model: onnx.ModelProto) -> list[str]:
     return rewritten
 
 
+def _overload_by_arity(name: str, n_inputs: int) -> str | None:
+    """The one overload of ``aten::<name>`` (no ``out=``, no named dims) with ``n_inputs`` arguments, or None."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    found = []
+    for overload in packet.overloads():
+        arguments = compat.op_schema(getattr(packet, overload)).arguments
+        if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
+            continue
+        if any("Dimname" in str(a.type) for a in arguments) or len(arguments) != n_inputs:
+            continue
+        found.append(overload)
+    return found[0] if len(found) == 1 else None
+
+
+def name_aten_overloads(model: onnx.ModelProto) -> None:
+    """Name the overload of each ATen node that names none where the default one does not take its
+    inputs: torch's symbolics write ``sum(x, dim, keepdim, dtype)`` (``masked.sum``) without an
+    overload, which the ATen bridge would read as ``sum.default(x, *, dtype)``. Left alone where no
+    overload, or more than one, has that many arguments."""
+    from ..bridge.aten import ATEN_DOMAIN
+
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "operator" not in attrs or (attrs.get("overload_name") is not None and attrs["overload_name"].s):
+            continue
+        name = attrs["operator"].s.decode()
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or "::" in name:
+            continue
+        default = getattr(packet, "default", None)
+        if default is not None and len(compat.op_schema(default).arguments) == len(node.input):
+            continue
+        overload = _overload_by_arity(name, len(node.input))
+        if overload is None:
+            continue
+        if "overload_name" in attrs:
+            attrs["overload_name"].s = overload.encode()
+        else:
+            node.attribute.append(onnx.helper.make_attribute("overload_name", overload))
+
+
 def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """The capture as an :class:`ExportedModel`: inputs mapped to the module's parameters and buffers,
     outputs named (the TorchScript exporter already wrote ONNX).
@@ -236,6 +281,7 @@ def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     adapter, model, input_names = capture.adapter, capture.model, capture.input_names
     forget_traced_shapes(model)
     aten_ops_as_aten_nodes(model)
+    name_aten_overloads(model)
     named_state = state_tensors(adapter)
     state_inputs: dict[str, torch.Tensor] = {}
     for name in [i.name for i in model.graph.input]:
