@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import assert_close
+from parity import assert_close, no_exporter
 from torch import nn
 
 from ortwrap import ORTWrap
@@ -195,3 +196,31 @@ def test_channel_dropout_gradient_uses_the_forward_mask(exporter, dims):
     assert torch.allclose(scale, scale[..., :1].expand_as(scale), atol=1e-5), "a mask that differs within a channel"
     assert set(scale[..., 0].round().flatten().tolist()) <= {0.0, 2.0}
     assert_close(x.grad, g * (y / x).detach(), "gradient")
+
+
+@no_exporter
+def test_output_of_another_rank_is_refused_and_0d_restored():
+    """``name_outputs``: an output the graph computes with another rank than the module returned is
+    refused at build (a wrong translation), and a 0-d output computed as ``[1]`` is made 0-d."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ortwrap.errors import ExportError
+    from ortwrap.export.adapter import name_outputs
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    with pytest.raises(ExportError, match="output 0 has rank 1 where the module returns a rank-2"):
+        name_outputs(model, ["output:0"], [torch.float32], [2])
+    fixed = name_outputs(model, ["output:0"], [torch.float32], [0])
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(fixed.SerializeToString(), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": np.array([3.0], dtype=np.float32)})
+    assert out.shape == () and float(out) == 3.0
+    assert onnx.checker.check_model(fixed) is None
