@@ -153,6 +153,7 @@ BUILDABLE: dict[str, tuple[Callable, Callable]] = {
         lambda x, i, s: x.index_add(0, i, s, alpha=-2.0),
         inputs(randn(5, 3), lambda gen: torch.tensor([4, 0, 4]), randn(3, 3)),
     ),
+    "trapezoid_x": (lambda y, x: torch.trapezoid(y, x), inputs(randn(2, 3), randn(2, 3))),
     "masked_sum": (lambda x: torch.masked.sum(x, mask=x > 0), inputs(randn(4, 5))),
     "scatter_reduce_mean": (lambda x, i, s: x.scatter_reduce(0, i, s, "mean", include_self=False), scatter_inputs),
     "square_of_input": (lambda x: x * x, inputs(randn(5))),

@@ -226,8 +226,10 @@ def aten_ops_as_aten_nodes(model: onnx.ModelProto) -> list[str]:
     return rewritten
 
 
-def _overload_by_arity(name: str, n_inputs: int) -> str | None:
-    """The one overload of ``aten::<name>`` (no ``out=``, no named dims) with ``n_inputs`` arguments, or None."""
+def _overload_by_arity(name: str, computed: list[bool]) -> str | None:
+    """The one overload of ``aten::<name>`` (no ``out=``, no named dims) with as many arguments as
+    the node has inputs, a tensor argument for each ``computed`` one (not a constant: ``trapezoid``'s
+    ``x`` overload, not ``dx``); None if there is none or several."""
     packet = getattr(torch.ops.aten, name, None)
     if packet is None:
         return None
@@ -236,7 +238,9 @@ def _overload_by_arity(name: str, n_inputs: int) -> str | None:
         arguments = compat.op_schema(getattr(packet, overload)).arguments
         if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
             continue
-        if any("Dimname" in str(a.type) for a in arguments) or len(arguments) != n_inputs:
+        if any("Dimname" in str(a.type) for a in arguments) or len(arguments) != len(computed):
+            continue
+        if any(c and "Tensor" not in str(a.type) for a, c in zip(arguments, computed)):
             continue
         found.append(overload)
     return found[0] if len(found) == 1 else None
@@ -249,6 +253,7 @@ def name_aten_overloads(model: onnx.ModelProto) -> None:
     overload, or more than one, has that many arguments."""
     from ..bridge.aten import ATEN_DOMAIN
 
+    constants = {o for n in model.graph.node if n.op_type == "Constant" and n.domain == "" for o in n.output}
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
             continue
@@ -262,7 +267,7 @@ def name_aten_overloads(model: onnx.ModelProto) -> None:
         default = getattr(packet, "default", None)
         if default is not None and len(compat.op_schema(default).arguments) == len(node.input):
             continue
-        overload = _overload_by_arity(name, len(node.input))
+        overload = _overload_by_arity(name, [bool(i) and i not in constants for i in node.input])
         if overload is None:
             continue
         if "overload_name" in attrs:
