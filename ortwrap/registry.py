@@ -874,7 +874,8 @@ class AtenViaTorch:
     when: Callable[[list[Any]], bool] | None = None
 
 
-#: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript).
+#: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript, ``export/aten_fallback.py``
+#: for dynamo), where their ``when`` says so.
 ATEN_OPS: tuple[AtenViaTorch, ...] = (
     AtenViaTorch(
         "softplus",

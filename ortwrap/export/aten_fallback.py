@@ -7,7 +7,9 @@ the same: :func:`fallback_translations` returns ``custom_translation_table`` ent
 
 - every op of the captured graph that neither torchlib nor ortwrap translates (after the exporter's
   decompositions: an op that decomposes into translatable ops is decomposed instead), and
-- every overload of the ops ``Options.aten_ops`` lists (PyTorch's kernels by choice).
+- every overload of the ops ``Options.aten_ops`` lists (PyTorch's kernels by choice), and
+- every call of an op ``registry.ATEN_OPS`` names for dynamo where a call needs it (its ``when``):
+  translations that train wrong (``avg_pool2d`` with ``divisor_override``, p-norms at zero).
 
 Each entry writes a placeholder node (``bridge/dynamo.py``'s per-arity schema) that
 :meth:`~ortwrap.bridge.dynamo.CaptureScope.finish` turns into the ATen node, with the argument
