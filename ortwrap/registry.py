@@ -28,8 +28,12 @@ Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op 
 composite's decomposition).
 
 **ATen ops whose ONNX form is wrong** (:data:`ATEN_OPS`): an :class:`AtenViaTorch` entry makes the
-exporter (TorchScript: ``export/symbolics.py``) write the op as an ATen node, with the same gradient
-mechanism.
+exporters it names (TorchScript: ``export/symbolics.py``; dynamo: ``export/aten_fallback.py``) write
+the op as an ATen node, with the same gradient mechanism.
+
+**Any other ONNX op ORT cannot differentiate** (no gradient builder: ``Acosh``, ``Cosh``, ...): the
+general rule of ``passes/torch_gradients.py`` asks ORT (a probe of the node alone) and, where its
+gradient build fails, runs the PyTorch op of the same name and tensor arguments instead.
 
 Each registry op costs a Python call per node per step (forward, and one for its gradient), and
 runs where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.
@@ -571,6 +575,42 @@ def _mod(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     return [value(0), value(1)]
 
 
+def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """Pow of an exponent computed by the graph: ORT 1.19.2 differentiates the base only ("not
+    implemented for Pow's input exponent"). Its probe of a lone Pow with a constant base passes,
+    so the general rule (``passes/torch_gradients.py``) does not see it."""
+    from .passes._build import constant_value
+
+    base, exponent = node.inputs[0], node.inputs[1]
+    if constant_value(exponent) is not None or exponent.dtype is None or not exponent.dtype.is_floating_point():
+        return None
+    if base.dtype is not None and exponent.dtype != base.dtype:
+        exponent = b.op("Cast", exponent, to=int(base.dtype))  # ONNX Pow keeps the base's type
+    return [value(0), exponent]
+
+
+#: ScatterElements' reduction -> scatter_reduce's
+_SCATTER_REDUCTIONS = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _scatter_reduce(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """ScatterElements with a reduction (``scatter_add``, ``scatter_reduce``): ORT 1.19.2's gradient
+    ignores the reduction, treating it as a plain scatter (the gradient of ``data`` zeroed where an
+    update lands; eager's is the identity for ``add``)."""
+    from .errors import PassError
+
+    reduction = _attr(node, "reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction == "none":
+        return None  # ORT's gradient is right for a plain scatter
+    if reduction not in _SCATTER_REDUCTIONS:
+        raise PassError(f"node {node.name!r}: ScatterElements(reduction={reduction!r}) cannot be trained")
+    index = node.inputs[1]
+    if index.dtype is not None and index.dtype.name != "INT64":
+        index = b.op("Cast", index, to=7)
+    return [value(0), int(_attr(node, "axis", 0)), index, value(2), _SCATTER_REDUCTIONS[reduction], True]
+
+
 def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Slice with a negative step (``flip``): ORT 1.19.2's SliceGrad fails on it (narrowing_error)."""
     import numpy as np_
@@ -590,19 +630,6 @@ def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None
             return None
         axes = list(range(len(steps.reshape(-1))))
     return [value(0), value(1), value(2), axes, [int(v) for v in np_.asarray(steps).reshape(-1)]]
-
-
-def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    """Pow with a computed exponent: ORT 1.19.2's gradient builder differentiates the base only (the
-    exponent got no gradient: ``exp2``, ``logaddexp2``, ``float_power``, ``x ** y``)."""
-    from .passes._build import constant_value
-
-    x, y = node.inputs[0], node.inputs[1]
-    if constant_value(y) is not None or y.dtype is None or not y.dtype.is_floating_point():
-        return None  # a constant or integer exponent: ORT's gradient of the base is all there is
-    if x.dtype is None or x.dtype != y.dtype:
-        return None
-    return [value(0), value(1)]
 
 
 def _scatter_nd(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
@@ -675,6 +702,12 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
             why="ORT's ScatterND gradient ignores the reduction",
         ),
         OnnxViaTorch("Pow", "pow.Tensor_Tensor", _pow, why="ORT 1.19.2's Pow gradient leaves out the exponent"),
+        OnnxViaTorch(
+            "ScatterElements",
+            "scatter_reduce.two",
+            _scatter_reduce,
+            why="ORT's ScatterElements gradient ignores the reduction",
+        ),
         OnnxViaTorch("Pad", "ortwrap_ops::pad", _pad, why="ORT's Pad gradient handles the constant mode only"),
         OnnxViaTorch("DepthToSpace", "pixel_shuffle", _depth_to_space),
         OnnxViaTorch("Slice", "ortwrap_ops::slice", _slice, why="SliceGrad fails on negative steps"),
@@ -830,6 +863,19 @@ DOUBLE_PRECISION: dict[tuple[str, str], OnnxViaTorch] = {
 }
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _var_needs_aten(c: list[Any]) -> bool:
+    """``var``/``std`` (and their ``_mean`` forms) as TorchScript calls them, ``(self, dim, correction
+    or unbiased, keepdim)``: a fractional correction, or ``keepdim`` with no dims (a full reduction)."""
+    if len(c) != 4:
+        return False
+    fractional = _is_number(c[2]) and float(c[2]) != int(c[2])
+    return fractional or (c[1] in (None, [], ()) and bool(c[3]))
+
+
 @dataclass(frozen=True)
 class AtenViaTorch:
     """An ATen op whose ONNX form loses what training needs: exported as an ATen node instead, so
@@ -849,7 +895,8 @@ class AtenViaTorch:
     when: Callable[[list[Any]], bool] | None = None
 
 
-#: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript).
+#: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript, ``export/aten_fallback.py``
+#: for dynamo), where their ``when`` says so.
 ATEN_OPS: tuple[AtenViaTorch, ...] = (
     AtenViaTorch(
         "softplus",
@@ -863,6 +910,57 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         "cdist",
         ("torchscript",),
         "torch's symbolic is Sqrt of summed squares: its gradient is NaN at a zero distance (eager's is 0)",
+    ),
+    *(
+        AtenViaTorch(
+            pool,
+            ("torchscript", "dynamo"),
+            "ONNX AveragePool has no divisor: divisor_override was dropped (the sums divided by the window size)",
+            when=lambda c: len(c) > 6 and _is_number(c[6]),
+        )
+        for pool in ("avg_pool2d", "avg_pool3d")
+    ),
+    *(
+        AtenViaTorch(
+            norm,
+            ("torchscript", "dynamo"),
+            "the ONNX form of a p-norm (p not 1, 2 or inf) is Pow(ReduceSum(Pow(|x|, p)), 1/p): its gradient "
+            "is NaN or inf where the norm is 0 (eager's is 0)",
+            when=lambda c: len(c) > 1 and _is_number(c[1]) and float(c[1]) not in (1.0, 2.0, math.inf, -math.inf),
+        )
+        for norm in ("linalg_vector_norm", "linalg_norm")
+    ),
+    AtenViaTorch(
+        "index_fill",
+        ("torchscript", "dynamo"),
+        "the fill value's gradient through the ONNX Expand/ScatterElements form is wrong",
+        when=lambda c: len(c) > 3 and c[3] is None,  # a tensor fill value (its gradient is needed)
+    ),
+    AtenViaTorch(
+        "pairwise_distance",
+        ("torchscript",),
+        "torch's symbolic raises to 1/(p+eps) and drops the absolute value (wrong for any p but 2 and for odd p)",
+    ),
+    AtenViaTorch(
+        "cosine_similarity",
+        ("torchscript",),
+        "torch's symbolic does not broadcast the norms and clamps their product, not each norm, with eps",
+    ),
+    *(
+        AtenViaTorch(
+            reduction,
+            ("torchscript",),
+            "torch's symbolic reads the correction as an int (1.3 becomes 1) and drops keepdim on a full reduction",
+            when=_var_needs_aten,
+        )
+        for reduction in ("var", "std", "var_mean", "std_mean")
+    ),
+    AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
+    AtenViaTorch(
+        "pad",
+        ("torchscript",),
+        "torch's circular padding is built from slices that assume non-negative pads",
+        when=lambda c: len(c) > 2 and c[2] == "circular",
     ),
 )
 

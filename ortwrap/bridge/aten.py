@@ -309,8 +309,12 @@ def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = N
         args, kwargs = plan.decode(op, inputs)
         res = plan.fn(*args, **kwargs)
         res = res if isinstance(res, (tuple, list)) else (res,)
+        # NOTE: ORT's gradients of 0-d values can come as [1] (its gradient builders broadcast
+        # them against [1] constants): same elements, the output's shape.
         pairs = [
-            (r, g) for r, g in zip(res, grads_out) if g is not None and isinstance(r, torch.Tensor) and r.requires_grad
+            (r, g if g.shape == r.shape or g.numel() != r.numel() else g.reshape(r.shape))
+            for r, g in zip(res, grads_out)
+            if g is not None and isinstance(r, torch.Tensor) and r.requires_grad
         ]
         want = [inputs[i] for i in leaves]
         got = (

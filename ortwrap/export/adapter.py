@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -32,12 +33,13 @@ class _Traced:
     """What tracing the adapter found out: the output tree spec, the number of tensor outputs and
     their dtypes (what eager returns)."""
 
-    __slots__ = ("n_outputs", "out_dtypes", "out_spec")
+    __slots__ = ("n_outputs", "out_dtypes", "out_ranks", "out_spec")
 
     def __init__(self) -> None:
         self.out_spec: tuple | None = None
         self.n_outputs = 0
         self.out_dtypes: list[torch.dtype] = []
+        self.out_ranks: list[int] = []
 
 
 class Adapter(nn.Module):
@@ -87,6 +89,7 @@ class Adapter(nn.Module):
             )
         self._traced.n_outputs = len(leaves)
         self._traced.out_dtypes = [t.dtype for t in leaves]
+        self._traced.out_ranks = [t.dim() for t in leaves]
         buffers = dict(self.module.named_buffers())
         return (*leaves, *(buffers[n] for n in self.buffer_names))
 
@@ -176,7 +179,7 @@ def finish_export(
     n_out = adapter.n_outputs
     buffer_names = adapter.buffer_names
     output_names = [f"output:{i}" for i in range(n_out)] + [f"{BUFFER_OUTPUT_PREFIX}{b}" for b in buffer_names]
-    model = name_outputs(model, output_names, adapter._traced.out_dtypes)
+    model = name_outputs(model, output_names, adapter._traced.out_dtypes, adapter._traced.out_ranks)
     present = {i.name for i in model.graph.input}
     buffers = dict(module.named_buffers())
     return ExportedModel(
@@ -220,14 +223,46 @@ def graph_static_reasons(model: onnx.ModelProto) -> list[str]:
     return reasons
 
 
-def name_outputs(model: onnx.ModelProto, names: list[str], dtypes: list[torch.dtype] = ()) -> onnx.ModelProto:
+def name_outputs(
+    model: onnx.ModelProto, names: list[str], dtypes: list[torch.dtype] = (), ranks: list[int] = ()
+) -> onnx.ModelProto:
     """Rename the graph outputs to ``names``; an output that is a graph input or repeats an earlier
     output first gets its own Identity node, so every output is a distinct value. A floating-point
     output whose graph dtype differs from ``dtypes`` (what the module returned while traced) is
     cast to it: the TorchScript exporter computes some float16 ops in float32 (LayerNorm, MatMul
-    of a transposed weight) and returns float32 where eager returns float16."""
+    of a transposed weight) and returns float32 where eager returns float16.
+
+    ``ranks``: the rank of each output the module returned. A 0-d output is reshaped to 0-d, as the
+    graph may compute it with another rank (torch's symbolics write constants such as ``log(10)``
+    as ``[1]`` tensors, and broadcasting makes ``log10`` of a 0-d input ``[1]``); any other rank
+    difference is a wrong translation, refused (:class:`ExportError`)."""
     ir_model = ir.serde.deserialize_model(model)
     graph = ir_model.graph
+    for i, rank in enumerate(ranks):
+        value = graph.outputs[i]
+        have = None if value.shape is None else len(value.shape)
+        producer = value.producer()
+        if rank != 0 and (have == rank or (producer is not None and producer.op_type in ("If", "Loop", "Scan"))):
+            continue  # (the exporter guesses a control-flow output's shape; such graphs are refused later)
+        if rank == 0:
+            # Always: the TorchScript exporter also declares 0-d some values its ops make [1] (atan2).
+            shape = ir.node(
+                "Constant",
+                [],
+                {"value": ir.tensor(np.zeros((0,), dtype=np.int64))},
+                name=f"ortwrap/output_rank/{i}/shape",
+            )
+            node = ir.node("Reshape", [value, shape.outputs[0]], name=f"ortwrap/output_rank/{i}")
+            graph.append(shape)
+            graph.append(node)
+            node.outputs[0].dtype = value.dtype
+            node.outputs[0].shape = ir.Shape([])
+            graph.outputs[i] = node.outputs[0]
+        elif have is not None:
+            raise ExportError(
+                f"the exported graph's output {i} has rank {have} where the module returns a rank-{rank} "
+                "tensor: an op of the module is translated wrongly"
+            )
     for i, dtype in enumerate(dtypes):
         value = graph.outputs[i]
         want = _IR_FLOAT_TYPES.get(dtype)
@@ -254,4 +289,8 @@ def name_outputs(model: onnx.ModelProto, names: list[str], dtypes: list[torch.dt
             graph.outputs[i] = value
         seen.add(id(value))
         value.name = names[i]
+    if "" not in ir_model.opset_imports and any(n.domain == "" for n in graph):
+        # A graph of ATen nodes only (dynamo's ``dropout2d``) imports no ONNX opset; the nodes
+        # added here need one.
+        ir_model.opset_imports[""] = 18
     return ir.serde.serialize_model(ir_model)

@@ -7,7 +7,9 @@ the same: :func:`fallback_translations` returns ``custom_translation_table`` ent
 
 - every op of the captured graph that neither torchlib nor ortwrap translates (after the exporter's
   decompositions: an op that decomposes into translatable ops is decomposed instead), and
-- every overload of the ops ``Options.aten_ops`` lists (PyTorch's kernels by choice).
+- every overload of the ops ``Options.aten_ops`` lists (PyTorch's kernels by choice), and
+- every call of an op ``registry.ATEN_OPS`` names for dynamo where a call needs it (its ``when``):
+  translations that train wrong (``avg_pool2d`` with ``divisor_override``, p-norms at zero).
 
 Each entry writes a placeholder node (``bridge/dynamo.py``'s per-arity schema) that
 :meth:`~ortwrap.bridge.dynamo.CaptureScope.finish` turns into the ATen node, with the argument
@@ -191,7 +193,7 @@ def fallback_translations(
             when there are such ops (the caller decomposes the graph first).
     """
     records: dict[Any, collections.deque] = {}
-    wanted = set(aten_ops)
+    wanted = set(aten_ops) | _wrong_translations(program)
     for node in program.graph.nodes:
         if node.op != "call_function" or not compat.is_op_overload(node.target):
             continue
@@ -203,3 +205,33 @@ def fallback_translations(
             schema = compat.op_schema(target)
             records.setdefault(target, collections.deque()).append(_bind(schema, node.args, node.kwargs))
     return {target: _make_translation(target, rec, scope) for target, rec in records.items()}
+
+
+def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
+    """Names of the ops of ``program`` that ``registry.ATEN_OPS`` sends to PyTorch under dynamo: an
+    entry without ``when``, or one whose ``when`` holds for a call (its constant arguments by
+    position, defaults filled in, None for a graph value). Every call of such an op becomes an ATen node."""
+    from ..registry import ATEN_OPS
+
+    entries = {e.aten: e for e in ATEN_OPS if "dynamo" in e.exporters}
+    found: set[str] = set()
+    if not entries:
+        return found
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not compat.is_op_overload(node.target):
+            continue
+        schema = compat.op_schema(node.target)
+        name = schema.name.split("::", 1)[-1]
+        entry = entries.get(name)
+        if entry is None or name in found:
+            continue
+        if entry.when is None:
+            found.add(name)
+            continue
+        constants = [
+            None if _is_fx_node(v) or (isinstance(v, (list, tuple)) and any(map(_is_fx_node, v))) else v
+            for _, v in _bind(schema, node.args, node.kwargs)
+        ]
+        if entry.when(constants):
+            found.add(name)
+    return found

@@ -32,9 +32,17 @@ repeat_interleave              torch's symbolic normalizes a negative dim in pla
                                gets a constant of its own.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
-``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist: torch's ONNX
-                               form is wrong or untrainable (cdist: NaN gradient at distance 0);
-                               ATen nodes (PyTorch's kernel and autograd).
+``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
+                               ``divisor_override``, p-norms, index_fill of a tensor value,
+                               pairwise_distance, cosine_similarity, lerp, circular pad, var/std
+                               with a fractional correction: torch's ONNX form is wrong or
+                               untrainable (cdist: NaN gradient at distance 0); ATen nodes
+                               (PyTorch's kernel and autograd), where the entry's ``when`` says so.
+adaptive pools, unbatched      torch's symbolic pools the last ``rank - 2`` dims: ATen nodes.
+sort, argsort                  the ``stable=`` overload's arguments are read as the other's
+                               (sorted along the wrong dim).
+feature_dropout                (``dropout2d``/``3d``) no ONNX form: ONNX Dropout of a ones tensor
+                               of shape ``[N, C, 1, ...]`` makes the channel mask.
 =============================  =================================================================
 """
 
@@ -129,8 +137,18 @@ def _cross_entropy_loss(g, logits, target, weight, reduction, ignore_index, labe
 
 
 def _adaptive_pool(name: str, default: Callable) -> Callable:
+    dims = int(name[-2])  # adaptive_avg_pool2d -> 2
+
     def symbolic(g, x, output_size, *rest):
+        if compat.ts_rank(x) != dims + 2:
+            # Unbatched (or of unknown rank): torch's symbolic pools the last ``rank - 2`` dims
+            # (GlobalAveragePool of a [C, D, H, W] input averaged H and W only).
+            return _aten_symbolic(name)(g, x, output_size, *rest)
         sizes = compat.ts_constant(output_size, "is")
+        if not isinstance(sizes, (list, tuple)) or (name.startswith("adaptive_max") and all(s == 1 for s in sizes)):
+            # An output size read off the input (``(None, 3)``): torch's symbolic has no form for it.
+            # A max pool to size 1: GlobalMaxPool, which ORT cannot differentiate (nor return indices of).
+            return _aten_symbolic(name)(g, x, output_size, *rest)
         t = x.type()
         spatial = t.varyingSizes()[2:] if hasattr(t, "varyingSizes") and t.varyingSizes() else None
         if (
@@ -456,22 +474,72 @@ def _repeat_interleave(default: Callable) -> Callable:
     return symbolic
 
 
+def _feature_dropout(g, input, p, train):
+    """``feature_dropout`` (``dropout2d``/``dropout3d``: one draw per channel): torch has no ONNX
+    form for it. Here ONNX ``Dropout`` of a ones tensor of shape ``[N, C, 1, ...]`` makes the scaled
+    channel mask (``1/(1-p)`` or 0), which multiplies the input: one random draw, which the
+    gradient (``Mul``'s, reading the mask) reuses."""
+    if not compat.ts_constant(train, "b"):
+        return input
+    rank = compat.ts_rank(input)
+    if rank is None or rank < 2:
+        raise RuntimeError("ortwrap: feature_dropout needs an input of known rank >= 2")
+    dtype = compat.ts_scalar_type(input)[1]
+    sizes = g.op("Slice", g.op("Shape", input), *(g.op("Constant", value_t=torch.tensor([v])) for v in (0, 2)))
+    shape = g.op("Concat", sizes, g.op("Constant", value_t=torch.ones(rank - 2, dtype=torch.int64)), axis_i=0)
+    ones = g.op("ConstantOfShape", shape, value_t=torch.ones(1, dtype=dtype))
+    ratio = g.op("Constant", value_t=torch.tensor(float(compat.ts_constant(p, "f")), dtype=dtype))
+    mask, _ = g.op("Dropout", ones, ratio, g.op("Constant", value_t=torch.tensor(True)), outputs=2)
+    return g.op("Mul", input, mask)
+
+
+def _stable_sort(default: Callable) -> Callable:
+    """``sort``/``argsort`` with ``stable=``: the ``.stable`` overload's arguments are ``(self, stable,
+    dim, descending)``, which torch's symbolic reads as ``(self, dim, descending, out)``: it sorted
+    along ``stable`` (dim 1 for True, 0 for False), in the order ``dim`` said (a silently wrong
+    result). ONNX TopK keeps equal values in index order, as a stable sort does."""
+
+    def symbolic(g, self, *args):
+        if len(args) == 3:
+            _stable, dim, descending = args
+            return default(g, self, dim, descending)
+        return default(g, self, *args)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
 
     def symbolic(g, *args):
-        constants = []
-        for a in args:
-            try:
-                constants.append(compat.ts_constant(a, "f"))
-            except Exception:
-                constants.append(None)
-        if when(constants):
+        if when([_ts_argument(a) for a in args]):
             return aten(g, *args)
         return default(g, *args)
 
     return symbolic
+
+
+def _ts_argument(value) -> object:
+    """A symbolic argument as the Python constant it holds (a number, a string, a list of numbers), or
+    None where it is not a constant (a tensor computed by the graph) or is an absent optional."""
+    try:
+        if compat.ts_is_none(value):
+            return None
+        node = value.node()
+        if node.kind() in ("prim::Constant", "onnx::Constant") and node.hasAttribute("value"):
+            if node.kindOf("value") == "s":
+                return node.s("value")
+        for desc in ("f", "is", "fs"):
+            try:
+                v = compat.ts_constant(value, desc)
+            except Exception:
+                continue
+            if isinstance(v, (int, float, list, tuple)):
+                return v
+    except Exception:
+        pass
+    return None
 
 
 @contextlib.contextmanager
@@ -490,6 +558,7 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::cross_entropy_loss": _cross_entropy_loss,
         "prim::PythonOp": pythonop_symbolic,
         "aten::_grouped_mm": grouped_mm_symbolic,
+        "aten::feature_dropout": _feature_dropout,
     }
     compat.ts_load_opset_symbolics(opset)
     default_multinomial = compat.ts_symbolic("aten::multinomial", opset)
@@ -501,6 +570,10 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
     default_repeat_interleave = compat.ts_symbolic("aten::repeat_interleave", opset)
     if default_repeat_interleave is not None:
         symbolics["aten::repeat_interleave"] = _repeat_interleave(default_repeat_interleave)
+    for name in ("aten::sort", "aten::argsort"):
+        default = compat.ts_symbolic(name, opset)
+        if default is not None:
+            symbolics[name] = _stable_sort(default)
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)

@@ -324,6 +324,93 @@ def forget_traced_shapes(model: onnx.ModelProto) -> bool:
     return changed
 
 
+def aten_ops_as_aten_nodes(model: onnx.ModelProto) -> list[str]:
+    """Write each ``org.pytorch.aten::<op>`` node as ``org.pytorch.aten::ATen(operator=<op>)``.
+
+    For some ops without an ONNX form (``feature_dropout``, which ``dropout2d``/``dropout3d`` call;
+    ``unfold`` of a dynamic size; ``index_add``) the TorchScript exporter writes the aten op itself as
+    a node of the ATen domain, every argument an input, which ORT cannot load ("is not a registered
+    function/op"). As ``ATen`` nodes they run PyTorch's kernel, and the ATen bridge differentiates
+    them with PyTorch's autograd (the overload resolved as for any ATen node without one).
+    Returns the ops rewritten.
+
+    Raises:
+        ExportError: a random op (``feature_dropout``): the ATen bridge's gradient recomputes the op,
+            which would draw another mask than the forward's.
+    """
+    from ..bridge.aten import ATEN_DOMAIN
+
+    rewritten = []
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type == "ATen" or node.attribute:
+            continue
+        packet = getattr(torch.ops.aten, node.op_type, None)
+        if packet is None:
+            continue
+        if any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()):
+            raise ExportError(
+                f"aten::{node.op_type} has no ONNX form, and it is random: as an ATen node its gradient would "
+                "recompute it with another random draw than its forward's (F.dropout2d/dropout3d in training: "
+                "use nn.Dropout, or run the module without ORTWrap)"
+            )
+        node.attribute.extend(
+            [onnx.helper.make_attribute("operator", node.op_type), onnx.helper.make_attribute("overload_name", "")]
+        )
+        rewritten.append(node.op_type)
+        node.op_type = "ATen"
+    return rewritten
+
+
+def _overload_by_arity(name: str, computed: list[bool]) -> str | None:
+    """The one overload of ``aten::<name>`` (no ``out=``, no named dims) with as many arguments as
+    the node has inputs, a tensor argument for each ``computed`` one (not a constant: ``trapezoid``'s
+    ``x`` overload, not ``dx``); None if there is none or several."""
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return None
+    found = []
+    for overload in packet.overloads():
+        arguments = compat.op_schema(getattr(packet, overload)).arguments
+        if any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
+            continue
+        if any("Dimname" in str(a.type) for a in arguments) or len(arguments) != len(computed):
+            continue
+        if any(c and "Tensor" not in str(a.type) for a, c in zip(arguments, computed)):
+            continue
+        found.append(overload)
+    return found[0] if len(found) == 1 else None
+
+
+def name_aten_overloads(model: onnx.ModelProto) -> None:
+    """Name the overload of each ATen node that names none where the default one does not take its
+    inputs: torch's symbolics write ``sum(x, dim, keepdim, dtype)`` (``masked.sum``) without an
+    overload, which the ATen bridge would read as ``sum.default(x, *, dtype)``. Left alone where no
+    overload, or more than one, has that many arguments."""
+    from ..bridge.aten import ATEN_DOMAIN
+
+    constants = {o for n in model.graph.node if n.op_type == "Constant" and n.domain == "" for o in n.output}
+    for node in model.graph.node:
+        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "operator" not in attrs or (attrs.get("overload_name") is not None and attrs["overload_name"].s):
+            continue
+        name = attrs["operator"].s.decode()
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None or "::" in name:
+            continue
+        default = getattr(packet, "default", None)
+        if default is not None and len(compat.op_schema(default).arguments) == len(node.input):
+            continue
+        overload = _overload_by_arity(name, [bool(i) and i not in constants for i in node.input])
+        if overload is None:
+            continue
+        if "overload_name" in attrs:
+            attrs["overload_name"].s = overload.encode()
+        else:
+            node.attribute.append(onnx.helper.make_attribute("overload_name", overload))
+
+
 def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """The capture as an :class:`ExportedModel`: inputs mapped to the module's parameters and buffers,
     outputs named (the TorchScript exporter already wrote ONNX).
@@ -333,6 +420,8 @@ def translate_torchscript(capture: TorchScriptCapture) -> ExportedModel:
     """
     adapter, model, input_names = capture.adapter, capture.model, capture.input_names
     forget_traced_shapes(model)
+    aten_ops_as_aten_nodes(model)
+    name_aten_overloads(model)
     named_state = state_tensors(adapter)
     state_inputs: dict[str, torch.Tensor] = {}
     for name in [i.name for i in model.graph.input]:

@@ -35,7 +35,9 @@ from .nll_loss import DecomposeNLLLossPass
 from .optional_outputs import RestoreOptionalOutputsPass
 from .prune_buffer_outputs import PruneUnchangedBufferOutputsPass
 from .pythonop_context import AddPythonOpContextPass
+from .repeated_inputs import RepeatedGraphInputsPass
 from .resize_to_matmul import ResizeToMatMulPass
+from .scalar_gradients import ScalarGradientShapesPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
@@ -116,6 +118,8 @@ def default_passes(
             BidirectionalRNNPass(),
             # Ops ORT cannot differentiate: PyTorch's op and its autograd (ortwrap/registry.py).
             TorchGradientsPass(device_type),
+            ScalarGradientShapesPass(),
+            RepeatedGraphInputsPass(),
             WhereBroadcastPass(),
             RefuseControlFlowPass(),
             RefuseSequenceOpsPass(),

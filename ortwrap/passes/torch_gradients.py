@@ -4,6 +4,10 @@ Each ONNX node whose op has an entry in ``ortwrap.registry.GRADIENTS`` (HardSwis
 Mish, Elu, Selu, Celu, Softplus, PRelu, Shrink, ReduceMax/ReduceMin, ConvTranspose on CPU, ...) is
 replaced by one ``org.pytorch.aten::ATen`` node calling the entry's PyTorch op, with the arguments
 its ``args`` maps from the node's inputs and attributes (constants as the ATen bridge encodes them).
+The general rule covers the others: a node without attributes whose ORT gradient build fails
+(``grad/probe.py``, asked once per op type, input types, ranks and constant inputs) runs as the
+PyTorch op of the same name that takes the same tensors (``Acosh`` -> ``acosh``), if there is one
+and it is not random.
 ORT then runs the op through the ATen bridge, and its gradient is the bridge's vjp: PyTorch's
 autograd of the same op (``bridge/aten.py``). An entry whose ``args`` returns None leaves the node
 to ORT. Training graphs only (an inference graph keeps ORT's kernels); the output keeps the
@@ -16,11 +20,16 @@ an int64 result where the graph says int32 gives wrong numbers, not an error).
 
 from __future__ import annotations
 
+import functools
+import re
+
 import onnx_ir as ir
 import torch
 
+from .._compat import torch as compat
 from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
+from ..grad.probe import UNKNOWN, probe_node
 from ..registry import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder, constant_value
 
@@ -66,6 +75,10 @@ def _dtype(value: ir.Value | None, depth: int = 0) -> ir.DataType | None:
     if node.op_type in _SAME_TYPE and node.inputs and value is node.outputs[0]:
         return _dtype(node.inputs[0], depth + 1)
     return None
+
+
+def _float_outputs(node: ir.Node) -> bool:
+    return any(t is not None and t.is_floating_point() for t in (_dtype(o) for o in node.outputs))
 
 
 def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.Value | None]) -> None:
@@ -132,6 +145,77 @@ def replace_with_torch(graph: ir.Graph, node: ir.Node, entry: OnnxViaTorch) -> i
     return aten
 
 
+def _snake(op_type: str) -> str:
+    """``Acosh`` -> ``acosh``, ``GlobalAveragePool`` -> ``global_average_pool``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", op_type).lower()
+
+
+@functools.cache
+def _same_named_op(op_type: str, n_inputs: int, n_outputs: int) -> str | None:
+    """The PyTorch op (``name.overload``) named like the ONNX op that takes exactly its ``n_inputs``
+    tensors (every other argument defaulted) and returns ``n_outputs`` tensors: ``Acosh`` ->
+    ``acosh.default``, ``Pow`` -> ``pow.Tensor_Tensor``. None where there is none, or several."""
+    packet = getattr(torch.ops.aten, _snake(op_type), None)
+    if packet is None:
+        return None
+    found = []
+    for overload in packet.overloads():
+        if torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags:
+            return None  # a random op: the vjp recomputes it, with another draw than the forward's
+        schema = compat.op_schema(getattr(packet, overload))
+        args = list(schema.arguments)
+        if any(a.kwarg_only or a.alias_info is not None for a in args):
+            continue  # out= and in-place overloads
+        tensors = [a for a in args[:n_inputs] if a.type.kind() == "TensorType"]
+        rest = args[n_inputs:]
+        if len(tensors) != n_inputs or not all(a.has_default_value() for a in rest):
+            continue
+        if len(schema.returns) != n_outputs or any(r.type.kind() != "TensorType" for r in schema.returns):
+            continue
+        found.append(overload)
+    return f"{_snake(op_type)}.{found[0]}" if len(found) == 1 else None
+
+
+#: (op type, input types and ranks) -> whether ORT can build the node's gradient (one probe each)
+_ORT_GRADIENT: dict[tuple, bool] = {}
+
+
+def _ort_lacks_gradient(node: ir.Node, opsets: dict[str, int]) -> bool:
+    """Whether ORT's gradient builder fails on ``node`` alone (``grad/probe.py``); False where that
+    cannot be asked (an input of unknown type or rank)."""
+    key = (
+        node.op_type,
+        tuple((None, None) if v is None else (v.dtype, None if v.shape is None else len(v.shape)) for v in node.inputs),
+        tuple(constant_value(v) is not None for v in node.inputs),
+    )
+    if key not in _ORT_GRADIENT:
+        why = probe_node(node, opsets, with_backward=True, constant_value=constant_value)
+        _ORT_GRADIENT[key] = why is None or why == UNKNOWN
+    return not _ORT_GRADIENT[key]
+
+
+def same_named_entry(node: ir.Node, opsets: dict[str, int]) -> OnnxViaTorch | None:
+    """The general rule for an ONNX op ORT cannot differentiate (``Acosh``, ``Cosh``, ``Pow`` of an
+    exponent that needs a gradient, ...) and that no registry entry covers: the PyTorch op of the same
+    name and the same tensor arguments (no attributes), differentiated by PyTorch. None where there
+    is no such op or ORT can build the gradient."""
+    if node.attributes or not node.outputs:
+        return None
+    op = _same_named_op(node.op_type, len(node.inputs), len(node.outputs))
+    if op is None or any(v is None for v in node.inputs) or not _ort_lacks_gradient(node, opsets):
+        return None
+
+    def args(n, value, b):
+        first = n.inputs[0].dtype
+        # ONNX ops such as Pow keep the first input's type; PyTorch's promote it with the others'.
+        return [
+            v if v.dtype is None or v.dtype == first or first is None else b.op("Cast", v, to=int(first))
+            for v in n.inputs
+        ]
+
+    return OnnxViaTorch(node.op_type, op, args, why="ORT 1.19.2 cannot build this node's gradient")
+
+
 class TorchGradientsPass(ir.passes.InPlacePass):
     """Replace ONNX ops without an ORT gradient by ATen nodes of the matching PyTorch op."""
 
@@ -146,6 +230,15 @@ class TorchGradientsPass(ir.passes.InPlacePass):
         self.rewritten = {}
         for node in list(graph):
             entry = GRADIENTS.get(node.op_type) if node.domain in _ONNX else None
+            if entry is None and node.domain in _ONNX and _float_outputs(node):
+                entry = same_named_entry(node, dict(model.opset_imports))
+                if entry is not None:
+                    try:
+                        replace_with_torch(graph, node, entry)
+                    except PassError:
+                        continue  # PyTorch's op gives other element types: ORT's error stands
+                    self.rewritten[node.op_type] = self.rewritten.get(node.op_type, 0) + 1
+                    continue
             if entry is None or self.device_type not in entry.devices:
                 continue
             dtypes = [_dtype(o) for o in node.outputs]
