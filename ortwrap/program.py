@@ -808,11 +808,13 @@ def cache_lookup(request: BuildRequest, capture: Any, exporter: str) -> dict:
 
 
 @stage("cache_store", ("request", "cache_key", "feeds", "graph", "host_split", "exported_proto", "pre_grad",
-                       "pass_records", "exporter", "exports"), (), group="session")  # fmt: skip
+                       "pass_records", "exporter", "exports", "static_reasons"), (), group="session")  # fmt: skip
 def cache_store(
-    request, cache_key, feeds, graph, host_split, exported_proto, pre_grad, pass_records, exporter, exports
+    request, cache_key, feeds, graph, host_split, exported_proto, pre_grad, pass_records, exporter, exports,
+    static_reasons,
 ):
-    """Add this build to the cache (not graphs with PythonOps or a host shape program)."""
+    """Add this build to the cache (not graphs with PythonOps or a host shape program); with the
+    reasons its dims are static (the export's and the exporter loop's, e.g. a size probe's)."""
     if feeds.functions or host_split is not None:
         return {}
     by_id = {id(b): n for n, b in request.module.named_buffers(remove_duplicate=False)}
@@ -831,7 +833,7 @@ def cache_store(
         out_spec=out_spec,
         state_names=dict(feeds.state_names),
         buffer_outputs=buffers,
-        static_reasons=list(feeds.static_reasons),
+        static_reasons=list(static_reasons),
         static_spatial=feeds.static_spatial,
         shape_guards=feeds.shape_guards,
         exporter=exporter,
@@ -1024,6 +1026,7 @@ def _compile(
                 "exported_proto": exported_proto,
                 "exporter": exporter,
                 "exports": exports,
+                "static_reasons": sorted(set(reasons + exported.static_reasons)),
             },
             records=records,
             **debug,
