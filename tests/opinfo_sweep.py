@@ -397,11 +397,15 @@ def sweep_op(op, exporters=EXPORTERS, samples=SAMPLES, timeout=CASE_TIMEOUT_S, l
     return results
 
 
-def sweep(names=None, exporters=EXPORTERS, samples=SAMPLES, progress=None, log=None) -> dict[str, str]:
+def sweep(
+    names=None, exporters=EXPORTERS, samples=SAMPLES, progress=None, log=None, shard=(0, 1)
+) -> dict[str, str]:
+    """Outcomes of the ops named (all by default); ``shard=(k, n)`` takes every n-th op from the k-th."""
     ops = op_db()
     if names is not None:
         wanted = set(names)
         ops = [o for o in ops if op_name(o) in wanted or o.name in wanted]
+    ops = ops[shard[0] :: shard[1]]
     results = {}
     for n, op in enumerate(ops):
         r = sweep_op(op, exporters, samples, log=log)
@@ -457,7 +461,9 @@ def main(argv=None):
     p.add_argument("--update", action="store_true", help="merge the outcomes into tests/opinfo_expected.json")
     p.add_argument("--out", help="also write the outcomes (JSON lines as they come) here")
     p.add_argument("--log", help="children's stdout/stderr go here (default: /dev/null)", default=os.devnull)
+    p.add_argument("--shard", default="0/1", help="K/N: every N-th op from the K-th (run N of them side by side)")
     a = p.parse_args(argv)
+    k, n = (int(v) for v in a.shard.split("/"))
     warnings.filterwarnings("ignore")
     names = a.ops.split(",") if a.ops else None
     exporters = tuple(a.exporters.split(","))
@@ -473,7 +479,7 @@ def main(argv=None):
             expected.update({k: v for k, v in r.items() if status(v) != "SKIP"})
             save_expected(expected)
 
-    results = sweep(names, exporters, a.samples, progress, log=a.log)
+    results = sweep(names, exporters, a.samples, progress, log=a.log, shard=(k, n))
     for e, c in totals({k: v for k, v in results.items() if status(v) != "SKIP"}).items():
         if e in exporters:
             print(e, dict(c))
