@@ -1024,6 +1024,12 @@ def aot_module(
 
 
 _declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
+_GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions", ("2.13.0", "2.14.1"))
+
+
+def decompositions_of(ops: list[Any]) -> dict[Any, Callable[..., Any]]:
+    """torch's own decompositions of ``ops`` (``torch._decomp.get_decompositions``)."""
+    return _resolve(_GET_DECOMPOSITIONS)(ops)
 
 
 def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:

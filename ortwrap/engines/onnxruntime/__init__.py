@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import _tree
 from ..._compat import torch as compat
@@ -161,15 +162,18 @@ class OnnxRuntimeEngine:
 
         flat = _Flat(module, in_spec)
         try:
-            compiled.fn = compat.aot_module(
-                flat,
-                list(leaves),
-                fw_compiler=compiler("forward"),
-                bw_compiler=compiler("backward"),
-                inference_compiler=compiler("inference"),
-                decompositions=_decompositions(),
-                recompute=options.recompute != "none",
-            )
+            # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
+            # kernels' backward ops have no ONNX translation.
+            with sdpa_kernel([SDPBackend.MATH]):
+                compiled.fn = compat.aot_module(
+                    flat,
+                    list(leaves),
+                    fw_compiler=compiler("forward"),
+                    bw_compiler=compiler("backward"),
+                    inference_compiler=compiler("inference"),
+                    decompositions=_decompositions(),
+                    recompute=options.recompute != "none",
+                )
         except ORTWrapError:
             raise
         except Exception as e:
@@ -205,6 +209,8 @@ def _decompositions() -> dict:
     translates (``native_layer_norm_backward``, ``threshold_backward``, ...)."""
     global _DECOMPOSITIONS
     if _DECOMPOSITIONS is None:
+        from .decompositions import engine_decompositions
+
         table = torch.export.default_decompositions()
-        _DECOMPOSITIONS = {op: table[op] for op in table.keys()}
+        _DECOMPOSITIONS = {**{op: table[op] for op in table.keys()}, **engine_decompositions()}
     return _DECOMPOSITIONS
