@@ -18,7 +18,7 @@ from tiny_gpt import GPTConfig, TinyGPT, batch
 from torch import nn
 
 import ortwrap
-from ortwrap import ORTWrap, Options
+from ortwrap import Options, ORTWrap
 from ortwrap.engines import available_engines, is_onnxruntime_available, is_training_available, resolve
 
 # (no exporter fixture: this engine takes its graphs from AOTAutograd, the exporter option does not apply)

@@ -63,9 +63,7 @@ def is_onnxruntime_available() -> bool:
 def available_engines() -> tuple[str, ...]:
     """The engines this environment can run, in ``"auto"``'s order of preference."""
     return tuple(
-        name
-        for name, ok in (("training", is_training_available()), ("onnxruntime", is_onnxruntime_available()))
-        if ok
+        name for name, ok in (("training", is_training_available()), ("onnxruntime", is_onnxruntime_available())) if ok
     )
 
 
@@ -95,7 +93,9 @@ def resolve(name: str) -> str:
             "engine='onnxruntime' trains on the maintained onnxruntime (pip install 'ortwrap[ort]')"
         )
     if name == "onnxruntime" and not is_onnxruntime_available():
-        raise ImportError("ORTWrap(engine='onnxruntime') needs onnxruntime: pip install 'ortwrap[ort]' (or 'ortwrap[ort-gpu]')")
+        raise ImportError(
+            "ORTWrap(engine='onnxruntime') needs onnxruntime: pip install 'ortwrap[ort]' (or 'ortwrap[ort-gpu]')"
+        )
     return name
 
 

@@ -109,4 +109,6 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20) -> Translate
         seen.add(id(v))
         v.name = f"out{i}"
         output_names.append(v.name)
-    return TranslatedGraph(ir.serde.serialize_model(ir_model).SerializeToString(), input_names, output_names, positions, output_meta)
+    return TranslatedGraph(
+        ir.serde.serialize_model(ir_model).SerializeToString(), input_names, output_names, positions, output_meta
+    )
