@@ -214,3 +214,18 @@ def test_convolution_backward_decomposition(cin, cout, k, stride, pad, dil, grou
     )
     for name, a, e in zip(("input", "weight", "bias"), got, expected):
         assert_close(a, e, f"grad of {name}")
+
+
+def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
+    """recompute (default "cheap"): AOTAutograd's min-cut partitioner recomputes cheap ops in the
+    backward; recompute="none": the default partitioner saves what the backward reads."""
+    saved = {}
+    for recompute in ("cheap", "none"):
+        torch.manual_seed(0)
+        w = ORTWrap(lm_model(), engine="onnxruntime", fallback=False, recompute=recompute)
+        (ids, tgt), _ = lm_inputs(3, torch.Generator().manual_seed(0))
+        loss, _ = w(ids, tgt)
+        loss.backward()
+        backward = w._engine.last.graphs["backward"]
+        saved[recompute] = sum(n.op == "placeholder" for n in backward.graph.nodes)
+    assert saved["cheap"] < saved["none"], saved
