@@ -153,7 +153,8 @@ class OnnxRuntimeEngine:
         def compiler(what: str):
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
                 compiled.graphs[what] = gm
-                runner = GraphRunner(translate(gm, what), device, options, what)
+                graph = translate(gm, what, fusions=options.fusions and what != "backward")
+                runner = GraphRunner(graph, device, options, what)
                 compiled.runners[what] = runner
                 logger.info("onnxruntime engine: %s graph of %s translated", what, type(module).__name__)
                 return compat.boxed(runner)

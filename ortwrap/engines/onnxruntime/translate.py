@@ -47,8 +47,10 @@ def _meta(node: torch.fx.Node) -> torch.Tensor:
     return val
 
 
-def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20) -> TranslatedGraph:
-    """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors."""
+def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
+    """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
+    GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
+    intermediate values are graph outputs, saved for the backward, alone)."""
     from ...export.dynamo import _cleanup, _quiet_exporter
     from ...export.translations import training_translations
 
@@ -86,6 +88,10 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20) -> Translate
             program = torch.export.export(module, example, strict=False)
             ir_model, _ = compat.dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
+        if fusions:
+            from ...passes.fusions import StandardOpFusionPass
+
+            StandardOpFusionPass(training=False)(ir_model)
     except Exception as e:
         raise ExportError(f"translating the AOTAutograd {what} graph to ONNX failed: {type(e).__name__}: {e}") from e
     g = ir_model.graph
