@@ -18,8 +18,13 @@ else
 VENV ?= .venv$(ENGINE_VENV)-$(TORCH)
 endif
 PY := $(VENV)/bin/python
-# `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those.
-PYTEST_ARGS ?= -m "not slow" $(ENGINE_TESTS)
+# `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those. In an
+# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests, all of them.
+ifdef ENGINE_TESTS
+PYTEST_ARGS ?= $(ENGINE_TESTS)
+else
+PYTEST_ARGS ?= -m "not slow"
+endif
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
 .PHONY: demo test test-slow test-all test-wheel bench bench-scale lint clean

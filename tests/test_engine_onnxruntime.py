@@ -25,6 +25,9 @@ from ortwrap.engines import available_engines, is_onnxruntime_available, is_trai
 pytestmark = pytest.mark.skipif(not is_onnxruntime_available(), reason="onnxruntime is not installed")
 
 ORT = {"engine": "onnxruntime"}
+#: The heavier builds: slow (``make test-slow``) in the training build's venv, where this engine is the
+#: second one; ``ORT_EXTRA=ort make test`` runs every test of this file.
+SLOW_BESIDE_TRAINING = pytest.mark.slow if is_training_available() else (lambda f: f)
 
 
 def adamw(params):
@@ -117,11 +120,13 @@ def test_cnn_batchnorm_parity_train_then_eval():
     assert w._engine.build_count == 3
 
 
+@SLOW_BESIDE_TRAINING
 def test_resnetish_from_the_zoo():
     check_parity(ResNetish, lambda b, g: image_inputs(b, g, size=lambda b: 16 + 8 * (b % 2)), wrap_options=ORT,
                  optimizer=adamw, loss_fn=lambda out: out)  # fmt: skip
 
 
+@SLOW_BESIDE_TRAINING
 def test_gpt_lm_with_the_loss_inside():
     check_parity(lm_model, lm_inputs, wrap_options=ORT, optimizer=adamw, loss_fn=lambda out: out[0])
 
@@ -216,6 +221,7 @@ def test_convolution_backward_decomposition(cin, cout, k, stride, pad, dil, grou
         assert_close(a, e, f"grad of {name}")
 
 
+@SLOW_BESIDE_TRAINING
 def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
     """recompute (default "cheap"): AOTAutograd's min-cut partitioner recomputes cheap ops in the
     backward; recompute="none": the default partitioner saves what the backward reads."""
