@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..._logging import ort_log_wanted
 from ..._ort import ort
 from ...errors import RuntimeRunError, SessionError
 from .translate import TranslatedGraph
@@ -48,6 +49,7 @@ def session_options(options) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.intra_op_num_threads = options.intra_op_threads or torch.get_num_threads()
     so.inter_op_num_threads = 1
+    so.log_severity_level = 2 if ort_log_wanted() else 4  # ORT's own log at ortwrap's DEBUG, as the training engine
     spin = "1" if options.allow_spinning else "0"
     so.add_session_config_entry("session.intra_op.allow_spinning", spin)
     so.add_session_config_entry("session.inter_op.allow_spinning", spin)

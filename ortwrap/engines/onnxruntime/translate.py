@@ -89,9 +89,12 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
             ir_model, _ = compat.dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
         if fusions:
+            import onnx_ir.passes.common as common
+
             from ...passes.fusions import StandardOpFusionPass
 
-            StandardOpFusionPass(training=False)(ir_model)
+            if StandardOpFusionPass(training=False)(ir_model).modified:
+                common.RemoveUnusedNodesPass()(ir_model)  # (the constants of the fused patterns)
     except Exception as e:
         raise ExportError(f"translating the AOTAutograd {what} graph to ONNX failed: {type(e).__name__}: {e}") from e
     g = ir_model.graph
