@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ... import _tree
+from ... import _tree, integrations
 from ..._compat import torch as compat
 from ..._logging import logger, warn_at_user_line
-from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, sentence
+from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
 from .session import GraphRunner
 from .translate import translate
 
@@ -107,6 +107,14 @@ class OnnxRuntimeEngine:
 
     def __call__(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
         module = wrapper.module
+        integration = integrations.step_integration(wrapper)
+        if integration is not None:
+            # NOTE: an integration that takes calls over (DeepSpeed ZeRO-3's parameter gathering) is
+            # not wired to this engine yet: its partitioned parameters would be traced empty.
+            raise UnsupportedInputError(
+                f"ORTWrap(engine='onnxruntime') does not run under {type(integration).__name__} yet "
+                "(docs/engines.md); use engine='training', or run the module without ORTWrap"
+            )
         leaves: list[torch.Tensor] = []
         in_spec = wrapper._flatten_inputs(args, kwargs, leaves)
         state = [*module.parameters(), *module.buffers()]
