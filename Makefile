@@ -2,17 +2,29 @@
 # ORT_EXTRA=cpu (default) installs onnxruntime-training-cpu; ORT_EXTRA=cuda installs the CUDA build.
 # TORCH picks the torch release (pinned, installed first, so pip never resolves an open-ended torch):
 # 2.13.0 in .venv (the default), any other in its own .venv-<release>, e.g. `TORCH=2.14.1 make test`.
+# ORT_EXTRA=ort (or ort-gpu) installs the maintained onnxruntime for engine="onnxruntime" instead, in its
+# own venv (.venv-ort, .venv-ort-<release>): it installs the module `onnxruntime` too, so it never
+# shares a venv with the training build; `make test` there runs the engine's own tests (docs/engines.md).
 PYTHON ?= python3
 TORCH ?= 2.13.0
+ORT_EXTRA ?= cpu
+ifneq ($(filter ort ort-gpu,$(ORT_EXTRA)),)
+ENGINE_VENV := -$(ORT_EXTRA)
+ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py
+endif
 ifeq ($(TORCH),2.13.0)
-VENV ?= .venv
+VENV ?= .venv$(ENGINE_VENV)
 else
-VENV ?= .venv-$(TORCH)
+VENV ?= .venv$(ENGINE_VENV)-$(TORCH)
 endif
 PY := $(VENV)/bin/python
-ORT_EXTRA ?= cpu
-# `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those.
+# `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those. In an
+# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests, all of them.
+ifdef ENGINE_TESTS
+PYTEST_ARGS ?= $(ENGINE_TESTS)
+else
 PYTEST_ARGS ?= -m "not slow"
+endif
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
 .PHONY: demo test test-slow test-all test-wheel bench bench-scale lint clean

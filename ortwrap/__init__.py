@@ -12,6 +12,7 @@ check_torch_version()  # before anything else: a clear ImportError on a torch ol
 
 from ._logging import get_verbosity, set_verbosity  # noqa: E402
 from .api import FallbackWarning, ORTWrap  # noqa: E402
+from .engines import available_engines  # noqa: E402
 from .errors import (  # noqa: E402
     ExportError,
     GradientBuildError,
@@ -47,6 +48,7 @@ __all__ = [
     "UnsupportedTorchWarning",
     "VerificationError",
     "__version__",
+    "available_engines",
     "get_verbosity",
     "set_verbosity",
 ]

@@ -84,11 +84,14 @@ def missing_ort_message(version: tuple[int, int] = sys.version_info[:2]) -> str:
             f"ortwrap needs ONNX Runtime's training build (onnxruntime-training 1.19.2), which is published for "
             f"CPython {pythons} only, and this is Python {version[0]}.{version[1]}: the ortwrap[cpu] and "
             f"ortwrap[cuda] extras install nothing here. Use a Python {pythons} environment, e.g. "
-            f"`python3.12 -m venv .venv`, then pip install 'ortwrap[cpu]' (or 'ortwrap[cuda]')."
+            f"`python3.12 -m venv .venv`, then pip install 'ortwrap[cpu]' (or 'ortwrap[cuda]'). Or, on this Python, "
+            "train on the maintained onnxruntime: pip install 'ortwrap[ort]' (or 'ortwrap[ort-gpu]'), "
+            "ORTWrap(model, engine='onnxruntime')."
         )
     return (
         "ortwrap needs ONNX Runtime's training build: pip install 'ortwrap[cpu]' "
-        "(onnxruntime-training-cpu==1.19.2) or 'ortwrap[cuda]' (onnxruntime-training==1.19.2). "
+        "(onnxruntime-training-cpu==1.19.2) or 'ortwrap[cuda]' (onnxruntime-training==1.19.2), or the maintained "
+        "onnxruntime for engine='onnxruntime': 'ortwrap[ort]' / 'ortwrap[ort-gpu]'. "
         f"Install only one of them, and not plain onnxruntime beside it (training wheels exist for CPython {pythons})."
     )
 
@@ -103,10 +106,21 @@ except ImportError as e:
 finally:
     sys.meta_path.remove(_blocker)
 
-if not hasattr(C, "OrtModuleGraphBuilder"):  # pragma: no cover
-    raise ImportError(
-        f"the installed onnxruntime {ort.__version__} is not a training build (no OrtModuleGraphBuilder); "
-        "uninstall onnxruntime and install onnxruntime-training-cpu==1.19.2 or onnxruntime-training==1.19.2"
-    )
+#: Whether this onnxruntime is the training build (OrtModuleGraphBuilder, TrainingAgent): the
+#: ``"training"`` engine needs it; the ``"onnxruntime"`` engine (ortwrap/engines/) needs only
+#: InferenceSession, which every build has. Code of the training engine checks it before using ``C``'s
+#: training classes (``require_training``).
+TRAINING_BUILD = hasattr(C, "OrtModuleGraphBuilder") and hasattr(C, "TrainingAgent")
 
-__all__ = ["PRELOADED_CUDA_LIBRARIES", "C", "ort"]
+
+def require_training() -> None:
+    """Raise ImportError unless the training build is installed (the training engine's code paths)."""
+    if not TRAINING_BUILD:
+        raise ImportError(
+            f"the installed onnxruntime {ort.__version__} is not a training build (no OrtModuleGraphBuilder): "
+            "ORTWrap's 'training' engine needs onnxruntime-training-cpu==1.19.2 or onnxruntime-training==1.19.2 "
+            "(ortwrap[cpu] / ortwrap[cuda]); with the maintained onnxruntime use ORTWrap(..., engine='onnxruntime')"
+        )
+
+
+__all__ = ["PRELOADED_CUDA_LIBRARIES", "TRAINING_BUILD", "C", "ort", "require_training"]

@@ -22,6 +22,7 @@ from . import _tree, integrations
 from ._compat import torch as compat
 from ._logging import logger, set_verbosity, warn_at_user_line
 from .bridge import state as bridge_state
+from .engines import make_engine
 from .errors import (
     FALLBACK_PHASES,
     ExportError,
@@ -106,6 +107,9 @@ class ORTWrap(nn.Module):
                 stacklevel=2,
             )
         d["_programs"] = {}
+        # NOTE: another engine than the training build's takes every call (the one dispatch point,
+        # in forward); it keeps its own compiled graphs (ortwrap/engines/).
+        d["_engine"] = make_engine(self._options.resolved_engine, self._options)
         # NOTE: fallback is per graph key (the ``key`` of ``forward``): the keys whose build (or
         # first run) failed on an input PyTorch accepts, each with its error's text (not the error:
         # its traceback holds the frames of that call, its tensors included). Their calls run in
@@ -190,6 +194,8 @@ class ORTWrap(nn.Module):
         self._programs.clear()
         self._failed.clear()
         self._bad_shapes.clear()
+        if self._engine is not None:
+            self._engine.clear()
         self.__dict__["_params"] = list(self.module.parameters())
 
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
@@ -266,6 +272,8 @@ class ORTWrap(nn.Module):
         return nn.Module.__call__(self, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is not None:
+            return self._engine(self, args, kwargs)
         integration = _step_integration(self)
         if integration is not None:  # an integration takes the call over (partitioned parameters gathered around it)
             if self._failed and self._falls_back(args, kwargs):

@@ -20,6 +20,7 @@ _ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "cheap", "layers")  # grad.recompute.RECOMPUTE_MODES
 _HALF_COMPUTE = ("auto", "float32", "native")
 _GEMM = ("auto", "ort", "torch")
+_ENGINES = ("auto", "training", "onnxruntime")  # engines.ENGINES and "auto"
 
 
 def _opt(default: Any, env: str | None, help: str, aliases: tuple[str, ...] = ()) -> Any:
@@ -33,6 +34,15 @@ class Options:
     Each field names the environment variable that sets it when the keyword is not given.
     """
 
+    engine: str = _opt(
+        "auto",
+        "ORTWRAP_ENGINE",
+        f"What trains the module, one of {', '.join(_ENGINES)}. 'training': ONNX Runtime's training build "
+        "(onnxruntime-training 1.19.2, ortwrap[cpu]/[cuda]; CPython 3.10-3.12): ORT builds the gradient graph. "
+        "'onnxruntime': the maintained onnxruntime>=1.20 (ortwrap[ort]/[ort-gpu]): PyTorch's AOTAutograd gives the "
+        "gradients and ORT runs the forward and backward graphs (docs/engines.md). 'auto': 'training' where the "
+        "training build is installed, else 'onnxruntime'.",
+    )
     fallback: bool = _opt(
         True,
         "ORTWRAP_FALLBACK",
@@ -180,6 +190,8 @@ class Options:
                 raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid: {e}") from None
         if self.exporter not in _EXPORTERS:
             raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if self.engine not in _ENGINES:
+            raise ValueError(f"ORTWrap option engine={self.engine!r} is invalid; allowed: {', '.join(_ENGINES)}")
         if self.zero3_gather not in _ZERO3_GATHER:
             raise ValueError(
                 f"ORTWrap option zero3_gather={self.zero3_gather!r} is invalid; allowed: {', '.join(_ZERO3_GATHER)}"
@@ -247,6 +259,14 @@ class Options:
 
         first = default_exporter()
         return (first, "torchscript") if first != "torchscript" else (first,)
+
+    @property
+    def resolved_engine(self) -> str:
+        """The engine ``engine`` stands for here (``"auto"`` resolved; ImportError when its runtime is
+        not installed)."""
+        from .engines import resolve
+
+        return resolve(self.engine)
 
     @property
     def native_bf16(self) -> bool | None:

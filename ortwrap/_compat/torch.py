@@ -232,6 +232,14 @@ _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
 _GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
+# AOTAutograd (the onnxruntime engine, ortwrap/engines/onnxruntime/) ----------------------------
+#: the joint forward/backward trace of a module with its parameters and buffers lifted to inputs,
+#: partitioned by ``partition_fn`` into a forward and a backward graph, run by AOTAutograd's own
+#: autograd.Function (its runtime wrappers: input mutations, aliased outputs, saved values)
+_AOT_MODULE = _declare("torch._functorch.aot_autograd.aot_module_simplified", ("2.13.0", "2.14.1"))
+#: AOTAutograd's training partitioner (its default for training in torch.compile): min-cut with recompute
+_MIN_CUT = _declare("torch._functorch.partitioners.min_cut_rematerialization_partition", ("2.13.0", "2.14.1"))
+# (AOTAutograd calls a compiled graph with its argument list when the callable has ``_boxed_call``: ``boxed``)
 # Pytrees ----------------------------------------------------------------------------------------
 _PYTREE_NODES = _declare("torch.utils._pytree.SUPPORTED_NODES")
 
@@ -983,3 +991,53 @@ def quiet_capture_logs(enabled: bool = True) -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+# ------------------------------------------------------------------------------- AOTAutograd
+
+
+def aot_module(
+    module: torch.nn.Module,
+    example_inputs: list[torch.Tensor],
+    *,
+    fw_compiler: Callable[..., Any],
+    bw_compiler: Callable[..., Any],
+    inference_compiler: Callable[..., Any],
+    decompositions: dict[Any, Callable[..., Any]],
+    recompute: bool = True,
+) -> Callable[..., Any]:
+    """AOTAutograd over ``module`` (``aot_module_simplified``): the compilers get the partitioned
+    forward and backward FX graphs (or the inference graph) and return boxed callables
+    (:func:`boxed`). ``recompute``: the min-cut partitioner (AOTAutograd's default for training,
+    which recomputes cheap ops in the backward) instead of the default partition (saves what the
+    backward reads, recomputes nothing)."""
+    partition = _resolve(_MIN_CUT) if recompute else _resolve("torch._functorch.partitioners.default_partition")
+    return _resolve(_AOT_MODULE)(
+        module,
+        example_inputs,
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        inference_compiler=inference_compiler,
+        partition_fn=partition,
+        decompositions=decompositions,
+    )
+
+
+_declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
+_GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions", ("2.13.0", "2.14.1"))
+
+
+def decompositions_of(ops: list[Any]) -> dict[Any, Callable[..., Any]]:
+    """torch's own decompositions of ``ops`` (``torch._decomp.get_decompositions``)."""
+    return _resolve(_GET_DECOMPOSITIONS)(ops)
+
+
+def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """``fn``, which takes the argument list (and may clear it), marked for AOTAutograd's boxed
+    calling convention."""
+
+    def call(args: list[Any]) -> Any:
+        return fn(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call

@@ -187,4 +187,5 @@ def stats() -> dict[str, int]:
 
 # ORT's tables are C++ statics: if they still hold Python objects when the interpreter is gone,
 # their destructors crash the process at exit.
-atexit.register(C.unregister_python_functions)
+if hasattr(C, "unregister_python_functions"):  # (the training build's; the onnxruntime engine has no PythonOps)
+    atexit.register(C.unregister_python_functions)

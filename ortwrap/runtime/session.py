@@ -18,7 +18,7 @@ from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
 _pending = bridge_state._pending
-_State = C.PartialGraphExecutionState
+_State = getattr(C, "PartialGraphExecutionState", None)  # (None without the training build: engines/)
 _OrtValueVector = C.OrtValueVector
 
 

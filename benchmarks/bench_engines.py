@@ -1,0 +1,49 @@
+"""Both engines side by side on the GPT-style LM of bench_lm.py (4 layers, d=256, T=128, batch 8,
+SGD, cross-entropy inside the module): eager, and ORTWrap with each engine installed here
+(``ortwrap.available_engines()``: the training build in .venv, the maintained onnxruntime in
+.venv-ort; the ``"onnxruntime"`` engine also runs on the training build's InferenceSession).
+
+Prints the first step of each engine (build + first run) and the median step times from one
+interleaved run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from _harness import interleaved, report, train_step
+from tiny_gpt import GPTConfig, TinyGPT, batch
+
+import ortwrap
+from ortwrap import ORTWrap
+from ortwrap.engines import onnxruntime_distribution
+
+
+def main(iters: int = 20, cpu_time: bool = False) -> None:
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
+    eager = TinyGPT(cfg)
+    ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
+    print(f"torch {torch.__version__}, {onnxruntime_distribution()}, {torch.get_num_threads()} threads")
+    steps = {"eager": train_step(eager, torch.optim.SGD(eager.parameters(), lr=0.01), lambda m: m(ids, tgt)[0])}
+    for engine in ortwrap.available_engines():
+        ours = ORTWrap(copy.deepcopy(eager), fallback=False, engine=engine)
+        opt = torch.optim.SGD(ours.parameters(), lr=0.01)
+        step = train_step(ours, opt, lambda m: m(ids, tgt)[0])
+        t0 = time.perf_counter()
+        step()
+        print(f"  engine={engine}: first step (build + run) {time.perf_counter() - t0:.2f} s")
+        steps[f"ortwrap engine={engine}"] = step
+    clock = time.process_time if cpu_time else time.perf_counter
+    report("GPT LM 4x256, T=128, batch 8, SGD", interleaved(steps, warmup=3, iters=iters, clock=clock))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--cpu-time", action="store_true", help="CPU seconds of the process instead of wall time")
+    a = parser.parse_args()
+    main(a.iters, a.cpu_time)

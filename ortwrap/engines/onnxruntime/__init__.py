@@ -1,0 +1,225 @@
+"""The ``"onnxruntime"`` engine: gradients from PyTorch's AOTAutograd, forward and backward on the
+maintained ONNX Runtime (``onnxruntime>=1.20``; any build's InferenceSession works).
+
+Per call signature (train/eval, whether a backward is needed, input structure and constants, and per
+tensor its shape, dtype, device and ``requires_grad``; the parameters' ``requires_grad`` and
+identity):
+
+1. AOTAutograd (``compat.aot_module``) traces the module, its parameters and buffers lifted to
+   inputs, into a joint forward/backward graph and partitions it with the min-cut partitioner
+   (recompute of cheap ops in the backward, as ``torch.compile`` does) into a forward graph that
+   also returns the saved values, and a backward graph. Without a backward, one inference graph.
+2. Each FX graph is translated to ONNX (``translate.py``: torch.export of the ATen graph, ortwrap's
+   translation table, torchlib for the rest, the dynamo exporter's cleanup round).
+3. Each runs in its own InferenceSession through IOBinding (``session.py``); AOTAutograd's
+   autograd.Function calls the forward session in ``forward`` and the backward session in
+   ``backward``, keeping the saved values (tensors ORT wrote in place) in between.
+
+Shapes are static: a new shape signature builds again (``build_count``). Buffer updates
+(BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
+
+NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
+for the gradient). One that cannot be traced (``.item()``, numpy, data-dependent Python) is refused
+with an error naming it: running it as an ORT custom op, or splitting the graph at it, is future
+work (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ... import _tree, integrations
+from ..._compat import torch as compat
+from ..._logging import logger, warn_at_user_line
+from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
+from .session import GraphRunner
+from .translate import translate
+
+__all__ = ["OnnxRuntimeEngine"]
+
+
+class _Flat(nn.Module):
+    """Calls ``module`` with ``(args, kwargs)`` rebuilt from flat tensors; returns flat tensor outputs."""
+
+    def __init__(self, module: nn.Module, in_spec: tuple) -> None:
+        super().__init__()
+        self.module = module
+        self.in_spec = in_spec
+        self.out_spec: tuple | None = None
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = _tree.unflatten(self.in_spec, flat)
+        out = self.module(*args, **kwargs)
+        leaves: list[torch.Tensor] = []
+
+        def other(path: str, value: Any) -> tuple:
+            return ("O", value)
+
+        self.__dict__["out_spec"] = _tree.flatten(out, "output", leaves, other, objects=True)
+        return tuple(leaves)
+
+
+class _Compiled:
+    """One signature's build: AOTAutograd's callable and the sessions it calls."""
+
+    def __init__(self) -> None:
+        self.fn: Any = None
+        self.out_spec: tuple | None = None
+        self.runners: dict[str, GraphRunner] = {}
+        self.graphs: dict[str, torch.fx.GraphModule] = {}
+
+
+def _function_in_traceback(tb) -> str | None:
+    """The qualified name of the autograd.Function whose forward/backward raised, if one did."""
+    name = None
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        if code.co_name in ("forward", "backward", "setup_context") and "ctx" in frame.f_locals:
+            qual = getattr(code, "co_qualname", code.co_name)
+            module = frame.f_globals.get("__name__", "?")
+            name = f"{module}.{qual.rsplit('.', 1)[0]}"
+        tb = tb.tb_next
+    return name
+
+
+class OnnxRuntimeEngine:
+    """ORTWrap's engine on the maintained onnxruntime (see the module docstring)."""
+
+    name = "onnxruntime"
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self._compiled: dict[tuple, _Compiled] = {}
+        self._failed: dict[tuple, str] = {}
+        #: builds so far (one per signature: shapes included)
+        self.build_count = 0
+        self.last: _Compiled | None = None
+
+    def clear(self) -> None:
+        self._compiled.clear()
+        self._failed.clear()
+
+    def __call__(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
+        module = wrapper.module
+        integration = integrations.step_integration(wrapper)
+        if integration is not None:
+            # NOTE: an integration that takes calls over (DeepSpeed ZeRO-3's parameter gathering) is
+            # not wired to this engine yet: its partitioned parameters would be traced empty.
+            raise UnsupportedInputError(
+                f"ORTWrap(engine='onnxruntime') does not run under {type(integration).__name__} yet "
+                "(docs/engines.md); use engine='training', or run the module without ORTWrap"
+            )
+        leaves: list[torch.Tensor] = []
+        in_spec = wrapper._flatten_inputs(args, kwargs, leaves)
+        state = [*module.parameters(), *module.buffers()]
+        needs_grad = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in leaves)
+        )
+        key = (
+            module.training,
+            needs_grad,
+            in_spec,
+            tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in leaves),
+            tuple((id(t), t.requires_grad) for t in state),
+            torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"),
+        )
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            if key in self._failed:
+                return module(*args, **kwargs)
+            if any(t.numel() == 0 for t in leaves):
+                return module(*args, **kwargs)
+            try:
+                compiled = self._build(module, leaves, in_spec, key)
+            except ORTWrapError as e:
+                if not self.options.fallback:
+                    raise
+                self._failed[key] = str(e)
+                wrapper.__dict__["_fallback_reason"] = e
+                warn_at_user_line(
+                    f"ORTWrap(engine='onnxruntime') falls back to PyTorch for these calls of {type(module).__name__}: "
+                    f"the {e.phase} phase failed: {sentence(e.detail)} Set fallback=False to raise instead.",
+                    wrapper_warning(),
+                )
+                return module(*args, **kwargs)
+        outputs = compiled.fn(*leaves)
+        return _tree.unflatten(compiled.out_spec, list(outputs))
+
+    def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
+        if key[-1]:
+            raise ExportError("autocast is not supported by the onnxruntime engine yet")
+        compiled = _Compiled()
+        device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
+        options = self.options
+
+        def compiler(what: str):
+            def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+                compiled.graphs[what] = gm
+                graph = translate(gm, what, fusions=options.fusions and what != "backward")
+                runner = GraphRunner(graph, device, options, what)
+                compiled.runners[what] = runner
+                logger.info("onnxruntime engine: %s graph of %s translated", what, type(module).__name__)
+                return compat.boxed(runner)
+
+            return compile_graph
+
+        flat = _Flat(module, in_spec)
+        try:
+            # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
+            # kernels' backward ops have no ONNX translation.
+            with sdpa_kernel([SDPBackend.MATH]):
+                compiled.fn = compat.aot_module(
+                    flat,
+                    list(leaves),
+                    fw_compiler=compiler("forward"),
+                    bw_compiler=compiler("backward"),
+                    inference_compiler=compiler("inference"),
+                    decompositions=_decompositions(),
+                    recompute=options.recompute != "none",
+                )
+        except ORTWrapError:
+            raise
+        except Exception as e:
+            function = _function_in_traceback(sys.exc_info()[2])
+            if function is not None:
+                raise UnsupportedFunctionError(
+                    f"AOTAutograd could not trace torch.autograd.Function {function} into the joint graph "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). The onnxruntime engine runs only "
+                    "traceable Functions so far (running them as ORT custom ops, or splitting the graph at them, "
+                    "is planned: docs/engines.md); engine='training' runs any Function as a PythonOp"
+                ) from e
+            raise ExportError(
+                f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
+            ) from e
+        compiled.out_spec = flat.out_spec
+        self.build_count += 1
+        self._compiled[key] = compiled
+        self.last = compiled
+        return compiled
+
+
+def wrapper_warning() -> type:
+    from ...api import FallbackWarning
+
+    return FallbackWarning
+
+
+_DECOMPOSITIONS: dict | None = None
+
+
+def _decompositions() -> dict:
+    """torch.export's default decompositions (the core ATen set): backward ops become ops torchlib
+    translates (``native_layer_norm_backward``, ``threshold_backward``, ...)."""
+    global _DECOMPOSITIONS
+    if _DECOMPOSITIONS is None:
+        from .decompositions import engine_decompositions
+
+        table = torch.export.default_decompositions()
+        _DECOMPOSITIONS = {**{op: table[op] for op in table.keys()}, **engine_decompositions()}
+    return _DECOMPOSITIONS

@@ -1,0 +1,66 @@
+"""Decompositions the AOTAutograd trace applies on top of torch.export's default (core ATen) set:
+backward ops that stay whole there and that torchlib cannot translate to ONNX.
+
+``aten.convolution_backward`` (core ATen keeps it; ONNX has no ConvGrad): the input's gradient is a
+transposed convolution of the output's gradient, the weight's gradient a convolution of the input
+(batch and channels swapped) with the output's gradient, group by group. Shapes are static here
+(the engine builds per shape signature), so the transposed convolution's output padding is a number.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def convolution_backward(
+    grad_out, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    if transposed:
+        return NotImplemented  # (a transposed convolution's backward: not decomposed yet)
+    nd = weight.dim() - 2
+    stride, padding, dilation = (list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation))
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        extra = [
+            input.shape[2 + i]
+            - ((grad_out.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[2 + i] - 1) + 1)
+            for i in range(nd)
+        ]
+        grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation, True, extra, groups)
+    if output_mask[1]:
+        cin = input.shape[1] // groups
+        cout = grad_out.shape[1] // groups
+        parts = []
+        for g in range(groups):
+            x = input[:, g * cin : (g + 1) * cin] if groups > 1 else input
+            go = grad_out[:, g * cout : (g + 1) * cout] if groups > 1 else grad_out
+            # [Cin, N, ...] * [Cout, N, ...] -> [Cin, Cout, ...]: the batch is the reduction
+            w = aten.convolution(
+                x.transpose(0, 1), go.transpose(0, 1), None, dilation, padding, stride, False, [0] * nd, 1
+            ).transpose(0, 1)
+            for i in range(nd):
+                w = w.narrow(2 + i, 0, weight.shape[2 + i])
+            parts.append(w)
+        grad_weight = torch.cat(parts, 0) if groups > 1 else parts[0]
+        grad_weight = grad_weight.contiguous()
+    if output_mask[2]:
+        grad_bias = grad_out.sum([0, *range(2, grad_out.dim())])
+    return grad_input, grad_weight, grad_bias
+
+
+def engine_decompositions() -> dict:
+    """op -> decomposition, for the AOTAutograd trace (added to torch.export's defaults).
+
+    Also torch's own decompositions of training-mode batch norm: translated whole, ONNX's
+    BatchNormalization(training_mode=1) gives no saved mean and inverse deviation, and torchlib's
+    translation computed them wrong on onnxruntime (tests/test_engine_onnxruntime.py, the CNN).
+    """
+    from ..._compat import torch as compat
+
+    table = compat.decompositions_of(
+        [aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
+         aten._native_batch_norm_legit.no_stats, aten.native_batch_norm.default]
+    )  # fmt: skip
+    return {**table, aten.convolution_backward.default: convolution_backward}

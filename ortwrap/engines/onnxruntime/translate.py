@@ -1,0 +1,123 @@
+"""One AOTAutograd FX graph (forward with saved values, backward, or inference) -> ONNX.
+
+The graph is ATen IR, functional, with static shapes (the engine builds per shape signature). It is
+captured again by ``torch.export`` (cheap: its ops are ATen already) and translated by ortwrap's
+dynamo translation path (``compat.dynamo_to_onnx``, with ortwrap's translation table and torchlib
+for the rest), then cleaned up by the same onnxscript round as the dynamo exporter's output
+(``export.dynamo._cleanup``).
+
+Graph inputs keep the FX placeholders' order; outputs that are ``None`` (the backward's gradient of
+an input that needs none) are dropped and put back by the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+import torch
+
+from ..._compat import torch as compat
+from ...errors import ExportError
+
+
+@dataclasses.dataclass
+class TranslatedGraph:
+    """An FX graph as ONNX, with what the runner needs to bind it.
+
+    Attributes:
+        model: the serialized ONNX model.
+        input_names: ONNX input name per FX placeholder, in order.
+        output_names: ONNX output name per tensor output of the FX graph (None-outputs dropped).
+        outputs: per FX output: its index among ``output_names``, or None (the output is None).
+        output_meta: (shape, dtype) of each tensor output.
+    """
+
+    model: bytes
+    input_names: list[str]
+    output_names: list[str]
+    outputs: list[int | None]
+    output_meta: list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def _meta(node: torch.fx.Node) -> torch.Tensor:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise ExportError(f"the AOTAutograd graph's {node.name} is {type(val).__name__}, not a tensor")
+    return val
+
+
+def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
+    """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
+    GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
+    intermediate values are graph outputs, saved for the backward, alone)."""
+    from ...export.dynamo import _cleanup, _quiet_exporter
+    from ...export.translations import training_translations
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    positions: list[int | None] = []
+    kept: list[torch.fx.Node] = []
+    for r in results:
+        if r is None:
+            positions.append(None)
+            continue
+        if not isinstance(r, torch.fx.Node) or not isinstance(r.meta.get("val"), torch.Tensor):
+            raise ExportError(f"the {what} graph returns {r!r}, which is not a tensor (a symbolic size?)")
+        positions.append(len(kept))
+        kept.append(r)
+    metas = [_meta(n) for n in placeholders]
+    for m in metas:
+        if any(not isinstance(d, int) for d in m.shape):
+            raise ExportError(f"the {what} graph has symbolic shapes; this engine builds per shape signature")
+    output_meta = [(tuple(int(d) for d in _meta(n).shape), _meta(n).dtype) for n in kept]
+
+    # A copy of the graph that returns only the tensor outputs, as a tuple (torch.export's contract).
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            graph.output(tuple(env[n] for n in kept))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    module = torch.fx.GraphModule(gm, graph)
+    example = tuple(torch.zeros(m.shape, dtype=m.dtype) for m in metas)
+    try:
+        with _quiet_exporter():
+            program = torch.export.export(module, example, strict=False)
+            ir_model, _ = compat.dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
+        _cleanup(ir_model)
+        if fusions:
+            import onnx_ir.passes.common as common
+
+            from ...passes.fusions import StandardOpFusionPass
+
+            if StandardOpFusionPass(training=False)(ir_model).modified:
+                common.RemoveUnusedNodesPass()(ir_model)  # (the constants of the fused patterns)
+    except Exception as e:
+        raise ExportError(f"translating the AOTAutograd {what} graph to ONNX failed: {type(e).__name__}: {e}") from e
+    g = ir_model.graph
+    if len(g.inputs) != len(placeholders):
+        raise ExportError(f"the {what} graph's ONNX has {len(g.inputs)} inputs, its FX graph {len(placeholders)}")
+    if len(g.outputs) != len(kept):
+        raise ExportError(f"the {what} graph's ONNX has {len(g.outputs)} outputs, its FX graph {len(kept)}")
+    input_names = [f"in{i}" for i in range(len(g.inputs))]
+    for v, name in zip(g.inputs, input_names):
+        v.name = name
+    # An output that is also an input (or another output) gets its own value: ORT binds each output once.
+    output_names = []
+    seen: set[int] = set()
+    inputs = {id(v) for v in g.inputs}
+    for i, v in enumerate(list(g.outputs)):
+        if id(v) in inputs or id(v) in seen:
+            node = ir.node("Identity", [v])
+            g.append(node)
+            g.outputs[i] = v = node.outputs[0]
+            v.dtype, v.shape = node.inputs[0].dtype, node.inputs[0].shape
+        seen.add(id(v))
+        v.name = f"out{i}"
+        output_names.append(v.name)
+    return TranslatedGraph(
+        ir.serde.serialize_model(ir_model).SerializeToString(), input_names, output_names, positions, output_meta
+    )

@@ -1,0 +1,237 @@
+"""The ``"onnxruntime"`` engine (ortwrap/engines/onnxruntime/): AOTAutograd's forward and backward
+graphs on onnxruntime's InferenceSession, against eager PyTorch.
+
+Runs wherever an onnxruntime imports: the maintained onnxruntime (``ORT_EXTRA=ort make test``, its own
+venv), and the training build's InferenceSession in the default venv.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_zoo import ResNetish, image_inputs
+from parity import assert_close, check_parity
+from tiny_gpt import GPTConfig, TinyGPT, batch
+from torch import nn
+
+import ortwrap
+from ortwrap import Options, ORTWrap
+from ortwrap.engines import available_engines, is_onnxruntime_available, is_training_available, resolve
+
+# (no exporter fixture: this engine takes its graphs from AOTAutograd, the exporter option does not apply)
+pytestmark = pytest.mark.skipif(not is_onnxruntime_available(), reason="onnxruntime is not installed")
+
+ORT = {"engine": "onnxruntime"}
+#: The heavier builds: slow (``make test-slow``) in the training build's venv, where this engine is the
+#: second one; ``ORT_EXTRA=ort make test`` runs every test of this file.
+SLOW_BESIDE_TRAINING = pytest.mark.slow if is_training_available() else (lambda f: f)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(12, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class SmallCNN(nn.Module):
+    """Conv, BatchNorm (running statistics), ReLU, max pool, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (no bias before a BatchNorm: its gradient is rounding noise, which AdamW's normalized step amplifies)
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def lm_model():
+    return TinyGPT(GPTConfig(vocab=64, d=32, heads=4, layers=2, max_len=32))
+
+
+def lm_inputs(b, g):
+    ids, tgt = batch(GPTConfig(vocab=64), b, {4: 12, 7: 9, 3: 16}.get(b, 10), g)
+    return (ids, tgt), {}
+
+
+def test_engines_available_and_resolved():
+    engines = available_engines()
+    assert "onnxruntime" in engines and ortwrap.available_engines() == engines
+    assert ("training" in engines) == is_training_available()
+    assert resolve("auto") == ("training" if is_training_available() else "onnxruntime")
+    assert Options.resolve(engine="onnxruntime").resolved_engine == "onnxruntime"
+    with pytest.raises(ValueError, match="engine='tensorrt' is invalid; allowed: auto, training, onnxruntime"):
+        Options.resolve(engine="tensorrt")
+
+
+def test_engine_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ORTWRAP_ENGINE", "onnxruntime")
+    assert Options.resolve().engine == "onnxruntime"
+    w = ORTWrap(MLP())
+    assert w._engine is not None and w._engine.name == "onnxruntime"
+    monkeypatch.setenv("ORTWRAP_ENGINE", "bogus")
+    with pytest.raises(ValueError, match="engine='bogus' is invalid"):
+        Options.resolve()
+
+
+@pytest.mark.skipif(is_training_available(), reason="the training build is installed here")
+def test_training_engine_without_the_training_build_says_what_to_install():
+    assert ORTWrap(MLP())._engine is not None  # auto: the onnxruntime engine
+    with pytest.raises(ImportError, match=r"engine='training'\) needs ONNX Runtime's training build.*ortwrap\[ort\]"):
+        ORTWrap(MLP(), engine="training")
+
+
+def test_mlp_adamw_parity_and_batch_sizes():
+    w = check_parity(MLP, lambda b, g: ((torch.randn(b, 12, generator=g),), {}), wrap_options=ORT, optimizer=adamw)
+    assert w._engine.build_count == 3  # one build per shape signature (static shapes)
+    assert set(w._engine.last.runners) == {"forward", "backward"}
+
+
+def test_mlp_input_gradient_and_repeated_shapes():
+    def inputs(b, g):
+        return (torch.randn(b, 12, generator=g).requires_grad_(),), {}
+
+    w = check_parity(MLP, inputs, batch_sizes=(4, 7, 4, 7), wrap_options=ORT, optimizer=adamw)
+    assert w._engine.build_count == 2  # the second batch of a shape reuses its build
+
+
+def test_cnn_batchnorm_parity_train_then_eval():
+    w = check_parity(
+        SmallCNN, lambda b, g: ((torch.randn(b, 3, 12, 12, generator=g),), {}), wrap_options=ORT, optimizer=adamw
+    )
+    # eval: running statistics used, not updated, as in eager
+    check_parity(
+        SmallCNN, lambda b, g: ((torch.randn(b, 3, 12, 12, generator=g),), {}), wrap_options=ORT, train=False
+    )
+    assert w._engine.build_count == 3
+
+
+@SLOW_BESIDE_TRAINING
+def test_resnetish_from_the_zoo():
+    check_parity(ResNetish, lambda b, g: image_inputs(b, g, size=lambda b: 16 + 8 * (b % 2)), wrap_options=ORT,
+                 optimizer=adamw, loss_fn=lambda out: out)  # fmt: skip
+
+
+@SLOW_BESIDE_TRAINING
+def test_gpt_lm_with_the_loss_inside():
+    check_parity(lm_model, lm_inputs, wrap_options=ORT, optimizer=adamw, loss_fn=lambda out: out[0])
+
+
+def test_no_grad_and_eval_calls_use_an_inference_graph():
+    torch.manual_seed(0)
+    model = lm_model()
+    eager = copy.deepcopy(model)
+    w = ORTWrap(model, engine="onnxruntime", fallback=False)
+    ids, tgt = batch(GPTConfig(vocab=64), 3, 9, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss, logits = w(ids, tgt)
+        loss_e, logits_e = eager(ids, tgt)
+    assert not loss.requires_grad and set(w._engine.last.runners) == {"inference"}
+    assert_close(logits, logits_e, "no_grad logits")
+    w.eval(), eager.eval()
+    loss, _ = w(ids, tgt)  # eval with grad: a training graph without dropout
+    loss_e, _ = eager(ids, tgt)
+    assert_close(loss.detach(), loss_e.detach(), "eval loss")
+    loss.backward(), loss_e.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert_close(p.grad, q.grad, f"eval grad of {name}")
+
+
+class Scale(torch.autograd.Function):
+    """A Function whose backward is not forward's derivative (x2 in backward): traced, it must keep it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+class NotTraceable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        scale = float(x.abs().max().item())  # data-dependent Python: no graph can hold it
+        return x * scale if scale > 0.5 else x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class WithFunction(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn.apply(self.fc(x)).sum(-1)
+
+
+def test_traceable_function_runs_its_own_backward():
+    check_parity(lambda: WithFunction(Scale), lambda b, g: ((torch.randn(b, 6, generator=g),), {}), wrap_options=ORT)
+
+
+def test_untraceable_function_is_refused_by_name():
+    w = ORTWrap(WithFunction(NotTraceable), engine="onnxruntime", fallback=False)
+    with pytest.raises(ortwrap.UnsupportedFunctionError, match="NotTraceable"):
+        w(torch.randn(3, 6))
+    fallback = ORTWrap(WithFunction(NotTraceable), engine="onnxruntime")
+    x = torch.randn(3, 6)
+    with pytest.warns(ortwrap.FallbackWarning, match="NotTraceable"):
+        out = fallback(x)
+    assert_close(out, fallback.module(x), "fallback output")
+
+
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,pad,dil,groups,size",
+    [(3, 8, 3, 1, 1, 1, 1, 12), (8, 16, 3, 2, 1, 1, 1, 11), (8, 8, 3, 1, 1, 2, 8, 10), (4, 6, 5, 2, 2, 1, 2, 13)],
+    ids=["plain", "strided-odd", "depthwise-dilated", "grouped"],
+)
+def test_convolution_backward_decomposition(cin, cout, k, stride, pad, dil, groups, size):
+    from ortwrap.engines.onnxruntime.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cin, size, size, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(cout, cin // groups, k, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(cout, dtype=torch.float64, generator=g, requires_grad=True)
+    y = F.conv2d(x, w, b, stride, pad, dil, groups)
+    go = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad(y, (x, w, b), go)
+    got = convolution_backward(
+        go, x.detach(), w.detach(), [cout], [stride] * 2, [pad] * 2, [dil] * 2, False, [0, 0], groups, [True] * 3
+    )
+    for name, a, e in zip(("input", "weight", "bias"), got, expected):
+        assert_close(a, e, f"grad of {name}")
+
+
+@SLOW_BESIDE_TRAINING
+def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
+    """recompute (default "cheap"): AOTAutograd's min-cut partitioner recomputes cheap ops in the
+    backward; recompute="none": the default partitioner saves what the backward reads."""
+    saved = {}
+    for recompute in ("cheap", "none"):
+        torch.manual_seed(0)
+        w = ORTWrap(lm_model(), engine="onnxruntime", fallback=False, recompute=recompute)
+        (ids, tgt), _ = lm_inputs(3, torch.Generator().manual_seed(0))
+        loss, _ = w(ids, tgt)
+        loss.backward()
+        backward = w._engine.last.graphs["backward"]
+        saved[recompute] = sum(n.op == "placeholder" for n in backward.graph.nodes)
+    assert saved["cheap"] < saved["none"], saved
