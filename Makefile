@@ -27,7 +27,7 @@ PYTEST_ARGS ?= -m "not slow"
 endif
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
-.PHONY: demo test test-slow test-all test-wheel bench bench-scale lint clean
+.PHONY: demo test test-slow test-opinfo test-all test-wheel bench bench-scale lint clean
 
 $(STAMP): pyproject.toml setup.py Makefile
 	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
@@ -44,13 +44,19 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not opinfo_all"
+
+# PyTorch's whole OpInfo database through both exporters against tests/opinfo_expected.json (one sweep
+# process per core; about 25 minutes on 2 idle cores). The quick subset runs in `make test`.
+test-opinfo: $(STAMP)
+	$(PY) -m pytest -q -m opinfo_all tests/test_opinfo.py
 
 # The suite on both ends of the tested torch range (what .ci/run does).
 test-all:
 	$(MAKE) test TORCH=2.13.0
 	$(MAKE) test TORCH=2.14.1
 	$(MAKE) test-slow TORCH=2.13.0
+	$(MAKE) test-opinfo TORCH=2.13.0
 
 # What a user installs: build the sdist and, from it, the wheel (python -m build); install each, not
 # editable, into a fresh venv (torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA)]) and run

@@ -121,5 +121,6 @@ def test_opinfo_quick():
 
 
 @pytest.mark.slow
+@pytest.mark.opinfo_all
 def test_opinfo_all(tmp_path):
     _check(None, _sharded_sweep(tmp_path, max(1, min(2, os.cpu_count() or 1))))
