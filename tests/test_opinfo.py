@@ -76,6 +76,7 @@ QUICK = (
     "nn.functional.pad",
     "masked.std",
     "acosh",
+    "native_layer_norm",
 )
 
 

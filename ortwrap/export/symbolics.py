@@ -508,6 +508,19 @@ def _stable_sort(default: Callable) -> Callable:
     return symbolic
 
 
+def _native_layer_norm(default: Callable) -> Callable:
+    """``native_layer_norm``'s mean and inverse standard deviation: PyTorch's autograd gives them no
+    gradient (only the normalized output is differentiable), torch's symbolic returns them as plain
+    values that ORT's gradient builder differentiates through: an input gradient off by ~0.1 where
+    the statistics are read. Each is marked ``ortwrap::StopGradient``."""
+
+    def symbolic(g, *args):
+        out, mean, rstd = default(g, *args)
+        return out, _detach(g, mean), _detach(g, rstd)
+
+    return symbolic
+
+
 def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
     """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
     aten = _aten_symbolic(name)
@@ -570,6 +583,9 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
     default_repeat_interleave = compat.ts_symbolic("aten::repeat_interleave", opset)
     if default_repeat_interleave is not None:
         symbolics["aten::repeat_interleave"] = _repeat_interleave(default_repeat_interleave)
+    default_native_layer_norm = compat.ts_symbolic("aten::native_layer_norm", opset)
+    if default_native_layer_norm is not None:
+        symbolics["aten::native_layer_norm"] = _native_layer_norm(default_native_layer_norm)
     for name in ("aten::sort", "aten::argsort"):
         default = compat.ts_symbolic(name, opset)
         if default is not None:
