@@ -77,6 +77,7 @@ QUICK = (
     "masked.std",
     "acosh",
     "native_layer_norm",
+    "_batch_norm_with_update",
 )
 
 

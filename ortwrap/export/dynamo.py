@@ -204,6 +204,7 @@ def capture_dynamo(
     finally:
         module.train(was_training)
     _refuse_complex_outputs(program, type(module).__name__)
+    _refuse_read_batch_statistics(program, type(module).__name__)
     return DynamoCapture(
         program,
         adapter,
@@ -237,6 +238,35 @@ def _refuse_complex_outputs(program: torch.export.ExportedProgram, module_name: 
                 "complex values as real [..., 2] tensors and ONNX Runtime has no complex outputs. Return "
                 "torch.view_as_real(...) of it, or run the module without ORTWrap"
             )
+
+
+#: ops whose outputs 1 and 2 (the batch mean and inverse standard deviation) PyTorch's autograd gives
+#: no gradient, and which torch.export decomposes into plain ops before ortwrap's translation sees them
+_BATCH_STATISTICS_OPS = ("aten._batch_norm_with_update.", "aten._batch_norm_with_update_functional.")
+
+
+def _refuse_read_batch_statistics(program: torch.export.ExportedProgram, module_name: str) -> None:
+    """Refuse a graph that reads ``_batch_norm_with_update``'s saved statistics (outputs 1 and 2).
+
+    NOTE: eager's saved mean and inverse std of this op do not require grad; torch's decomposition
+    computes them with differentiable ops, so ORT differentiated through them: the input gradient
+    came out off by ~0.06-0.13 (OpInfo ``_batch_norm_with_update``). A BatchNorm module never reads
+    them (they are pruned), so only a direct call of the op that uses them is refused.
+
+    Raises:
+        ExportError: naming the op and what to do.
+    """
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith(_BATCH_STATISTICS_OPS):
+            continue
+        for user in node.users:
+            index = user.args[1] if user.op == "call_function" and len(user.args) > 1 else None
+            if index in (1, 2) and user.users:
+                raise ExportError(
+                    f"{module_name} reads output {index} of {node.target} (the batch statistics), which carries "
+                    "no gradient in PyTorch; the dynamo exporter's decomposition would differentiate through it. "
+                    "Use exporter='torchscript', .detach() the statistics, or run the module without ORTWrap"
+                )
 
 
 def _export_error(step: str, module_name: str, e: BaseException) -> ExportError:
