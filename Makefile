@@ -47,7 +47,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow and not opinfo_all"
 
 # PyTorch's whole OpInfo database through both exporters against tests/opinfo_expected.json (one sweep
-# process per core; about 25 minutes on 2 idle cores). The quick subset runs in `make test`.
+# process per core; about 10-15 minutes on 2 cores). The quick subset runs in `make test`.
 test-opinfo: $(STAMP)
 	$(PY) -m pytest -q -m opinfo_all tests/test_opinfo.py
 
