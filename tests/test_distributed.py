@@ -325,7 +325,7 @@ def _ok(ranks: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
-    return _launch("torch_worker.py", ["functions", "ddp"], str(tmp_path_factory.mktemp("torch_dist")))
+    return _launch("torch_worker.py", ["functions", "ddp", "logging"], str(tmp_path_factory.mktemp("torch_dist")))
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +351,16 @@ def test_functions_calling_collectives_train_like_eager_on_two_ranks(torch_runs)
         assert calls["reduce_backward"] == 6  # 3 eager + 3 ORT backwards all-reduced
         assert r["peer_rows_differ"], "both ranks had the same rows: the gather test proves nothing"
     assert ranks[0]["output_sum"] == pytest.approx(ranks[1]["output_sum"], rel=1e-5)
+
+
+@pytest.mark.slow
+@needs_gloo
+def test_only_rank_zero_logs_below_warning(torch_runs):
+    rank0, rank1 = _ok(torch_runs["logging"])
+    assert rank0["export_count"] == rank1["export_count"] == 1
+    assert any(m.startswith("built ") for m in rank0["info"]), rank0["info"]
+    assert rank1["info"] == [], rank1["info"]
+    assert rank0["warnings"] == ["a warning on rank 0"] and rank1["warnings"] == ["a warning on rank 1"]
 
 
 @pytest.mark.slow

@@ -147,7 +147,41 @@ def case_ddp(rank: int, world: int) -> dict:
     }
 
 
-CASES = {"functions": case_functions, "ddp": case_ddp}
+def case_logging(rank: int, world: int) -> dict:
+    """At INFO verbosity, a build logs its summary on rank 0 only; warnings pass on every rank."""
+    import logging
+
+    import ortwrap
+    from ortwrap._logging import logger as ortwrap_logger
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    logging.getLogger("ortwrap").addHandler(handler)
+    before = ortwrap.get_verbosity()
+    ortwrap.set_verbosity(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 2))
+        wrapped = ORTWrap(copy.deepcopy(model), fallback=False)
+        x = torch.randn(3, 6)
+        assert_close(wrapped(x).detach(), model(x).detach(), "output")
+        ortwrap_logger.warning("a warning on rank %d", rank)
+    finally:
+        ortwrap.set_verbosity(before)
+        logging.getLogger("ortwrap").removeHandler(handler)
+    return {
+        "info": [r.getMessage() for r in records if r.levelno < logging.WARNING],
+        "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+        "export_count": wrapped.export_count,
+    }
+
+
+CASES = {"functions": case_functions, "ddp": case_ddp, "logging": case_logging}
 
 
 def main() -> None:
