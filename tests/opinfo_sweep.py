@@ -453,7 +453,16 @@ def compare(results: dict[str, str], expected: dict[str, str]) -> list[str]:
     return bad
 
 
+def _with_fixed_hash_seed() -> None:
+    """Re-run this script with ``PYTHONHASHSEED=0``: some OpInfo sample functions iterate over sets
+    of strings (``meshgrid``'s ``{'xy', 'ij'}``), so which sample is ``#0`` depends on the hash seed."""
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "PYTHONHASHSEED": "0"})
+
+
 def main(argv=None):
+    if argv is None:
+        _with_fixed_hash_seed()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", help="comma-separated op names (op or op.variant); default: all")
     p.add_argument("--exporters", default=",".join(EXPORTERS))
