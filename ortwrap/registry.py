@@ -957,6 +957,13 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
     ),
     AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
     AtenViaTorch(
+        "index_put",
+        ("torchscript",),
+        "torch's symbolic of accumulate=True adds to a gathered copy and scatters it back: a repeated index keeps one "
+        "update (eager sums them)",
+        when=lambda c: len(c) > 3 and c[3] is not None and bool(c[3]),  # (a constant True reads as 1.0)
+    ),
+    AtenViaTorch(
         "pad",
         ("torchscript",),
         "torch's circular padding is built from slices that assume non-negative pads",
