@@ -574,22 +574,18 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::feature_dropout": _feature_dropout,
     }
     compat.ts_load_opset_symbolics(opset)
-    default_multinomial = compat.ts_symbolic("aten::multinomial", opset)
-    if default_multinomial is not None:
-        symbolics["aten::multinomial"] = _multinomial(default_multinomial)
-    default_unfold = compat.ts_symbolic("aten::unfold", opset)
-    if default_unfold is not None:
-        symbolics["aten::unfold"] = _unfold(default_unfold)
-    default_repeat_interleave = compat.ts_symbolic("aten::repeat_interleave", opset)
-    if default_repeat_interleave is not None:
-        symbolics["aten::repeat_interleave"] = _repeat_interleave(default_repeat_interleave)
-    default_native_layer_norm = compat.ts_symbolic("aten::native_layer_norm", opset)
-    if default_native_layer_norm is not None:
-        symbolics["aten::native_layer_norm"] = _native_layer_norm(default_native_layer_norm)
-    for name in ("aten::sort", "aten::argsort"):
+    wrappers = {  # torch's symbolic, wrapped where it is wrong for training (see the module docstring)
+        "aten::multinomial": _multinomial,
+        "aten::unfold": _unfold,
+        "aten::repeat_interleave": _repeat_interleave,
+        "aten::native_layer_norm": _native_layer_norm,
+        "aten::sort": _stable_sort,
+        "aten::argsort": _stable_sort,
+    }
+    for name, wrap in wrappers.items():
         default = compat.ts_symbolic(name, opset)
         if default is not None:
-            symbolics[name] = _stable_sort(default)
+            symbolics[name] = wrap(default)
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)
