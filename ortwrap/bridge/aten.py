@@ -36,13 +36,10 @@ import torch
 
 from .._compat import torch as compat
 from .._ort import C
+from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
 from . import state
 from ._native import load
 
-ATEN_DOMAIN = "org.pytorch.aten"
-VJP_PREFIX = "ortwrap_vjp::"
-#: ATen nodes whose operator starts with this run ortwrap's own CPU kernels (``ortwrap.kernels``).
-NATIVE_PREFIX = "ortwrap_cpu::"
 #: Operators ORT's gradient builder must not differentiate through (``detach``: every input is a
 #: stop-gradient edge; ``passes/stop_gradient.py``).
 NO_GRADIENT_OPS: frozenset[str] = frozenset({"detach"})
@@ -156,7 +153,7 @@ _plans: dict[tuple[str, str], _Plan] = {}
 
 def resolve(op: str, overload: str) -> _Plan:
     """The plan for ``op`` (``name`` = ``aten::name``, or ``ns::name``) and its overload."""
-    overload = overload.partition(BOOL_MARK)[0]
+    overload = overload.partition(ATEN_BOOL_MARK)[0]
     key = (op, overload)
     plan = _plans.get(key)
     if plan is None:
@@ -221,7 +218,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _restore_bools(op: str, overload: str, tensors: list, n_out: int) -> list:
-    """The bool inputs ``BOOL_MARK`` names, as bool again: ORT's DLPack hands bool tensors over as
+    """The bool inputs ``ATEN_BOOL_MARK`` names, as bool again: ORT's DLPack hands bool tensors over as
     uint8, which ops that take masks (``masked_select``, ``masked_fill``, ``where``) refuse. In a vjp
     node the forward inputs come after the output gradients."""
     offset, positions = _bool_positions(op, overload)
@@ -235,8 +232,8 @@ def _restore_bools(op: str, overload: str, tensors: list, n_out: int) -> list:
 
 @functools.cache
 def _bool_positions(op: str, overload: str) -> tuple[int, tuple[int, ...]]:
-    """(where the forward inputs start, the ``BOOL_MARK`` positions among them), parsed once per node kind."""
-    positions = tuple(int(i) for i in overload.partition(BOOL_MARK)[2].split(",") if i)
+    """(where the forward inputs start, the ``ATEN_BOOL_MARK`` positions among them), parsed once per node kind."""
+    positions = tuple(int(i) for i in overload.partition(ATEN_BOOL_MARK)[2].split(",") if i)
     offset = 0
     if op.startswith(VJP_PREFIX):
         name = _split_used(op[len(VJP_PREFIX) :])[0]
@@ -248,7 +245,7 @@ def _bool_positions(op: str, overload: str) -> tuple[int, tuple[int, ...]]:
 
 
 def mark_bool_inputs(model: onnx.ModelProto) -> None:
-    """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``BOOL_MARK``), so the
+    """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``ATEN_BOOL_MARK``), so the
     executor can give the op bool tensors again (see :func:`_restore_bools`). A node whose gradient
     is an explicit backward op, or ortwrap's own kernels, is left alone."""
     from ..registry import TORCH_OP_GRADIENTS
@@ -275,9 +272,9 @@ def mark_bool_inputs(model: onnx.ModelProto) -> None:
         if not bools:
             continue
         overload = attrs["overload_name"].s.decode() if "overload_name" in attrs else ""
-        if BOOL_MARK in overload:
+        if ATEN_BOOL_MARK in overload:
             continue
-        marked = f"{overload}{BOOL_MARK}{','.join(bools)}"
+        marked = f"{overload}{ATEN_BOOL_MARK}{','.join(bools)}"
         if "overload_name" in attrs:
             attrs["overload_name"].s = marked.encode()
         else:
@@ -334,7 +331,7 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
         if op.startswith(NATIVE_PREFIX):
             raise RuntimeError(f"{op}: ortwrap's CPU kernels are not loaded in this process")
         tensors = [None if c is None else _from_dlpack(c) for c in capsules]
-        if BOOL_MARK in overload:
+        if ATEN_BOOL_MARK in overload:
             tensors = _restore_bools(op, overload, tensors, n_out)
         if op.startswith(VJP_PREFIX):
             name, used = _split_used(op[len(VJP_PREFIX) :])
@@ -633,11 +630,6 @@ def _slice_signature(model: onnx.ModelProto) -> tuple:
     )
 
 
-USED_MARK = "used="
-#: suffix of an ATen node's ``overload_name`` listing its bool tensor inputs (``mark_bool_inputs``)
-BOOL_MARK = "@bool="
-#: ``ortwrap_vjp::outs=N|op``: the forward node has N outputs, fewer than ``op`` returns.
-OUTS_MARK = "outs="
 
 
 def mark_used_outputs(model: onnx.ModelProto) -> bool:

@@ -31,8 +31,8 @@ import onnx_ir as ir
 import torch
 
 from .._compat import torch as compat
+from ..graph.names import ATEN_DOMAIN, PLACEHOLDER_DOMAIN
 from . import intercept, state
-from .aten import ATEN_DOMAIN
 from .runner import install
 from .symbolic import (
     _BOOL,
@@ -43,7 +43,6 @@ from .symbolic import (
     encode_call,
 )
 
-PLACEHOLDER_DOMAIN = "ortwrap.dynamo"
 _ids = itertools.count(1)
 
 

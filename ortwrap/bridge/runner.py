@@ -42,6 +42,7 @@ import torch
 from .._compat import torch as compat
 from .._ort import C
 from ..errors import UnsupportedFunctionError
+from ..graph.names import PYTHONOP_BOOL_MARK
 from . import state
 from ._native import load
 
@@ -54,7 +55,6 @@ _set_grad_enabled = torch.set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 _zeros = torch.zeros
 
-BOOL_MARK = "|bool="
 
 
 @functools.cache
@@ -208,7 +208,7 @@ class _Kernel:
     )
 
     def __init__(self, func_name: str, requires_grad, tensor_flags, training: bool) -> None:
-        base, _, bools = func_name.partition(BOOL_MARK)
+        base, _, bools = func_name.partition(PYTHONOP_BOOL_MARK)
         cls = state.function_class(base)
         if cls is None:
             raise RuntimeError(f"PythonOp {func_name!r}: no torch.autograd.Function is registered under this name")

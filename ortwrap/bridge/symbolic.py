@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .._compat import torch as compat
+from ..graph.names import PYTHONOP_BOOL_MARK
 from . import intercept, state
-from .runner import BOOL_MARK, install
+from .runner import install
 
 _BOOL = 9
 _UINT8 = 2
@@ -154,7 +155,7 @@ def encode_call(
     name = state.function_name(cls)
     scope.functions.append(name)
     if bool_inputs:
-        func_name = f"{name}{BOOL_MARK}{','.join(map(str, bool_inputs))}"
+        func_name = f"{name}{PYTHONOP_BOOL_MARK}{','.join(map(str, bool_inputs))}"
         state.register_alias(func_name, cls)
     else:
         func_name = name

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ..graph.model import ExportedModel
 from .dynamo import export_dynamo
-from .model import ExportedModel
 from .torchscript import export_torchscript
 
 __all__ = ["ExportedModel", "export_dynamo", "export_torchscript"]

@@ -21,12 +21,9 @@ from torch import nn
 
 from .. import _tree
 from ..errors import ExportError, UnsupportedOutputError
-from ..passes.prune_buffer_outputs import BUFFER_OUTPUT_PREFIX
+from ..graph.model import ExportedModel
+from ..graph.names import BUFFER_OUTPUT_PREFIX, STATE_PREFIX
 from .grad_mode import no_grad_boundaries
-from .model import ExportedModel
-
-#: Graph names of the module's parameters and buffers start with this (the adapter's attribute).
-STATE_PREFIX = "module."
 
 
 class _Traced:

@@ -39,9 +39,10 @@ from torch import nn
 from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError, UnsupportedOutputError, output_error_in
+from ..graph.model import ExportedModel
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
-from .model import ExportedModel
+from .context import capture_context
 from .translations import TRAINING_ATEN_OPS, training_decompositions, training_translations
 
 _log = logging.getLogger("ortwrap")
@@ -171,7 +172,7 @@ def capture_dynamo(
             _quiet_exporter(),
             preserved_state(module),
             no_ambient_autocast(),
-            _collective_stubs(),
+            capture_context(),
             bridge_dynamo.capture_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as scope,
         ):
             return torch.export.export(
@@ -297,7 +298,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     try:
         # The exporter's decompositions retrace the graph, running each Function's forward again on
         # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
-        with bridge_dynamo.translating(bridge), _quiet_exporter(), _collective_stubs():
+        with bridge_dynamo.translating(bridge), _quiet_exporter(), capture_context():
             ir_model, _decomposed = compat.dynamo_to_onnx(
                 program,
                 table={**training_translations(), **bridge.translation_table()},
@@ -469,12 +470,3 @@ def _shape_guards(program: torch.export.ExportedProgram) -> ShapeGuards:
     equal = tuple(tuple(g) for g in symbols.values() if len(g) > 1)
     at_least_two = tuple(dim for group in symbols.values() for dim in group[:1])  # (the group's others are equal)
     return ShapeGuards(tuple(static), equal, at_least_two)
-
-
-def _collective_stubs():
-    """torch.distributed collectives become no-op stubs during capture (integrations.distributed)."""
-    try:
-        from ..integrations.distributed import collective_stubs
-    except ImportError:
-        return contextlib.nullcontext()
-    return collective_stubs()

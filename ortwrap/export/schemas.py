@@ -12,7 +12,7 @@ import threading
 
 import onnx
 
-ORTWRAP_DOMAIN = "ortwrap"
+from ..graph.names import ORTWRAP_DOMAIN
 
 _FLOATS = ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"]
 _lock = threading.Lock()

@@ -56,10 +56,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._compat import torch as compat
+from ..graph.names import ORTWRAP_DOMAIN
 from ..registry import ATEN_OPS
-
-#: Domain of the marker ops ortwrap's symbolics emit; passes resolve them before the gradient build.
-ORTWRAP_DOMAIN = "ortwrap"
 
 #: Reasons, collected during one export, why the graph needs static non-batch dimensions.
 _static_reasons: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ortwrap_static", default=None)

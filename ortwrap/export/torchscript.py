@@ -24,9 +24,9 @@ from torch import nn
 from .._compat import torch as compat
 from ..bridge.symbolic import export_scope
 from ..errors import ExportError, output_error_in
-from ..integrations.distributed import collective_stubs
+from ..graph.model import ExportedModel
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
-from .model import ExportedModel
+from .context import capture_context
 from .symbolics import ortwrap_symbolics
 
 
@@ -112,7 +112,7 @@ def capture_torchscript(
             _buffers_as_inputs(module),
             export_scope(with_backward=with_backward, inline=frozenset(inline_functions)) as bridge,
             ortwrap_symbolics(opset, aten_ops, with_backward) as symbolic_reasons,
-            collective_stubs(),
+            capture_context(),
             warnings.catch_warnings(record=True) as caught,
         ):
             warnings.simplefilter("always")

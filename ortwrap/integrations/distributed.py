@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..bridge.intercept import current_function
 from ..errors import ExportError, UnsupportedInputError
+from ..export.context import register_capture_context
 from . import Integration
 
 __all__ = [
@@ -305,6 +306,11 @@ def collective_stubs() -> Iterator[None]:
                 del _depth[tid]
             if not _depth:
                 _uninstall()
+
+
+# The exporters enter it around each capture and translation (export/context.py): they never import
+# this module.
+register_capture_context(collective_stubs)
 
 
 # ------------------------------------------------------------------------------------- wrap order

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-BUFFER_OUTPUT_PREFIX = "buffer:"
+from ..graph.names import BUFFER_OUTPUT_PREFIX
 
 
 def _is_identity(node: ir.Node) -> bool:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-PYTHONOP_DOMAIN = "com.microsoft"
-CONTEXT_OUTPUT_PREFIX = "pythonop_ctx:"
-CONTEXT_OUTPUT = f"{CONTEXT_OUTPUT_PREFIX}all"
+from ..graph.names import CONTEXT_OUTPUT, CONTEXT_OUTPUT_PREFIX, PYTHONOP_DOMAIN  # noqa: F401 (program.py reads the prefix here)
 
 
 def is_pythonop(node: ir.Node) -> bool:

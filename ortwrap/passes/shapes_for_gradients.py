@@ -18,8 +18,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ..bridge.aten import infer_types
-
-INVENTED_PREFIX = "unk__"
+from ..graph.names import INVENTED_PREFIX
 
 
 def _forget_invented(value: ir.Value) -> bool:

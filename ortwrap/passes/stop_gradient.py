@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..bridge.aten import ATEN_DOMAIN
-from ..export.symbolics import ORTWRAP_DOMAIN
+from ..graph.names import ATEN_DOMAIN, ORTWRAP_DOMAIN, STATE_PREFIX, STOP_GRADIENT_SUFFIX
 
-STOP_GRADIENT_SUFFIX = "::stop_gradient"
+#: graph names of parameters and buffers: fed by ortwrap, so a frozen duplicate can be fed the same
+#: tensor. A user input goes the ATen route like a computed value.
 
-
-#: graph names of parameters and buffers (``export.adapter.STATE_PREFIX``): fed by ortwrap, so a frozen
-#: duplicate can be fed the same tensor. A user input goes the ATen route like a computed value.
-_STATE_PREFIX = "module."
 
 
 class ResolveStopGradientPass(ir.passes.InPlacePass):
@@ -47,7 +43,7 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
             if node.domain != ORTWRAP_DOMAIN or node.op_type != "StopGradient":
                 continue
             src = node.inputs[0]
-            if src is not None and src.is_graph_input() and src.name.startswith(_STATE_PREFIX):
+            if src is not None and src.is_graph_input() and src.name.startswith(STATE_PREFIX):
                 dup = frozen.get(src.name)
                 if dup is None:
                     dup = ir.Value(name=f"{src.name}{STOP_GRADIENT_SUFFIX}", type=src.type, shape=src.shape)

@@ -25,7 +25,7 @@ import torch
 
 from .._ort import ort
 from ..errors import RuntimeRunError, SessionError
-from ..passes.host_shapes import HostFeed, HostShapeSplit, shape_slice
+from ..graph.host_shapes import HostFeed, HostShapeSplit, shape_slice
 
 __all__ = ["HostShapeRunner"]
 
