@@ -38,6 +38,7 @@ from .export import ExportedModel
 from .export.dynamo import capture_dynamo, translate_dynamo
 from .export.torchscript import capture_torchscript, translate_torchscript
 from .grad import TrainingGraph, build_graph
+from .grad import aten as grad_aten
 from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
@@ -571,11 +572,11 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         """ATen nodes: install the executor, declare their output types, register their gradients."""
         if any(n.domain == ATEN_DOMAIN for n in pre_grad.graph.node):
             aten.install()
-            aten.declare_output_types(pre_grad)
-            aten.mark_bool_inputs(pre_grad)
+            grad_aten.declare_output_types(pre_grad)
+            grad_aten.mark_bool_inputs(pre_grad)
             if with_backward:
                 try:
-                    aten.register_gradients(pre_grad)
+                    grad_aten.register_gradients(pre_grad)
                 except Exception as e:
                     raise GradientBuildError(f"registering the gradients of ATen nodes failed: {e}") from e
         return {"pre_grad": pre_grad}

@@ -8,8 +8,10 @@ arguments as constant tensors). ``_aten.c``, registered with ``register_aten_op_
 
 Gradients: for every ATen op in a graph that gets a backward, ortwrap registers a gradient
 definition with one node, ``ATen(operator="ortwrap_vjp::<op>")`` taking the output gradients and
-the forward inputs; the executor recomputes the op under autograd and returns PyTorch's own
-vector-Jacobian product. Integer inputs (dims, flags) are stop-gradient edges.
+the forward inputs (``grad/aten.py``); the executor here recomputes the op under autograd and
+returns PyTorch's own vector-Jacobian product. Integer inputs (dims, flags) are stop-gradient edges.
+This module is the runner (and the type inference through ATen nodes); the graph fix-ups around the
+gradient build and the registration of gradient definitions are ``grad/aten.py``'s.
 
 Argument encoding (ORT's DLPack bridge carries neither strings nor bool):
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 
 import numpy as np
 import onnx
@@ -242,43 +243,6 @@ def _bool_positions(op: str, overload: str) -> tuple[int, tuple[int, ...]]:
         else:
             offset = resolve(name, overload).n_returns
     return offset, positions
-
-
-def mark_bool_inputs(model: onnx.ModelProto) -> None:
-    """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``ATEN_BOOL_MARK``), so the
-    executor can give the op bool tensors again (see :func:`_restore_bools`). A node whose gradient
-    is an explicit backward op, or ortwrap's own kernels, is left alone."""
-    from ..registry import TORCH_OP_GRADIENTS
-
-    elem = {}
-    for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
-        if v.type.tensor_type.elem_type:
-            elem[v.name] = v.type.tensor_type.elem_type
-    for t in model.graph.initializer:
-        elem[t.name] = t.data_type
-    for node in model.graph.node:
-        if node.op_type == "Constant" and not node.domain:
-            for a in node.attribute:
-                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
-                    elem[node.output[0]] = a.t.data_type
-    for node in model.graph.node:
-        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
-            continue
-        attrs = {a.name: a for a in node.attribute}
-        op = attrs["operator"].s.decode()
-        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in TORCH_OP_GRADIENTS or op in OWN_GRADIENT_OPS:
-            continue
-        bools = [str(i) for i, name in enumerate(node.input) if name and elem.get(name) == onnx.TensorProto.BOOL]
-        if not bools:
-            continue
-        overload = attrs["overload_name"].s.decode() if "overload_name" in attrs else ""
-        if ATEN_BOOL_MARK in overload:
-            continue
-        marked = f"{overload}{ATEN_BOOL_MARK}{','.join(bools)}"
-        if "overload_name" in attrs:
-            attrs["overload_name"].s = marked.encode()
-        else:
-            node.attribute.append(onnx.helper.make_attribute("overload_name", marked))
 
 
 def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = None) -> list:
@@ -630,200 +594,9 @@ def _slice_signature(model: onnx.ModelProto) -> tuple:
     )
 
 
-
-
-def mark_used_outputs(model: onnx.ModelProto) -> bool:
-    """Tell each ATen node of a built graph which of its outputs the graph uses; True if any changed.
-
-    The gradient builder leaves the gradients nobody needs (a frozen weight, an input it does not
-    differentiate) as unnamed outputs, and ORT's ATen kernel fails ("invalid index -1") when the
-    executor hands it a value for one. The flags, ``used=`` and a 1 or 0 per output, go where the
-    executor reads them: the ``overload_name`` of ortwrap's CPU kernels and of the backward ops of
-    ``registry.TORCH_OP_GRADIENTS`` (whose ``output_mask`` argument they fill; neither has
-    overloads), and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs
-    marked 0 are returned as nothing.
-    """
-    from ..registry import TORCH_OP_GRADIENTS
-
-    masked = {g.backward for g in TORCH_OP_GRADIENTS.values()}
-    changed = False
-    for node in model.graph.node:
-        if node.op_type != "ATen" or node.domain != ATEN_DOMAIN:
-            continue
-        attrs = {a.name: a for a in node.attribute}
-        if "operator" not in attrs:
-            continue
-        op = attrs["operator"].s.decode()
-        if all(node.output) and op not in masked:  # (a masked op always gets its flags)
-            continue
-        used = USED_MARK + "".join("1" if o else "0" for o in node.output)
-        if op.startswith(NATIVE_PREFIX) or op in masked:
-            if "overload_name" in attrs:
-                attrs["overload_name"].s = used.encode()
-            else:
-                node.attribute.append(onnx.helper.make_attribute("overload_name", used))
-        elif op.startswith(VJP_PREFIX):
-            attrs["operator"].s = f"{VJP_PREFIX}{used}|{op[len(VJP_PREFIX) :]}".encode()
-        else:
-            continue
-        changed = True
-    return changed
-
-
-def drop_missing_gradients(model: onnx.ModelProto) -> bool:
-    """Make absent the inputs of ``registry.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
-    output gradient the built graph lacks: no gradient reaches that output); True if any changed."""
-    from ..registry import OPTIONAL_GRADIENT_OPS
-
-    graph = model.graph
-    nodes = [
-        n
-        for n in graph.node
-        if n.domain == ATEN_DOMAIN
-        and n.op_type == "ATen"
-        and any(a.name == "operator" and a.s.decode() in OPTIONAL_GRADIENT_OPS for a in n.attribute)
-    ]
-    if not nodes:
-        return False
-    known = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    known |= {o for n in graph.node for o in n.output}
-    changed = False
-    for node in nodes:
-        for i, name in enumerate(node.input):
-            if name and name not in known:
-                node.input[i] = ""
-                changed = True
-    return changed
-
-
 def _split_used(op: str) -> tuple[str, str | None]:
     """``used=101|name`` -> (``name``, ``"101"``); other names unchanged, with None."""
     if op.startswith(USED_MARK):
         flags, _, name = op[len(USED_MARK) :].partition("|")
         return name, flags
     return op, None
-
-
-def declare_output_types(model: onnx.ModelProto) -> None:
-    """Copy the types of graph outputs produced by ATen nodes into ``value_info``.
-
-    The gradient builder turns graph outputs into inputs of its ``YieldOp``; an ATen output then
-    loses the type that ``graph.output`` declared, and ORT has no type inference for ATen.
-    """
-    produced = {o for n in model.graph.node if n.domain == ATEN_DOMAIN for o in n.output}
-    known = {v.name for v in model.graph.value_info}
-    for out in model.graph.output:
-        if out.name in produced and out.name not in known:
-            model.graph.value_info.append(out)
-
-
-# ------------------------------------------------------------------------------------- gradients
-#: key -> (inputs, outputs, output gradients) of the definition registered for it
-_gradient_arity: dict[str, tuple[int, int, tuple[str, ...]]] = {}
-_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
-
-
-def _gradient_attribute(name: str, value: str):
-    """A string attribute of a node in an ORT gradient definition."""
-    a = C.GradientNodeAttributeDefinition()
-    a.name = name
-    a.value_json = json.dumps(value)
-    a.dtype = "string"
-    a.is_tensor = False
-    return a
-
-
-def register_gradient(
-    forward: str, overload: str, inputs: list[str], outputs: list[str], backward: str, stop: set[int]
-) -> str:
-    """Register with ORT that the gradient of ``ATen(operator=forward, overload_name=overload)`` is one
-    ``ATen(operator=backward, overload_name=overload)`` node reading ``inputs`` (``GO(j)``, ``I(i)``,
-    ``O(k)``) and writing ``outputs`` (``GI(i)``); ``stop``: forward inputs that get no gradient.
-    Returns ORT's key of the definition."""
-    key = f"{ATEN_DOMAIN}::ATen::{forward}::{overload}"
-    d = C.GradientNodeDefinition()
-    d.op_type, d.domain = "ATen", ATEN_DOMAIN
-    d.inputs, d.outputs = inputs, outputs
-    d.attributes = [_gradient_attribute("operator", backward), _gradient_attribute("overload_name", overload)]
-    C.register_gradient_definition(key, [d])
-    if stop:
-        C.register_custom_stop_gradient_edges(key, stop)
-    return key
-
-
-def register_gradients(model: onnx.ModelProto) -> list[str]:
-    """Register the vjp gradient definition of every ATen op in ``model``; return their keys.
-
-    ORT keys a gradient definition by ``(operator, overload)`` and reads inputs ``I(i)`` by
-    position, so all nodes of one op must have the same number of inputs.
-    """
-    from ..registry import TORCH_OP_GRADIENTS
-
-    keys = []
-    types = _types(model)
-    for node in model.graph.node:
-        if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        op = attrs["operator"].decode()
-        overload = attrs.get("overload_name", b"").decode()
-        if op.startswith((VJP_PREFIX, NATIVE_PREFIX)) or op in OWN_GRADIENT_OPS:  # they register their own
-            continue
-        grad = TORCH_OP_GRADIENTS.get(op)
-        if grad is not None:  # one explicit backward op (no recompute)
-            keys.append(
-                register_gradient(op, overload, list(grad.inputs), list(grad.outputs), grad.backward, set(grad.stop))
-            )
-            continue
-        key = f"{ATEN_DOMAIN}::ATen::{op}::{overload}"
-        plan = resolve(op, overload)
-        if len(node.input) < plan.n_args:
-            # NOTE: every node of an op gets the schema's full argument list (absent trailing
-            # arguments take their defaults): ORT keeps one gradient definition per op and
-            # overload per process, and the exporters differ in which trailing defaults they
-            # write (dynamo drops softmax's dtype=None, TorchScript writes it as an empty input).
-            node.input.extend([""] * (plan.n_args - len(node.input)))
-        n_in, n_out = len(node.input), len(node.output)
-        # An integer output (indices) has no gradient for any node to compute: an absent input.
-        grads_out = [
-            "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
-            for j, o in enumerate(node.output)
-        ]
-        known = _gradient_arity.get(key)
-        if known is not None and known[:2] != (n_in, n_out):
-            raise RuntimeError(
-                f"ATen op {op} appears with {known[0]} inputs and {known[1]} outputs, and with {n_in} and {n_out}; "
-                "ORT allows one gradient definition per op"
-            )
-        if known is not None and known[2] != tuple(grads_out):
-            # NOTE: the definition registered first stays for the process: one that leaves out an
-            # output's gradient (it was an integer there) would make every later float node's
-            # gradient zero, silently.
-            raise RuntimeError(
-                f"ATen op {op} has float outputs {_float_flags(known[2])} in one graph and {_float_flags(grads_out)} "
-                "in another; ORT allows one gradient definition per op (run the integer one as an ONNX op)"
-            )
-        if known is None:
-            schema_args = compat.op_schema(plan.fn).arguments
-            stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            # An ``out=`` overload (``div.out``: spectral_norm's power iteration, run under no_grad in
-            # eager, which refuses out= with inputs that need grad): no gradient flows through it.
-            if op in NO_GRADIENT_OPS or any(
-                a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in schema_args
-            ):
-                stop = set(range(n_in))
-            register_gradient(
-                op,
-                overload,
-                grads_out + [f"I({i})" for i in range(n_in)],
-                [f"GI({i})" for i in range(n_in)],
-                VJP_PREFIX + (op if n_out == plan.n_returns else f"{OUTS_MARK}{n_out}|{op}"),
-                stop,
-            )
-            _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
-        keys.append(key)
-    return keys
-
-
-def _float_flags(grads_out) -> str:
-    return "".join("1" if g else "0" for g in grads_out)

@@ -20,8 +20,8 @@ import torch
 
 from .._logging import logger
 from .._ort import C
-from ..bridge import aten
 from ..errors import GradientBuildError, sentence
+from . import aten
 
 
 @dataclass(frozen=True)

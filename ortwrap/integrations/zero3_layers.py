@@ -288,9 +288,10 @@ def register_gradient(n: int) -> None:
     if n in _registered_gradients:
         return
     from ..bridge import aten
+    from ..grad.aten import register_gradient as register
 
     aten.OWN_GRADIENT_OPS.add(f"{OP_PREFIX}fetch_{n}")
-    aten.register_gradient(
+    register(
         f"{OP_PREFIX}fetch_{n}",
         "",
         [f"GO({k})" for k in range(n)] + [f"I({n + 1})"],
