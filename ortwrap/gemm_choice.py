@@ -593,7 +593,7 @@ def _choose(graph: _Graph, option: str, dtype: ir.DataType, options: Options) ->
     """(the PyTorch route or not, the other ``GemmChoice`` fields) for one ``"auto"`` option."""
     half = option == "half_compute"
     if half:
-        from ._compat.torch import cpu_has_native_bf16
+        from .cpu import cpu_has_native_bf16
 
         if not cpu_has_native_bf16():  # PyTorch's bf16 GEMMs convert to float32: never faster
             return False, {"how": "no bf16 instructions"}

@@ -53,6 +53,23 @@ def _torch_private_attribute_names() -> set[str]:
     return names
 
 
+def _torch_private_module_names() -> set[str]:
+    """Private names of the torch namespaces ortwrap looks things up in by name (``getattr(dist,
+    name)``, ``namespace.__dict__.get(name)``): a string naming one is a private name too
+    (``"_all_gather_base"``). Not ``torch`` itself, whose private names include ATen op names
+    (``_softmax``), which ortwrap writes as op names."""
+    import torch.autograd
+    import torch.distributed
+    import torch.nn.modules.module
+
+    modules: list[object] = [torch.nn.modules.module, torch.autograd, torch.distributed]
+    if torch.distributed.is_available():
+        import torch.distributed.distributed_c10d
+
+        modules.append(torch.distributed.distributed_c10d)
+    return {n for m in modules for n in dir(m) if _private(n)}
+
+
 def _torch_aliases(tree: ast.Module) -> set[str]:
     """Local names bound to torch or one of its submodules (``torch``, ``nn``, ``F``, ...)."""
     names = set()
@@ -71,7 +88,7 @@ def _torch_aliases(tree: ast.Module) -> set[str]:
     return names
 
 
-def _violations(path: str, private_attrs: set[str]) -> list[str]:
+def _violations(path: str, private_attrs: set[str], private_module_names: set[str] = frozenset()) -> list[str]:
     with open(path) as f:
         source = f.read()
     tree = ast.parse(source)
@@ -110,18 +127,21 @@ def _violations(path: str, private_attrs: set[str]) -> list[str]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             if node.value in private_attrs:
                 report(node, f"the string {node.value!r} (a torch class's private attribute, by name)")
+            elif node.value in private_module_names:
+                report(node, f"the string {node.value!r} (a private name of a torch namespace, by name)")
     return found
 
 
 def test_no_private_torch_name_outside_the_boundary():
     private_attrs = _torch_private_attribute_names()
+    private_module_names = _torch_private_module_names()
     found = []
     for root, _, files in os.walk(PACKAGE):
         if root.startswith(BOUNDARY):
             continue
         for name in files:
             if name.endswith(".py"):
-                found += _violations(os.path.join(root, name), private_attrs)
+                found += _violations(os.path.join(root, name), private_attrs, private_module_names)
     assert not found, "private torch names used outside ortwrap/_compat (move them there):\n" + "\n".join(found)
 
 
@@ -137,17 +157,18 @@ def test_the_checker_finds_what_it_must():
         y = nn.modules.module._global_forward_hooks
         def f(module, op):
             return module._parameters, op._schema, module.__dict__.get("_forward_hooks")
+        COLLECTIVES = ("all_gather", "_all_gather_base")
         """
     )
     path = os.path.join(PACKAGE, "_scratch_compat_check.py")
     with open(path, "w") as f:
         f.write(sample)
     try:
-        found = "\n".join(_violations(path, _torch_private_attribute_names()))
+        found = "\n".join(_violations(path, _torch_private_attribute_names(), _torch_private_module_names()))
     finally:
         os.remove(path)
     for what in ("torch.onnx._internal", "_SingleLevelFunction", "torch._C._from_dlpack", "_global_forward_hooks",
-                 "module._parameters", "op._schema", "'_forward_hooks'"):  # fmt: skip
+                 "module._parameters", "op._schema", "'_forward_hooks'", "'_all_gather_base'"):  # fmt: skip
         assert what in found, f"the check missed {what}:\n{found}"
 
 

@@ -242,7 +242,7 @@ def test_auto_half_compute_measures_bf16_gemms(gemm_dir):
     """Under bf16 autocast the choice is ``half_compute``'s: PyTorch's bf16 GEMMs against MLAS's float32
     ones on the graph's bf16 GEMM shapes (or float32 without measuring where the CPU has no bf16
     instructions); the graph takes that route and training matches eager autocast."""
-    from ortwrap._compat.torch import cpu_has_native_bf16
+    from ortwrap.cpu import cpu_has_native_bf16
 
     w = check_parity(
         wide_mlp, wide_inputs, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),

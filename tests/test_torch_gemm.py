@@ -168,7 +168,7 @@ def test_auto_gemm_is_the_default():
 @no_exporter
 def test_cpu_is_intel_reads_the_vendor():
     """(ortwrap's bf16 attention kernel still picks its GEMM library by vendor: kernels/__init__.py.)"""
-    from ortwrap._compat.torch import cpu_is_intel
+    from ortwrap.cpu import cpu_is_intel
 
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()

@@ -167,6 +167,10 @@ _FLASH_CPU_BACKWARD = _declare("torch.ops.aten._scaled_dot_product_flash_attenti
 #: torch's own checks of the CPU's bfloat16 instructions (what its oneDNN kernels dispatch on).
 _CPU_BF16_CHECKS = (_declare("torch.cpu._is_avx512_bf16_supported"), _declare("torch.cpu._is_amx_tile_supported"))
 _declare("Tensor._version")  # the in-place version counter autograd checks
+# torch.distributed's private collectives, replaced by ortwrap's stubs while exporting --------------
+_PRIVATE_COLLECTIVES = tuple(
+    _declare(f"torch.distributed.{n}") for n in ("_all_gather_base", "_reduce_scatter_base", "_broadcast_coalesced")
+)
 # nn.Module internals ----------------------------------------------------------------------------
 _MODULE_GLOBAL_HOOKS = tuple(
     _declare(f"torch.nn.modules.module.{n}")
@@ -340,32 +344,17 @@ def bundled_mkl_library() -> str | None:
     return path if os.path.exists(path) else None
 
 
-@functools.cache
-def cpu_is_intel() -> bool:
-    """Whether ``/proc/cpuinfo`` names an Intel CPU (MKL and oneDNN pick their kernels by vendor)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(ln.startswith("vendor_id") and "GenuineIntel" in ln for ln in f)
-    except OSError:
-        return False
+def native_bf16_checks() -> tuple[Callable[[], bool], ...]:
+    """torch's checks for hardware bfloat16 (AVX512-BF16, AMX tiles); raises where one is missing
+    (``ortwrap/cpu.py`` then reads ``/proc/cpuinfo``)."""
+    return tuple(_resolve(name) for name in _CPU_BF16_CHECKS)
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX), as torch's kernels see it.
-
-    Without them torch's bfloat16 GEMMs convert to float32 and run several times slower than its
-    float32 ones. Falls back to the flags in ``/proc/cpuinfo`` where torch's checks are missing.
-    """
-    try:
-        return any(bool(_resolve(name)()) for name in _CPU_BF16_CHECKS)
-    except Exception:
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((ln.split() for ln in f if ln.startswith("flags")), [])
-        except OSError:
-            return False
-        return "avx512_bf16" in flags or "amx_bf16" in flags
+def private_collectives() -> tuple[str, ...]:
+    """Names of ``torch.distributed``'s private collectives (``_all_gather_base``, ...), which a
+    Function may call while exporting like the public ones (``integrations/distributed.py`` stubs them
+    where the namespace has them)."""
+    return tuple(name.rpartition(".")[2] for name in _PRIVATE_COLLECTIVES)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -429,13 +418,6 @@ def buffer_table(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     return module.__dict__["_buffers"]
 
 
-def submodule_table(module: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
-    """The module's own ``name -> submodule`` dict, not a copy."""
-    return module.__dict__["_modules"]
-
-
-#: nn.Module's structure tables: what ``named_parameters``, ``named_buffers``, ``named_modules``,
-#: ``state_dict`` and attribute reads of parameters/buffers/submodules walk.
 MODULE_STRUCTURE_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 
@@ -618,7 +600,7 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
 _torchlib_registries: dict[int, Any] = {}
 
 
-def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
+def dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
     """torchlib's registry at ``opset`` (built once per process and opset, :func:`_lazy_torchlib`)
     with ``table``'s translations first.
 
@@ -629,7 +611,7 @@ def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
     registry = _torchlib_registries.get(opset)
     if registry is None:
         registry = _torchlib_registries[opset] = _lazy_torchlib(opset)
-    return _with_extra(registry, table)
+    return with_extra_translations(registry, table)
 
 
 def _lazy_torchlib(opset: int) -> Any:
@@ -698,12 +680,13 @@ def _lazy_signature_meta() -> type:
     return LazySignatureMeta
 
 
-def _assert_metadata() -> Any:
+def assert_metadata_op() -> Any:
+    """``aten._assert_tensor_metadata.default``: the capture's checks of its own metadata."""
     return _resolve(_ASSERT_METADATA).default
 
 
 @contextlib.contextmanager
-def _onnx_exporting() -> Iterator[None]:
+def onnx_exporting() -> Iterator[None]:
     """What ``torch.onnx.export`` sets while it runs (``torch.onnx.is_in_onnx_export()``)."""
     flags = importlib.import_module(_DYN_FLAGS.rpartition(".")[0])
     _resolve(_DYN_FLAGS)
@@ -714,12 +697,7 @@ def _onnx_exporting() -> Iterator[None]:
         flags._is_onnx_exporting = False
 
 
-#: ``extra(program, is_registered, allow_missing) -> {op: translation} | None``: translations that
-#: depend on the graph (ATen nodes for ops without one); None: "decompose first".
-ExtraTranslations = Callable[[Any, Callable[[Any], bool], bool], "dict[Any, Callable[..., Any]] | None"]
-
-
-def _with_extra(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
+def with_extra_translations(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
     """A copy of ``registry`` whose first choice for each op of ``extra`` is ``extra``'s translation."""
     import copy
 
@@ -734,71 +712,27 @@ def _with_extra(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
     return out
 
 
-def dynamo_to_onnx(
-    program: torch.export.ExportedProgram,
-    *,
-    table: dict[Any, Callable[..., Any]],
-    opset: int,
-    decompose: bool,
-    extra: ExtraTranslations | None = None,
-    decompositions: dict[Any, tuple[Callable[[Any], bool], Callable[..., Any]]] | None = None,
-) -> tuple[Any, bool]:
-    """``torch.onnx.export(program, dynamo=True, optimize=False, custom_translation_table=table)``'s
-    ``ir.Model``, and whether the graph was decomposed first.
-
-    ``decompose=False`` first tries to translate the captured graph as it is: when torchlib (or
-    ``table``) has a translation for every op, that skips the exporter's ``run_decompositions``, which
-    retraces the whole graph with symbolic shapes (most of the exporter's time). Ops it cannot
-    translate as they are send it down the exporter's own path, which decomposes them; ops that still
-    have no translation then get ``extra``'s (ATen nodes). ``decompositions``
-    (``{op: (needs(node), decomposition)}``) run first, where a node needs one.
-    """
-    registry = _dynamo_registry(opset, table)
-    wanted = {
-        op: fn
-        for op, (needs, fn) in (decompositions or {}).items()
-        if any(n.op == "call_function" and n.target is op and needs(n) for n in program.graph_module.graph.nodes)
-    }
-    if wanted:
-        _views_as_reshapes(program.graph_module)
-        program = program.run_decompositions(wanted)
-    if not decompose:
-        try:
-            program = _functionalized(program)
-        except Exception as e:  # the exporter's own path below decomposes (and functionalizes) it
-            import logging
-
-            logging.getLogger("ortwrap").debug("dynamo: functionalizing failed (%s): %s", type(e).__name__, e)
-        try:
-            with _onnx_exporting():
-                gm = program.graph_module
-                for node in list(gm.graph.nodes):  # checks of the capture's own metadata: no value
-                    if node.op == "call_function" and node.target is _assert_metadata() and not node.users:
-                        gm.graph.erase_node(node)
-                chosen = extra(program, registry.is_registered, False) if extra is not None else {}
-                if chosen is not None:
-                    # The type promotion pass re-runs every op on fake tensors, as the retrace does.
-                    _views_as_reshapes(gm)
-                    _insert_type_promotion(gm)
-                    gm = _resolve(_DYN_NO_ASSERTS)(gm)
-                    if gm is not program.graph_module:
-                        program._graph_module = gm
-                    translated = _resolve(_DYN_TRANSLATE)(program, registry=_with_extra(registry, chosen))
-                    return translated.model, False
-        except Exception as e:
-            import logging
-
-            logging.getLogger("ortwrap").debug(
-                "dynamo: translating without decompositions failed (%s): %s", type(e).__name__, e
-            )
-    with _onnx_exporting():
-        prepared = _resolve(_DYN_PREPARE)(program, registry=registry)
-        chosen = extra(prepared, registry.is_registered, True) if extra is not None else {}
-        translated = _resolve(_DYN_TRANSLATE)(prepared, registry=_with_extra(registry, chosen or {}))
-    return translated.model, True
+def remove_assertion_nodes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The exporter's pass that drops assertion nodes (a new graph module, or ``gm``)."""
+    return _resolve(_DYN_NO_ASSERTS)(gm)
 
 
-def _insert_type_promotion(gm: torch.fx.GraphModule) -> None:
+def set_graph_module(program: torch.export.ExportedProgram, gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` ``program``'s graph module (the exporter's passes may return a new one)."""
+    program._graph_module = gm
+
+
+def translate_exported(program: torch.export.ExportedProgram, registry: Any) -> Any:
+    """The exporter's translation of ``program`` with ``registry`` (its ``ONNXProgram``)."""
+    return _resolve(_DYN_TRANSLATE)(program, registry=registry)
+
+
+def prepare_exported(program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram:
+    """The exporter's own preparation of ``program`` (``run_decompositions`` with its table)."""
+    return _resolve(_DYN_PREPARE)(program, registry=registry)
+
+
+def insert_type_promotion(gm: torch.fx.GraphModule) -> None:
     """The exporter's type promotion pass (``insert_type_promotion_nodes``: explicit casts where an
     op's inputs have other dtypes than it computes in), re-running on fake tensors only the nodes it
     adds or changes.
@@ -837,64 +771,6 @@ def _lazy_promotion_interpreter() -> type:
             return run_any(self, n)
 
     return ReusingInterpreter
-
-
-def _functionalized(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` without in-place ATen ops (``add_``: torchlib translates none), through
-    ``run_decompositions({})``, which functionalizes and decomposes nothing; ``program`` itself
-    when it has none.
-
-    The retrace re-runs each ``aten.view`` on fake tensors whose strides come from the ops' meta
-    kernels, not from the capture (T5: fused attention's output gets the math kernel's strides, and
-    the ``view`` after its transpose fails): ``view`` is re-run as ``reshape``, the same values.
-    Both look into the bodies of higher-order ops too (an autocast region's).
-    """
-    gm = program.graph_module
-    mutating = [
-        n
-        for n in _all_nodes(gm)
-        if n.op == "call_function"
-        and is_op_overload(n.target)
-        and n.target.namespace == "aten"
-        and op_schema(n.target).is_mutable
-        and not _detach_of_unshared(n)
-    ]
-    if not mutating:
-        return program
-    _views_as_reshapes(gm)
-    return program.run_decompositions({})
-
-
-def _detach_of_unshared(node: torch.fx.Node) -> bool:
-    """A ``detach_`` of a value nothing else reads (HF models' ``torch.tensor([]).detach_()`` in
-    ``DynamicCache``): it changes autograd metadata only, and the translation is the identity
-    (``export/translations.py``), so it needs no functionalization (a retrace of the whole graph:
-    ~3 of the 4.5 CPU seconds of HF GPT-2's dynamo export)."""
-    arg = node.args[0] if node.args else None
-    return node.target is torch.ops.aten.detach_.default and isinstance(arg, torch.fx.Node) and len(arg.users) == 1
-
-
-def _all_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
-    """The nodes of ``gm`` and of the graph modules it calls (the bodies of higher-order ops:
-    under autocast, torch.export puts the autocast region in a ``wrap_with_autocast`` submodule)."""
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            yield from module.graph.nodes
-
-
-def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
-    """Every ``aten.view`` of ``gm`` and its submodules as ``aten.reshape`` (same values; see
-    :func:`_functionalized`)."""
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        changed = False
-        for node in module.graph.nodes:
-            if node.op == "call_function" and node.target is torch.ops.aten.view.default:
-                node.target = torch.ops.aten.reshape.default
-                changed = True
-        if changed:
-            module.recompile()
 
 
 # ------------------------------------------------------------------------------- pytrees

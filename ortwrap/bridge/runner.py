@@ -56,7 +56,6 @@ _is_grad_enabled = torch.is_grad_enabled
 _zeros = torch.zeros
 
 
-
 @functools.cache
 def install() -> None:
     """Build (first time only), load and register the native runners with ORT. Once per process."""

@@ -1,9 +1,8 @@
-"""Stage 1: torch.nn.Module -> ONNX."""
+"""Stage 1: torch.nn.Module -> ONNX (``dynamo.py``, the default, and ``torchscript.py``: each a
+capture and a translation, two build stages)."""
 
 from __future__ import annotations
 
 from ..graph.model import ExportedModel
-from .dynamo import export_dynamo
-from .torchscript import export_torchscript
 
-__all__ = ["ExportedModel", "export_dynamo", "export_torchscript"]
+__all__ = ["ExportedModel"]

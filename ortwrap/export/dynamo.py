@@ -36,13 +36,13 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
-from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError, UnsupportedOutputError, output_error_in
 from ..graph.model import ExportedModel
 from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_state, state_tensors
 from .aten_fallback import fallback_translations
 from .context import capture_context
+from .dynamo_translate import dynamo_to_onnx
 from .translations import TRAINING_ATEN_OPS, training_decompositions, training_translations
 
 _log = logging.getLogger("ortwrap")
@@ -126,13 +126,6 @@ class DynamoCapture:
     opset: int
     module_name: str
     static_reasons: tuple[str, ...] = ()
-
-
-def export_dynamo(
-    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], **kw
-) -> ExportedModel:
-    """:func:`capture_dynamo` then :func:`translate_dynamo` (the two build stages)."""
-    return translate_dynamo(capture_dynamo(module, flat_inputs, in_spec, input_paths, **kw))
 
 
 def capture_dynamo(
@@ -299,7 +292,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
         # The exporter's decompositions retrace the graph, running each Function's forward again on
         # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
         with bridge_dynamo.translating(bridge), _quiet_exporter(), capture_context():
-            ir_model, _decomposed = compat.dynamo_to_onnx(
+            ir_model, _decomposed = dynamo_to_onnx(
                 program,
                 table={**training_translations(), **bridge.translation_table()},
                 opset=capture.opset,

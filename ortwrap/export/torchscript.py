@@ -57,13 +57,6 @@ class TorchScriptCapture:
     static_spatial: bool
 
 
-def export_torchscript(
-    module: nn.Module, flat_inputs: list[torch.Tensor], in_spec: tuple, input_paths: list[str], **kw
-) -> ExportedModel:
-    """:func:`capture_torchscript` then :func:`translate_torchscript` (the two build stages)."""
-    return translate_torchscript(capture_torchscript(module, flat_inputs, in_spec, input_paths, **kw))
-
-
 def capture_torchscript(
     module: nn.Module,
     flat_inputs: list[torch.Tensor],

@@ -255,7 +255,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 # Ops torch.export leaves in its (training) graph that torchlib has no translation for: the exporter
 # decomposes them with ``run_decompositions``, which retraces the whole graph with symbolic shapes
 # (seconds, most of the dynamo export). Translating the few that HF models use here lets ortwrap
-# skip that retrace (``compat.dynamo_to_onnx(decompose=False)``).
+# skip that retrace (``dynamo_translate.dynamo_to_onnx(decompose=False)``).
 
 
 def _cast_or_identity(x, dtype):

@@ -30,7 +30,6 @@ Nothing here imports DeepSpeed at module import.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -51,7 +50,6 @@ __all__ = [
     "ZERO3_MARK",
     "DeepSpeedZero3",
     "export_guard",
-    "is_deepspeed_available",
     "is_zero3_module",
     "zero3_forward",
 ]
@@ -61,11 +59,6 @@ ZERO3_MARK = "ds_id"
 #: Set on an ORTWrap while :func:`zero3_forward` runs its forward (guards against re-entry).
 BUSY_MARK = "_ortwrap_zero3_busy"
 _STATE = "_ortwrap_zero3"
-
-
-def is_deepspeed_available() -> bool:
-    """Whether DeepSpeed can be imported (without importing it)."""
-    return importlib.util.find_spec("deepspeed") is not None
 
 
 def is_zero3_module(module: nn.Module) -> bool:

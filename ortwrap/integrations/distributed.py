@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import torch as compat
 from ..bridge.intercept import current_function
 from ..errors import ExportError, UnsupportedInputError
 from ..export.context import register_capture_context
@@ -82,9 +83,7 @@ TORCH_COLLECTIVES: tuple[str, ...] = (
     "scatter_object_list",
     "send",
     "send_object_list",
-    "_all_gather_base",
-    "_reduce_scatter_base",
-    "_broadcast_coalesced",
+    *compat.private_collectives(),  # _all_gather_base, ... (private names: the compat boundary's)
 )
 
 #: Names of ``deepspeed.comm`` functions replaced while exporting (when DeepSpeed is imported).

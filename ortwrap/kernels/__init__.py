@@ -53,9 +53,11 @@ import warnings
 
 import torch
 
-from .._compat.torch import bundled_mkl_library, cpu_is_intel
+from .._compat.torch import bundled_mkl_library
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
+from ..cpu import cpu_is_intel
+from ..grad.aten import register_gradient
 from ..registry import KERNELS, check_kernel_table
 
 PREFIX = aten.NATIVE_PREFIX
@@ -89,9 +91,7 @@ def install() -> ctypes.CDLL:
     for k in KERNELS:
         g = k.gradient
         if g is not None:
-            aten.register_gradient(
-                PREFIX + k.name, "", list(g.inputs), list(g.outputs), PREFIX + g.backward, set(g.stop)
-            )
+            register_gradient(PREFIX + k.name, "", list(g.inputs), list(g.outputs), PREFIX + g.backward, set(g.stop))
     return lib
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .pipeline import PassRecord, default_passes, run_pass, run_passes
+from .pipeline import PassRecord, default_passes, run_pass
 from .shape_related import ShapeRelatedNode, explain_shape_related_nodes, shape_related_nodes
 
 __all__ = [
@@ -11,6 +11,5 @@ __all__ = [
     "default_passes",
     "explain_shape_related_nodes",
     "run_pass",
-    "run_passes",
     "shape_related_nodes",
 ]

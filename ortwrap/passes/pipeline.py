@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-import onnx
 import onnx_ir as ir
 
-from ..bridge.aten import infer_types
 from ..errors import PassError
 from .aten_types import ATenStringArgumentsPass
 from .avgpool_to_conv import AveragePoolToConvPass
@@ -187,27 +184,3 @@ def run_pass(p: ir.passes.PassBase, model: ir.Model) -> ir.passes.PassResult:
         return p(model)
     except Exception as e:
         raise PassError(f"pass {type(p).__name__} failed: {type(e).__name__}: {e}") from e
-
-
-def run_passes(model: onnx.ModelProto, passes: list[ir.passes.PassBase]) -> tuple[onnx.ModelProto, list[PassRecord]]:
-    """Run ``passes`` over ``model`` in order; return the rewritten model and a record per pass.
-
-    Raises:
-        PassError: naming the pass that failed, chained to its error.
-    """
-    # Shapes let passes read ranks and static dimensions (extended through ATen nodes).
-    try:
-        model = infer_types(model)
-    except Exception as e:
-        raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
-    ir_model = ir.serde.deserialize_model(model)
-    records = []
-    for p in passes:
-        start = time.perf_counter()
-        try:
-            result = p(ir_model)
-        except Exception as e:
-            raise PassError(f"pass {type(p).__name__} failed: {type(e).__name__}: {e}") from e
-        ir_model = result.model
-        records.append(PassRecord(type(p).__name__, result.modified, time.perf_counter() - start))
-    return ir.serde.serialize_model(ir_model), records

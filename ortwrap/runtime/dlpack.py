@@ -1,14 +1,12 @@
 """torch.Tensor <-> OrtValue without copies, through DLPack.
 
-NOTE: ownership. ``to_ortvalues`` hands ORT a DLPack capsule that keeps the torch storage alive for
+NOTE: ownership. ``push_tensor`` hands ORT a DLPack capsule that keeps the torch storage alive for
 as long as the OrtValue lives; ``to_tensors`` hands torch a capsule that keeps ORT's buffer alive
 for as long as the tensor lives. No bytes are copied either way. Bool tensors cross as uint8 views
 (ORT 1.19.2 predates DLPack's bool type) and are viewed back as bool.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
@@ -29,15 +27,6 @@ def push_tensor(vec: C.OrtValueVector, t: torch.Tensor) -> None:
         vec.push_back(to_dlpack(t.view(torch.uint8)), True)
     else:
         vec.push_back(to_dlpack(t), False)
-
-
-def to_ortvalues(tensors: Sequence[torch.Tensor]) -> C.OrtValueVector:
-    """Wrap ``tensors`` as an OrtValueVector (see :func:`push_tensor`)."""
-    vec = C.OrtValueVector()
-    vec.reserve(len(tensors))
-    for t in tensors:
-        push_tensor(vec, t)
-    return vec
 
 
 def ortvalue(t: torch.Tensor) -> C.OrtValue:

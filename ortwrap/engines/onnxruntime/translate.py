@@ -2,7 +2,7 @@
 
 The graph is ATen IR, functional, with static shapes (the engine builds per shape signature). It is
 captured again by ``torch.export`` (cheap: its ops are ATen already) and translated by ortwrap's
-dynamo translation path (``compat.dynamo_to_onnx``, with ortwrap's translation table and torchlib
+dynamo translation path (``export.dynamo_translate.dynamo_to_onnx``, with ortwrap's translation table and torchlib
 for the rest), then cleaned up by the same onnxscript round as the dynamo exporter's output
 (``export.dynamo._cleanup``).
 
@@ -17,7 +17,6 @@ import dataclasses
 import onnx_ir as ir
 import torch
 
-from ..._compat import torch as compat
 from ...errors import ExportError
 
 
@@ -52,6 +51,7 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
     intermediate values are graph outputs, saved for the backward, alone)."""
     from ...export.dynamo import _cleanup, _quiet_exporter
+    from ...export.dynamo_translate import dynamo_to_onnx
     from ...export.translations import training_translations
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -86,7 +86,7 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     try:
         with _quiet_exporter():
             program = torch.export.export(module, example, strict=False)
-            ir_model, _ = compat.dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
+            ir_model, _ = dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
         if fusions:
             import onnx_ir.passes.common as common
