@@ -26,6 +26,7 @@ from .engines import make_engine
 from .errors import (
     FALLBACK_PHASES,
     ExportError,
+    FallbackWarning,  # (defined with the errors; ortwrap.api.FallbackWarning stays)
     ORTWrapError,
     RuntimeRunError,
     UnsupportedFunctionError,
@@ -39,10 +40,6 @@ from .runtime.function import run_training_graph
 from .verify import verify_program
 
 __all__ = ["FallbackWarning", "ORTWrap"]
-
-
-class FallbackWarning(UserWarning):
-    """ORTWrap could not build the module for ONNX Runtime and runs it in PyTorch instead."""
 
 
 def _unsupported_input(path: str, value: Any) -> tuple:

@@ -181,7 +181,7 @@ def _dist_version(dist: str) -> str:
 def _versions() -> tuple:
     """Python's and every library's version that decides what a build produces (read once per
     process: ``_versions.cache_clear()`` reads them again)."""
-    from . import __version__ as ortwrap_version
+    from ._version import __version__ as ortwrap_version
 
     ort = "-"
     for dist in ("onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime"):

@@ -11,6 +11,7 @@ import re
 
 __all__ = [
     "ExportError",
+    "FallbackWarning",
     "GradientBuildError",
     "ORTWrapError",
     "PassError",
@@ -122,6 +123,10 @@ class VerificationError(ORTWrapError):
     """A verification run found ONNX Runtime's results differ from eager PyTorch."""
 
     phase = "verify"
+
+
+class FallbackWarning(UserWarning):
+    """ORTWrap could not build the module for ONNX Runtime and runs it in PyTorch instead."""
 
 
 #: Phases whose failure may fall back to PyTorch (when the options allow it).

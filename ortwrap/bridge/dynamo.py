@@ -32,6 +32,7 @@ import torch
 
 from .._compat import torch as compat
 from ..graph.names import ATEN_DOMAIN, PLACEHOLDER_DOMAIN
+from ..graph.nodes import aten_node
 from . import intercept, state
 from .runner import install
 from .symbolic import (
@@ -260,8 +261,7 @@ def _replace_with_aten(node: ir.Node, call: Any) -> None:
         inputs.insert(i, None)
     while inputs and inputs[-1] is None:
         inputs.pop()
-    attrs = [ir.AttrString("operator", call.operator), ir.AttrString("overload_name", call.overload)]
-    aten = ir.Node(ATEN_DOMAIN, "ATen", inputs, attributes=attrs, num_outputs=len(node.outputs), name=node.name)
+    aten = aten_node(call.operator, inputs, overload=call.overload, outputs=len(node.outputs), name=node.name)
     graph = node.graph
     graph.insert_before(node, aten)
     for old, new in zip(node.outputs, aten.outputs):

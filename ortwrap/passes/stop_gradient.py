@@ -22,10 +22,10 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ..graph.names import ATEN_DOMAIN, ORTWRAP_DOMAIN, STATE_PREFIX, STOP_GRADIENT_SUFFIX
+from ..graph.nodes import aten_node
 
 #: graph names of parameters and buffers: fed by ortwrap, so a frozen duplicate can be fed the same
 #: tensor. A user input goes the ATen route like a computed value.
-
 
 
 class ResolveStopGradientPass(ir.passes.InPlacePass):
@@ -51,14 +51,13 @@ class ResolveStopGradientPass(ir.passes.InPlacePass):
                     frozen[src.name] = dup
                 _replace(graph, node, dup)
             elif self.with_backward and not _integer(src) and _reads_graph_inputs(src):
-                detach = ir.node(
-                    "ATen",
+                detach = aten_node(
+                    "detach",
                     [src],
-                    {"operator": "detach", "overload_name": ""},
-                    domain=ATEN_DOMAIN,
+                    dtypes=[src.dtype],
+                    shapes=[src.shape],
                     name=f"{node.name or src.name}/ortwrap_detach",
                 )
-                detach.outputs[0].dtype, detach.outputs[0].shape = src.dtype, src.shape
                 graph.insert_before(node, detach)
                 _replace(graph, node, detach.outputs[0])
                 model.opset_imports.setdefault(ATEN_DOMAIN, 1)

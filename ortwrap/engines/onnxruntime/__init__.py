@@ -205,7 +205,7 @@ class OnnxRuntimeEngine:
 
 
 def wrapper_warning() -> type:
-    from ...api import FallbackWarning
+    from ...errors import FallbackWarning
 
     return FallbackWarning
 
