@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..bridge.aten import ATEN_DOMAIN
+from ..graph.names import ATEN_DOMAIN
 
 
 def _string_constant(value: ir.Value | None) -> str | None:

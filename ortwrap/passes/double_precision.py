@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..bridge.aten import ATEN_DOMAIN
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
+from ..graph.names import ATEN_DOMAIN
 from ..registry import DOUBLE_PRECISION, constant_array, written
 from ._build import NodeBuilder, constant_value
 from .torch_gradients import replace_with_torch
