@@ -124,6 +124,10 @@ class VerificationError(ORTWrapError):
     phase = "verify"
 
 
+class FallbackWarning(UserWarning):
+    """ORTWrap could not build the module for ONNX Runtime and runs it in PyTorch instead."""
+
+
 #: Phases whose failure may fall back to PyTorch (when the options allow it).
 FALLBACK_PHASES: tuple[type[ORTWrapError], ...] = (ExportError, PassError, GradientBuildError, SessionError)
 

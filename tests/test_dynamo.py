@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,9 @@ from torch import nn
 
 from ortwrap import ORTWrap
 from ortwrap.api import FallbackWarning
+from ortwrap.bridge.aten import infer_types
 from ortwrap.errors import ExportError, PassError, VerificationError
-from ortwrap.passes import run_passes
+from ortwrap.passes import run_pass
 from ortwrap.passes.sequence_ops import RefuseSequenceOpsPass
 from ortwrap.verify import VerificationSkipped
 
@@ -197,13 +199,17 @@ def _sequence_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def _ir(model: onnx.ModelProto) -> ir.Model:
+    return ir.serde.deserialize_model(infer_types(model))
+
+
 def test_sequence_ops_on_the_gradient_path_are_refused():
     with pytest.raises(PassError, match=r"'split_seq' is a SplitToSequence on the gradient path"):
-        run_passes(_sequence_model(), [RefuseSequenceOpsPass()])
+        run_pass(RefuseSequenceOpsPass(), _ir(_sequence_model()))
     model = _sequence_model()
     del model.graph.node[:3]
     del model.graph.output[0]
-    run_passes(model, [RefuseSequenceOpsPass()])  # integer-only sequence ops pass
+    run_pass(RefuseSequenceOpsPass(), _ir(model))  # integer-only sequence ops pass
 
 
 class MatrixExp(nn.Module):
