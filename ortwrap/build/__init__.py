@@ -5,7 +5,8 @@
 - ``request.py``: what a build is asked (``BuildRequest``) and gives back (``BuildArtifacts``);
 - ``stages.py``: the one stage plan (``export_stages``, ``build_stages``);
 - ``compile.py``: ``compile_program``, the exporter loop, the garbage collector set aside;
-- ``cache.py``: the persistent build cache and its stages (lookup, store, load).
+- ``cache.py``: the persistent build cache (key, signed entries, size cap);
+- ``cache_stages.py``: its stages (lookup, store, a program from an entry).
 """
 
 from __future__ import annotations

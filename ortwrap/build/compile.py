@@ -27,7 +27,7 @@ from ..export import ExportedModel
 from ..options import Options
 from ..runtime.program import Program
 from . import cache as build_cache
-from .cache import cache_lookup, cache_store, program_from_cache
+from .cache_stages import cache_lookup, cache_store, program_from_cache
 from .pipeline import Stage, StageRecord, run_stages
 from .request import BuildArtifacts, BuildRequest
 from .stages import build_stages, export_stages
