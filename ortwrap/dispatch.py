@@ -131,7 +131,6 @@ class ProgramSet:
         return self._dynamic is not None or bool(self._by_shape) or bool(self._guarded)
 
 
-
 class Dispatcher:
     """One wrapper's calls on the training engine: its program table (:class:`ProgramSet` by
     :class:`GraphKey`), the keys that fell back, and how each call is served.

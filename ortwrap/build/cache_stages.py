@@ -85,7 +85,16 @@ def cache_lookup(request: BuildRequest, capture: Any, exporter: str) -> dict:
 @stage("cache_store", ("request", "cache_key", "fed_export", "graph", "host_split", "exported_proto", "pre_grad",
                        "pass_records", "exporter", "exports", "static_reasons"), (), group="session")  # fmt: skip
 def cache_store(
-    request, cache_key, fed_export, graph, host_split, exported_proto, pre_grad, pass_records, exporter, exports,
+    request,
+    cache_key,
+    fed_export,
+    graph,
+    host_split,
+    exported_proto,
+    pre_grad,
+    pass_records,
+    exporter,
+    exports,
     static_reasons,
 ):
     """Add this build to the cache (not graphs with PythonOps or a host shape program); with the
@@ -129,9 +138,7 @@ def _same_fit(a: CacheEntry, b: CacheEntry) -> bool:
     )
 
 
-def program_from_cache(
-    request: BuildRequest, entry: CacheEntry, records: list[StageRecord], debug: dict, t0: float
-):
+def program_from_cache(request: BuildRequest, entry: CacheEntry, records: list[StageRecord], debug: dict, t0: float):
     """A program from a cache entry: a session over the stored graph, mapped to this module."""
 
     @stage("cache_load", ("request", "cached"), ("fed_export", "graph"), group="export")
@@ -195,4 +202,3 @@ def _operator(node: onnx.NodeProto) -> str:
 def cached_graph_nodes(entry: CacheEntry) -> list[onnx.NodeProto]:
     """The nodes of a cached built graph."""
     return list(onnx.load_model_from_string(entry.model_bytes).graph.node)
-

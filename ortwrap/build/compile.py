@@ -130,7 +130,6 @@ def _capture(
     return values, values["cache_key"], values["cached"]
 
 
-
 #: Allocations between two young-generation collections during a build (Python's default is 700).
 _BUILD_GC_YOUNG_THRESHOLD = 20_000
 
@@ -264,4 +263,3 @@ def _compile(
         gemm_choice=values["gemm_choice"],
     )
     return program, artifacts
-

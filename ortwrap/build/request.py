@@ -43,7 +43,6 @@ class BuildRequest:
         return f"{'training' if self.with_backward else 'inference'} program for {type(self.module).__name__}"
 
 
-
 @dataclass
 class BuildArtifacts:
     """Everything one build produced, for users and tests to inspect.
@@ -106,4 +105,3 @@ class BuildArtifacts:
         if self.host_shapes is not None:
             paths += self.host_shapes.save(directory, f"build{index:02d}_{kind}_host_shapes")
         return paths
-

@@ -81,11 +81,11 @@ def export_stages(exporter: str) -> list[Stage]:
     return [capture, translate]
 
 
-
 def build_stages(request: BuildRequest) -> list[Stage]:
-    """Every stage after the export, in order: native kernels, type inference, each graph pass
-    (``passes.default_passes``), the host split (``aggressive_cpu_fallback``), ATen gradients, the
-    gradient build, the session, the program."""
+    """Every stage after the export, in order: native kernels, type inference, the GEMM choice,
+    each entry of ``passes.planned_passes`` (fuse_initializers, the graph passes, the host split),
+    serialization, ATen gradients, the gradient build, recompute, the integrations' rewrites, the
+    session, the program."""
     o = request.options
     with_backward, device = request.with_backward, request.device
 
@@ -241,10 +241,14 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
 
     @stage("program", ("fed_export", "graph", "runner", "host_split"), ("program",), group="session")
-    def program(fed_export: ExportedModel, graph: TrainingGraph, runner: Any, host_split: HostShapeSplit | None) -> dict:
+    def program(
+        fed_export: ExportedModel, graph: TrainingGraph, runner: Any, host_split: HostShapeSplit | None
+    ) -> dict:
         prog = Program(fed_export, graph, runner, request.module)
         if host_split is not None and host_split.feeds:
-            host_index = {n: i for i, n in enumerate(fed_export.user_input_names[: len(request.leaves)]) if n is not None}
+            host_index = {
+                n: i for i, n in enumerate(fed_export.user_input_names[: len(request.leaves)]) if n is not None
+            }
             prog.host_shapes_runner = HostShapeRunner(host_split, host_index)
         return {"program": prog}
 
@@ -309,9 +313,7 @@ def _modified(out: dict) -> bool:
     return bool(records) and records[-1].modified
 
 
-def _fed_export(
-    exported: ExportedModel, pre_grad: onnx.ModelProto, host_split: HostShapeSplit | None
-) -> ExportedModel:
+def _fed_export(exported: ExportedModel, pre_grad: onnx.ModelProto, host_split: HostShapeSplit | None) -> ExportedModel:
     """The export as the built graph is fed: the rewritten model, the host-fed inputs after the
     user's tensors, the buffer outputs the passes kept, the stop-gradient duplicates' tensors."""
     remaining = {o.name for o in pre_grad.graph.output}
@@ -327,7 +329,6 @@ def _fed_export(
     return fed
 
 
-
 def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
     """Frozen duplicate inputs made by the stop-gradient pass are fed the tensor they duplicate."""
     for value in exported.model.graph.input:
@@ -336,4 +337,3 @@ def _add_stop_gradient_inputs(exported: ExportedModel) -> None:
             base = name[: -len(STOP_GRADIENT_SUFFIX)]
             exported.state_inputs[name] = exported.state_inputs[base]
             exported.state_names[name] = exported.state_names[base]
-

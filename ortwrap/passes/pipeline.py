@@ -120,7 +120,9 @@ class PlannedPass:
 def _fuse_initializers(exported: Any) -> ir.passes.PassBase:
     """Frozen half-precision parameters and buffers enter the graph as float32 (fed from copies)."""
     names = {
-        n for n, t in exported.state_inputs.items() if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
+        n
+        for n, t in exported.state_inputs.items()
+        if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
     }
     return FuseHalfInitializersPass(names)
 
@@ -245,7 +247,9 @@ def _graph_passes(
     # partitions the graph. Not GELU in CPU training graphs: ortwrap's own GELU kernels (and, without
     # them, the unfused form ORT differentiates faster) beat ORT's fused Gelu there.
     if fusions:
-        passes.append(P(StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu"))))
+        passes.append(
+            P(StandardOpFusionPass(training=with_backward, gelu=not (with_backward and device_type == "cpu")))
+        )
     if with_backward:
         # Rewrites of ops that ORT 1.19.2 cannot differentiate (or differentiates wrongly).
         passes += [

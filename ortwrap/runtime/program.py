@@ -143,7 +143,6 @@ class Program:
         return feeds, vec
 
 
-
 def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
     refs: dict[str, _StateRef] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -152,4 +151,3 @@ def _state_refs(module: nn.Module) -> dict[str, _StateRef]:
         for attr in compat.buffer_table(sub):
             refs.setdefault(f"{prefix}.{attr}" if prefix else attr, _StateRef(sub, attr, False))
     return refs
-
