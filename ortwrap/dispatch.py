@@ -61,8 +61,8 @@ class GraphKey(NamedTuple):
     autocast: tuple | None
 
 
-#: ``GraphKey(...)`` without NamedTuple's keyword handling (per step: a tuple of six values).
-_graph_key = GraphKey._make
+#: ``GraphKey`` from a tuple of its six values, without NamedTuple's argument handling (per step).
+_tuple_new = tuple.__new__
 
 
 class ProgramSet:
@@ -319,14 +319,17 @@ class Dispatcher:
                         in_spec, leaves, lambda i, v: _tree.INT if i in fed else v, self.int_device(leaves)
                     )
         needs_grad = grad_on and (True in params_rg or any(t.requires_grad for t in leaves))
-        key = _graph_key((
-            self.module.training,
-            needs_grad,
-            structure,
-            tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
-            params_rg if needs_grad else (),
-            autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
-        ))  # fmt: skip
+        key = _tuple_new(
+            GraphKey,
+            (
+                self.module.training,
+                needs_grad,
+                structure,
+                tuple([(t.dim(), t.dtype, t.device, t.requires_grad) for t in leaves]),
+                params_rg if needs_grad else (),
+                autocast_state() if (_any_autocast or _bind_autocast_check())() else None,  # its own graph
+            ),
+        )
         return key, leaves, in_spec
 
     def falls_back(self, args: tuple, kwargs: dict) -> bool:
