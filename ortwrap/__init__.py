@@ -12,6 +12,7 @@ check_torch_version()  # before anything else: a clear ImportError on a torch ol
 
 from ._logging import get_verbosity, set_verbosity  # noqa: E402
 from .api import FallbackWarning, ORTWrap  # noqa: E402
+from .build import BuildArtifacts  # noqa: E402
 from .engines import available_engines  # noqa: E402
 from .errors import (  # noqa: E402
     ExportError,
@@ -27,7 +28,6 @@ from .errors import (  # noqa: E402
     VerificationError,
 )
 from .options import ENV_VARS, Options  # noqa: E402
-from .program import BuildArtifacts  # noqa: E402
 
 __all__ = [
     "ENV_VARS",

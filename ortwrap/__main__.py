@@ -87,7 +87,7 @@ def env(out=sys.stdout) -> None:
     """Print what a bug report needs (``python -m ortwrap env``)."""
     from . import __version__
     from ._compat.torch import CHECKED_RELEASES, SUPPORTED_RANGE
-    from .cache import entries_info
+    from .build.cache import entries_info
     from .options import build_cache_dir, build_cache_max_bytes, cache_dir
 
     w = out.write
@@ -126,7 +126,7 @@ def env(out=sys.stdout) -> None:
 
 def cache_info(out=sys.stdout) -> None:
     """Print the build cache's location, entries and size (``python -m ortwrap cache info``)."""
-    from .cache import entries_info
+    from .build.cache import entries_info
     from .options import build_cache_dir, build_cache_max_bytes, build_cache_secret_path
 
     directory = build_cache_dir()
@@ -144,7 +144,7 @@ def cache_info(out=sys.stdout) -> None:
 
 def cache_clear(out=sys.stdout) -> None:
     """Delete every build cache entry (``python -m ortwrap cache clear``)."""
-    from .cache import clear
+    from .build.cache import clear
     from .options import build_cache_dir
 
     directory = build_cache_dir()

@@ -15,7 +15,7 @@ from typing import Any
 __all__ = ["ENV_VARS", "ORTMODULE_ENV_VARS", "Options", "env_flag", "env_log_level", "parse_log_level"]
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-_EXPORTERS = ("auto", "torchscript", "dynamo")
+EXPORTER_CHOICES = ("auto", "torchscript", "dynamo")
 _ZERO3_GATHER = ("module", "submodule")
 _RECOMPUTE = ("none", "cheap", "layers")  # grad.recompute.RECOMPUTE_MODES
 _HALF_COMPUTE = ("auto", "float32", "native")
@@ -65,7 +65,7 @@ class Options:
     exporter: str = _opt(
         "auto",
         "ORTWRAP_EXPORTER",
-        f"Exporter, one of {', '.join(_EXPORTERS)}. 'auto' tries 'dynamo' (torch.export) first on every torch "
+        f"Exporter, one of {', '.join(EXPORTER_CHOICES)}. 'auto' tries 'dynamo' (torch.export) first on every torch "
         "release where torch.onnx deprecates the TorchScript exporter (2.9 and later, so all supported releases), "
         "and the TorchScript exporter when the dynamo capture fails (a data-dependent branch in an autograd.Function, "
         "say), saying so once; before 2.9 it is 'torchscript' (docs/exporters.md).",
@@ -188,8 +188,8 @@ class Options:
                 object.__setattr__(self, "log_level", parse_log_level(self.log_level))
             except ValueError as e:
                 raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid: {e}") from None
-        if self.exporter not in _EXPORTERS:
-            raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(_EXPORTERS)}")
+        if self.exporter not in EXPORTER_CHOICES:
+            raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(EXPORTER_CHOICES)}")
         if self.engine not in _ENGINES:
             raise ValueError(f"ORTWrap option engine={self.engine!r} is invalid; allowed: {', '.join(_ENGINES)}")
         if self.zero3_gather not in _ZERO3_GATHER:
@@ -444,7 +444,7 @@ def build_cache_secret_path() -> tuple[str, bool]:
     """The file holding the secret build cache entries are signed with, and whether the user named
     it: ``$ORTWRAP_BUILD_CACHE_SECRET``, else ``~/.cache/ortwrap/build-cache.secret``, which is the
     user's own whatever ``ORTWRAP_CACHE_DIR`` says (a shared cache directory must not hold the key
-    that makes its entries trusted; ``cache.py``)."""
+    that makes its entries trusted; ``build/cache.py``)."""
     explicit = os.environ.get("ORTWRAP_BUILD_CACHE_SECRET")
     if explicit:
         return explicit, True

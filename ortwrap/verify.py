@@ -100,7 +100,7 @@ def verify_program(module: nn.Module, program, args: tuple, kwargs: dict, leaves
 
     Args:
         module: the wrapped module.
-        program: the new :class:`ortwrap.program.Program`.
+        program: the new :class:`ortwrap.runtime.program.Program`.
         args, kwargs: the call's arguments (for the eager run).
         leaves: the call's flat tensor inputs (for the ORT run).
         run: ``run(program, leaves) -> flat outputs`` (user outputs, then buffer outputs).

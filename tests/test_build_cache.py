@@ -17,7 +17,7 @@ from parity import check_parity
 from torch import nn
 
 from ortwrap import ORTWrap
-from ortwrap.cache import BuildCacheWarning
+from ortwrap.build.cache import BuildCacheWarning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -195,7 +195,7 @@ def test_a_corrupt_entry_is_rebuilt_with_a_warning(cache_dir):
 def test_a_crash_mid_write_leaves_no_entry(cache_dir, monkeypatch):
     """Entries are written to a temporary file and renamed: a crash before the rename (simulated
     by a failing ``os.replace``) leaves nothing a later process would read."""
-    import ortwrap.cache as cache
+    import ortwrap.build.cache as cache
 
     def crash(src, dst):
         raise OSError("simulated crash before the rename")

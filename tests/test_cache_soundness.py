@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import nn
 
-import ortwrap.cache as cache
+import ortwrap.build.cache as cache
 from ortwrap import ORTWrap
-from ortwrap.cache import BuildCacheWarning
+from ortwrap.build.cache import BuildCacheWarning
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -59,10 +59,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "build",
         (
             "ortwrap.build",
-            "ortwrap.pipeline",
-            "ortwrap.cache",
             "ortwrap.gemm_choice",
-            "ortwrap.program",
             "ortwrap.verify",
         ),
     ),

@@ -5,9 +5,12 @@ an integration:
 
 - **wrap time**: :meth:`Integration.check_wrappable` refuses a module the integration knows cannot
   work inside ORTWrap (``DistributedDataParallel(model)`` inside ORTWrap, ...).
-- **around a step**: :meth:`Integration.step` runs the wrapper's forward for a call it takes over
-  (DeepSpeed ZeRO-3: gather the partitioned parameters, run, release them after the backward).
-  :meth:`Integration.applies` is asked on every call and must be cheap.
+- **around a step**: :meth:`Integration.step` runs a call it takes over (DeepSpeed ZeRO-3: gather
+  the partitioned parameters, run, release them after the backward). The wrapper hands it a
+  :class:`Step`: ``step.run()`` runs the wrapper's own forward and returns a :class:`StepOutcome`
+  (the output, and ``fell_back``: whether the call ran in PyTorch); ``step.fall_back(error)`` makes
+  the call's input signature fall back. :meth:`Integration.applies` is asked on every call and must
+  be cheap.
 - **before export**: :meth:`Integration.export_context` surrounds each export (DeepSpeed's module
   hooks hidden while tracing).
 - **after the gradient build**: :meth:`Integration.rewrite_graph` may rewrite the built training
@@ -17,29 +20,82 @@ an integration:
   parameters outside a step (``verify=True``'s eager run).
 
 :data:`INTEGRATIONS` lists them; each imports its library lazily, so importing ortwrap imports none.
+What an integration may use of the wrapper is :class:`Wrapper` (it imports nothing of ``api.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..api import ORTWrap
+    from ..errors import ORTWrapError
     from ..grad.builder import TrainingGraph
+    from ..options import Options
+    from ..runtime.program import Program
 
 __all__ = [
     "INTEGRATIONS",
     "Integration",
+    "Step",
+    "StepOutcome",
+    "Wrapper",
     "check_wrappable",
     "export_context",
     "rewrite_graph",
     "step_integration",
     "wrapper_attribute",
 ]
+
+
+class Wrapper(Protocol):
+    """What an integration may use of the wrapper (an ``ortwrap.ORTWrap``). Its own bookkeeping it
+    keeps in the wrapper's ``__dict__``, under the names its ``wrapper_attributes`` declare."""
+
+    module: nn.Module
+    __dict__: dict[str, Any]
+
+    @property
+    def options(self) -> Options: ...
+
+    def programs(self) -> list[Program]:
+        """Every compiled program of the wrapper."""
+        ...
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the wrapper's forward did with a call an integration took over (:meth:`Step.run`)."""
+
+    #: the call's output
+    output: Any
+    #: the call ran in PyTorch: its input signature fell back (on this call or an earlier one).
+    #: The module then ran under its own hooks (the integration's, which gather what they need).
+    fell_back: bool
+
+
+class Step(Protocol):
+    """One call an integration takes over (:meth:`Integration.step`)."""
+
+    args: tuple
+    kwargs: dict
+
+    @property
+    def fell_back_before(self) -> bool:
+        """Whether some earlier call of this wrapper fell back (some input signature runs in PyTorch)."""
+        ...
+
+    def run(self) -> StepOutcome:
+        """Run the call through the wrapper's own forward."""
+        ...
+
+    def fall_back(self, error: ORTWrapError) -> Any:
+        """Fall back for this call's input signature (said once, remembered) and run the call in PyTorch."""
+        ...
 
 
 class Integration:
@@ -50,15 +106,16 @@ class Integration:
     def check_wrappable(self, module: nn.Module) -> None:
         """Raise if ``module`` cannot be wrapped (called once, by ``ORTWrap.__init__``)."""
 
-    def applies(self, wrapper: ORTWrap) -> bool:
+    def applies(self, wrapper: Wrapper) -> bool:
         """Whether :meth:`step` takes over this wrapper's calls now (asked on every call: keep it cheap)."""
         return False
 
-    def step(self, wrapper: ORTWrap, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Run ``forward(*args, **kwargs)`` (the wrapper's own forward) with what the integration needs around it."""
-        return forward(*args, **kwargs)
+    def step(self, wrapper: Wrapper, step: Step) -> Any:
+        """Run the call (``step.run()``, the wrapper's own forward) with what the integration needs
+        around it; return its output."""
+        return step.run().output
 
-    def export_context(self, wrapper: ORTWrap) -> contextlib.AbstractContextManager:
+    def export_context(self, wrapper: Wrapper) -> contextlib.AbstractContextManager:
         """What surrounds an export of ``wrapper``'s module."""
         return contextlib.nullcontext()
 
@@ -70,11 +127,11 @@ class Integration:
     #: other attributes set on a wrapper go to the wrapped module.
     wrapper_attributes: tuple[str, ...] = ()
 
-    def gather(self, wrapper: ORTWrap) -> Any:
+    def gather(self, wrapper: Wrapper) -> Any:
         """Make the module's parameters whole; return a token for :meth:`release`."""
         return None
 
-    def release(self, wrapper: ORTWrap, token: Any) -> None:
+    def release(self, wrapper: Wrapper, token: Any) -> None:
         """Undo :meth:`gather`."""
 
 
@@ -103,7 +160,7 @@ def wrapper_attribute(name: str) -> bool:
     return name.startswith(_WRAPPER_ATTRIBUTES) if _WRAPPER_ATTRIBUTES else False
 
 
-def step_integration(wrapper: ORTWrap) -> Integration | None:
+def step_integration(wrapper: Wrapper) -> Integration | None:
     """The integration that takes over this call, if any (per step: a cheap check each)."""
     for integration in _STEPPING:
         if integration.applies(wrapper):
@@ -112,7 +169,7 @@ def step_integration(wrapper: ORTWrap) -> Integration | None:
 
 
 @contextlib.contextmanager
-def export_context(wrapper: ORTWrap) -> Iterator[None]:
+def export_context(wrapper: Wrapper) -> Iterator[None]:
     """Every integration's export context, nested in list order."""
     with contextlib.ExitStack() as stack:
         for integration in INTEGRATIONS:

@@ -41,10 +41,10 @@ from .._compat import torch as compat
 from .._logging import logger
 from .._tree import flatten
 from ..errors import UnsupportedInputError
-from . import Integration, zero3_layers
+from . import Integration, Step, zero3_layers
 
 if TYPE_CHECKING:
-    from ..api import ORTWrap
+    from . import Wrapper
 
 __all__ = [
     "ZERO3_MARK",
@@ -112,7 +112,7 @@ def _deepspeed_hooks_hidden(root: nn.Module) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def export_guard(wrapper: ORTWrap) -> Iterator[None]:
+def export_guard(wrapper: Wrapper) -> Iterator[None]:
     """While ORTWrap builds a program for a ZeRO-3 module: hide DeepSpeed's module hooks.
 
     Tracing would otherwise run them: they fetch and release parameters with collectives (which the
@@ -135,7 +135,7 @@ def export_guard(wrapper: ORTWrap) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _submodule_export(wrapper: ORTWrap) -> Iterator[None]:
+def _submodule_export(wrapper: Wrapper) -> Iterator[None]:
     """``zero3_gather="submodule"``: the trace reads each submodule's parameters from a gather node.
 
     The parameters are whole while the module is traced (gathered here, partitioned after), and the
@@ -206,14 +206,14 @@ class _Zero3State:
         self.table_of: int | None = None
 
 
-def _state(wrapper: ORTWrap) -> _Zero3State:
+def _state(wrapper: Wrapper) -> _Zero3State:
     st = wrapper.__dict__.get(_STATE)
     if st is None:
         st = wrapper.__dict__[_STATE] = _Zero3State()
     return st
 
 
-def _check_supported(wrapper: ORTWrap, st: _Zero3State) -> None:
+def _check_supported(wrapper: Wrapper, st: _Zero3State) -> None:
     """Refuse ZeRO-3 set-ups whose DeepSpeed hooks ORT would skip (checked once per module set)."""
     key = id(wrapper.module)
     if key in st.checked:
@@ -233,12 +233,12 @@ def _check_supported(wrapper: ORTWrap, st: _Zero3State) -> None:
     st.checked.add(key)
 
 
-def _per_submodule(wrapper: ORTWrap) -> bool:
+def _per_submodule(wrapper: Wrapper) -> bool:
     return wrapper.options.zero3_gather == "submodule"
 
 
-def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = None) -> Any:
-    """``wrapper(*args, **kwargs)`` for a module whose parameters DeepSpeed ZeRO-3 partitions.
+def zero3_forward(wrapper: Wrapper, step: Step) -> Any:
+    """The call ``step`` of ``wrapper`` for a module whose parameters DeepSpeed ZeRO-3 partitions.
 
     Gathers the partitioned parameters (``zero3_gather="module"``; with ``"submodule"`` the graph
     gathers each submodule's itself, see ``zero3_layers``), runs the wrapper's forward (which exports
@@ -255,22 +255,22 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
         try:
             _gather(wrapper, st)
         except _Prefetched as e:
-            if not wrapper.__dict__["_failed"] or not wrapper.options.fallback:
+            if not step.fell_back_before or not wrapper.options.fallback:
                 raise
             # NOTE: an earlier call fell back, so the module ran under DeepSpeed's own hooks, and
             # DeepSpeed's prefetch now gathers its parameters ahead of ortwrap: this signature runs
             # in PyTorch too (said once, remembered), as every call did before fallback was per signature.
-            return wrapper._fall_back_call(e, args, kwargs)
+            return step.fall_back(e)
     wrapper.__dict__[BUSY_MARK] = True
-    fallbacks = wrapper.__dict__["_fallback_calls"]
     try:
-        out = (forward or wrapper.forward)(*args, **kwargs)  # not wrapper(...): DeepSpeed's hooks on it already ran
+        outcome = step.run()  # not wrapper(...): DeepSpeed's hooks on it already ran
     except BaseException:
         _release_if_idle(wrapper, st)
         raise
     finally:
         del wrapper.__dict__[BUSY_MARK]
-    if wrapper.__dict__["_fallback_calls"] != fallbacks:
+    out = outcome.output
+    if outcome.fell_back:
         # This call fell back (fallback is per input signature: other calls may still run on ORT): the
         # module ran in PyTorch, with DeepSpeed's own hooks, which gather what its backward needs.
         _release_if_idle(wrapper, st)
@@ -293,7 +293,7 @@ def zero3_forward(wrapper: ORTWrap, args: tuple, kwargs: dict, forward: Any = No
     return out
 
 
-def _layer_table(wrapper: ORTWrap, st: _Zero3State) -> zero3_layers.LayerTable:
+def _layer_table(wrapper: Wrapper, st: _Zero3State) -> zero3_layers.LayerTable:
     """The wrapper's per-submodule gather table (``zero3_gather="submodule"``)."""
     if st.table is None:
         not_available = _status("NOT_AVAILABLE")
@@ -341,7 +341,7 @@ class _Prefetched(UnsupportedInputError):
     """DeepSpeed's prefetch is gathering the wrapped module's parameters when ortwrap would."""
 
 
-def _gather(wrapper: ORTWrap, st: _Zero3State) -> None:
+def _gather(wrapper: Wrapper, st: _Zero3State) -> None:
     """All-gather the wrapped module's partitioned parameters (a collective: every rank gathers the
     same parameters in the same order)."""
     params = [p for p in wrapper.module.parameters() if _is_zero_param(p)]
@@ -371,7 +371,7 @@ def _backward_node(out: Any) -> Any:
     return None
 
 
-def _on_backward(wrapper: ORTWrap, node_ref: weakref.ref | None) -> Any:
+def _on_backward(wrapper: Wrapper, node_ref: weakref.ref | None) -> Any:
     # NOTE: weak references only: the hook lives on the node, and a strong reference to the node (or to
     # the wrapper) would keep an abandoned run pending forever.
     ref = weakref.ref(wrapper)
@@ -395,7 +395,7 @@ def _on_backward(wrapper: ORTWrap, node_ref: weakref.ref | None) -> Any:
     return hook
 
 
-def _release_if_idle(wrapper: ORTWrap, st: _Zero3State) -> None:
+def _release_if_idle(wrapper: Wrapper, st: _Zero3State) -> None:
     """Partition what this wrapper gathered, unless a run still waits for its backward."""
     if len(st.pending):
         return
@@ -440,26 +440,26 @@ class DeepSpeedZero3(Integration):
     def check_wrappable(self, module: nn.Module) -> None:
         pass  # (the wrap-order check of DeepSpeed engines is DataParallelWrappers')
 
-    def applies(self, wrapper: ORTWrap) -> bool:
+    def applies(self, wrapper: Wrapper) -> bool:
         d = wrapper.__dict__
         return ZERO3_MARK in d and BUSY_MARK not in d
 
-    def step(self, wrapper: ORTWrap, forward: Any, args: tuple, kwargs: dict) -> Any:
-        return zero3_forward(wrapper, args, kwargs, forward)
+    def step(self, wrapper: Wrapper, step: Step) -> Any:
+        return zero3_forward(wrapper, step)
 
-    def export_context(self, wrapper: ORTWrap) -> Any:
+    def export_context(self, wrapper: Wrapper) -> Any:
         return export_guard(wrapper)
 
     def rewrite_graph(self, graph: Any) -> Any:
         return zero3_layers.rewrite_training_graph(graph)
 
-    def gather(self, wrapper: ORTWrap) -> Any:
+    def gather(self, wrapper: Wrapper) -> Any:
         if not is_zero3_module(wrapper):
             return None
         st = _state(wrapper)
         _gather(wrapper, st)
         return st
 
-    def release(self, wrapper: ORTWrap, token: Any) -> None:
+    def release(self, wrapper: Wrapper, token: Any) -> None:
         if token is not None:
             _release_if_idle(wrapper, token)

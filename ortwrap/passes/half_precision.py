@@ -26,11 +26,14 @@ in bfloat16: see docs/performance.md.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
 from ..registry import DTYPE_ARGUMENT_OPS
+from .result import PassResult
 
 _HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 _ONNX = ("", "ai.onnx")
@@ -204,6 +207,13 @@ class HalfPrecisionOnCPUPass(ir.passes.InPlacePass):
             graph.remove(node, safe=True)
 
 
+@dataclass
+class FusedInitializersResult(PassResult):
+    """:class:`FuseHalfInitializersPass`'s result: the graph inputs it took as float32."""
+
+    converted: frozenset[str] = frozenset()
+
+
 class FuseHalfInitializersPass(ir.passes.InPlacePass):
     """Take the named half-precision graph inputs as float32 (ORT PR 24175, "fuse initializers").
 
@@ -211,21 +221,20 @@ class FuseHalfInitializersPass(ir.passes.InPlacePass):
     makes once and remakes only when the tensor changes (``Program.bind``), so the graph needs no
     ``Cast`` of them on every step. ``HalfPrecisionOnCPUPass``, which runs next, makes the rest of
     the graph float32 around them. Inputs read by nodes that keep their own dtypes (PythonOps, ATen
-    nodes) stay as they are. ``converted`` lists the inputs this pass changed.
+    nodes) stay as they are. Its result (:class:`FusedInitializersResult`) lists the inputs it changed.
     """
 
     def __init__(self, names: set[str]) -> None:
         super().__init__()
         self.names = names
-        self.converted: list[str] = []
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.converted = []
+    def call(self, model: ir.Model) -> FusedInitializersResult:
+        converted = []
         for value in model.graph.inputs:
             if value.name not in self.names or not _is_half(value):
                 continue
             if any(_opaque(user) for user, _ in value.uses()):
                 continue
             value.dtype = ir.DataType.FLOAT
-            self.converted.append(value.name)
-        return ir.passes.PassResult(model, modified=bool(self.converted))
+            converted.append(value.name)
+        return FusedInitializersResult(model, modified=bool(converted), converted=frozenset(converted))

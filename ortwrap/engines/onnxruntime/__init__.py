@@ -116,7 +116,7 @@ class OnnxRuntimeEngine:
                 "(docs/engines.md); use engine='training', or run the module without ORTWrap"
             )
         leaves: list[torch.Tensor] = []
-        in_spec = wrapper._flatten_inputs(args, kwargs, leaves)
+        in_spec = wrapper._dispatch.flatten_inputs(args, kwargs, leaves)
         state = [*module.parameters(), *module.buffers()]
         needs_grad = torch.is_grad_enabled() and (
             any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in leaves)
@@ -141,7 +141,7 @@ class OnnxRuntimeEngine:
                 if not self.options.fallback:
                     raise
                 self._failed[key] = str(e)
-                wrapper.__dict__["_fallback_reason"] = e
+                wrapper._dispatch.fallback_reason = e
                 warn_at_user_line(
                     f"ORTWrap(engine='onnxruntime') falls back to PyTorch for these calls of {type(module).__name__}: "
                     f"the {e.phase} phase failed: {sentence(e.detail)} Set fallback=False to raise instead.",

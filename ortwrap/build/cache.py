@@ -74,9 +74,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._compat import torch as compat
-from ._logging import logger
-from .options import build_cache_max_bytes, build_cache_secret_path
+from .._compat import torch as compat
+from .._logging import logger
+from ..options import build_cache_max_bytes, build_cache_secret_path
 
 __all__ = [
     "BuildCacheWarning",
@@ -181,7 +181,7 @@ def _dist_version(dist: str) -> str:
 def _versions() -> tuple:
     """Python's and every library's version that decides what a build produces (read once per
     process: ``_versions.cache_clear()`` reads them again)."""
-    from ._version import __version__ as ortwrap_version
+    from .._version import __version__ as ortwrap_version
 
     ort = "-"
     for dist in ("onnxruntime-training-cpu", "onnxruntime-training", "onnxruntime"):
@@ -209,7 +209,7 @@ def _own_code() -> str:
     """A hash of ortwrap's own source (Python and C): an edited ortwrap (a development checkout, a
     patched install) never loads graphs an older one built."""
     if not _own_code_hash:
-        root = os.path.dirname(os.path.abspath(__file__))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
         h = hashlib.sha256()
         for dirpath, dirnames, filenames in os.walk(root):
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
@@ -393,7 +393,7 @@ def build_key(module: nn.Module, schema: Any, options: Any, native: bool, *, exp
 
     Args:
         module: the user's module (its state table is keyed, not its code: the capture has that).
-        schema: the input schema ortwrap keys its programs by (``program._schema``).
+        schema: the input schema ortwrap keys its programs by (``cache._schema``).
         options: the resolved :class:`~ortwrap.options.Options`.
         native: whether ortwrap's CPU kernels serve this build (then the CPU's flags are keyed).
         exporter: ``"dynamo"`` or ``"torchscript"``.

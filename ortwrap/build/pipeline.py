@@ -8,7 +8,7 @@ file with its error in the debug directory, then re-raises. Each stage's name is
 build's progress reporter (``_logging.BuildProgress``), which says at INFO, while a long stage runs,
 which stage is running and the time so far.
 
-``program.py`` declares ortwrap's stages (export, translation, type inference, each graph pass,
+``stages.py`` declares ortwrap's stages (export, translation, type inference, each graph pass,
 host split, ATen gradients, gradient build, session, program) with :func:`stage`.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BuildFailed", "Stage", "StageRecord", "run_stages", "stage"]
+__all__ = ["Stage", "StageRecord", "run_stages", "stage"]
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,6 @@ class StageRecord:
     seconds: float
     snapshots: list[str] = field(default_factory=list)
     cpu_seconds: float = 0.0
-
-
-class BuildFailed(Exception):
-    """Internal: carries the failed stage's records up to the caller with the original error."""
 
 
 def _snapshot(directory: str, prefix: str, index: int, stage_name: str, name: str, value: Any) -> str | None:
