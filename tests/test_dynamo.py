@@ -385,13 +385,13 @@ class MixedDtypes(nn.Module):
 
 
 def test_type_promotion_matches_the_exporters_pass():
-    """ortwrap's type promotion re-runs only the nodes it changes (``compat._insert_type_promotion``):
+    """ortwrap's type promotion re-runs only the nodes it changes (``compat.insert_type_promotion``):
     the graph is the one the exporter's own pass makes, casts included, and it trains like eager."""
     from ortwrap._compat import torch as compat
 
     inputs = (torch.randn(3, 4), torch.randint(0, 5, (3, 4)))
     graphs = []
-    for promote in (compat._resolve(compat._DYN_PROMOTE), compat._insert_type_promotion):
+    for promote in (compat._resolve(compat._DYN_PROMOTE), compat.insert_type_promotion):
         gm = torch.export.export(MixedDtypes(), inputs, strict=False).graph_module
         promote(gm)
         graphs.append(str(gm.graph))
