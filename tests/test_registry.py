@@ -11,7 +11,7 @@ from ortwrap import kernels
 from ortwrap.bridge.aten import NATIVE_PREFIX
 from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
 from ortwrap.passes.torch_gradients import TorchGradientsPass
-from ortwrap.registry import (
+from ortwrap.ops.mappers import (
     _OPS,
     GRADIENTS,
     KERNELS,
@@ -150,7 +150,7 @@ def test_rewrite_returning_another_type_is_refused(monkeypatch):
     tensor, int64, gave RoBERTa wrong position ids instead of an error): a registry entry whose op
     returns another type is refused when the graph is built."""
     from ortwrap.errors import PassError
-    from ortwrap.registry import OnnxViaTorch
+    from ortwrap.ops.mappers import OnnxViaTorch
 
     entry = OnnxViaTorch("Softplus", "_cast_Double", lambda n, v, b: [v(0), False])
     monkeypatch.setitem(GRADIENTS, "Softplus", entry)
@@ -169,7 +169,7 @@ def test_squeeze_ones_refuses_a_size_that_is_not_one():
     ``ortwrap_ops::squeeze_ones``: the graph after it was traced for the squeezed rank."""
     import torch
 
-    from ortwrap.registry import define_ops
+    from ortwrap.ops.mappers import define_ops
 
     define_ops()
     x = torch.randn(2, 1, 3)

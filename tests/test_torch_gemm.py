@@ -204,7 +204,7 @@ def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
     import onnx_text
 
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
+    from ortwrap.ops.mappers import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
@@ -251,7 +251,7 @@ def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     import onnx_text
 
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
+    from ortwrap.ops.mappers import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
@@ -299,7 +299,7 @@ def test_attention_pattern_reads_the_heads_layout(kt_chain):
     import onnx_text
 
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
+    from ortwrap.ops.mappers import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))

@@ -30,7 +30,7 @@ from .._compat import torch as compat
 from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
-from ..registry import GRADIENTS, OnnxViaTorch, constant_array
+from ..ops.mappers import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder, constant_value
 
 _ONNX = ("", "ai.onnx")
@@ -39,7 +39,7 @@ _ONNX = ("", "ai.onnx")
 def _torch_op(name: str, node: ir.Node, args: list) -> str:
     """The op for this node: Resize and AveragePool pick theirs by mode and rank."""
     if name == "upsample":
-        from ..registry import _resize_op
+        from ..ops.mappers import _resize_op
 
         return _resize_op(node)[0]
     if name == "avg_pool":

@@ -13,7 +13,7 @@ from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..kernels import release_cached
 from ..options import Options
-from ..registry import DTYPE_ARGUMENT_OPS
+from ..ops.mappers import DTYPE_ARGUMENT_OPS
 from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).

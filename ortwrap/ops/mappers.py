@@ -339,7 +339,7 @@ def _hard_sigmoid(node: Any, value: Callable[[int], Any], b: Any = None) -> list
 
 def _reduce(name: str) -> Callable:
     def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-        from .passes._build import constant_value
+        from ..passes._build import constant_value
 
         keepdims = bool(_attr(node, "keepdims", 1))
         if len(node.inputs) > 1 and node.inputs[1] is not None:  # opset 18: axes as an input
@@ -361,7 +361,7 @@ def _symmetric_pads(node: Any, rank: int, what: str, refused: tuple[str, ...] = 
 
     PyTorch's ops take one pad per spatial axis; ONNX's begin/end pads and ``auto_pad`` have no such form,
     so those (and the ``refused`` attributes, when set) raise a PassError naming the node and ``what`` it is."""
-    from .errors import PassError
+    from ..errors import PassError
 
     set_attrs = [a for a in refused if _attr(node, a, 0)]
     if _attr(node, "auto_pad", "NOTSET") != "NOTSET":
@@ -402,7 +402,7 @@ _RESIZE_LINEAR = {1: "upsample_linear1d.vec", 2: "upsample_bilinear2d.vec", 3: "
 
 def _resize_op(node: Any) -> tuple[str, bool | None]:
     """The PyTorch op computing this Resize (``.vec`` overload) and its align_corners (None: none)."""
-    from .errors import PassError
+    from ..errors import PassError
 
     x = node.inputs[0]
     rank = len(x.shape) - 2 if x.shape is not None else None
@@ -437,8 +437,8 @@ def _resize(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
     read at run time) as the output size."""
     import numpy as np_
 
-    from .errors import PassError
-    from .passes._build import constant_value
+    from ..errors import PassError
+    from ..passes._build import constant_value
 
     _, align = _resize_op(node)
     x = node.inputs[0]
@@ -478,7 +478,7 @@ def _grid_sample(node: Any, value: Callable[[int], Any], b: Any = None) -> list 
 
 def _col2im(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Col2Im (block shape constant) -> ``col2im(x, output_size, kernel_size, dilation, padding, stride)``."""
-    from .passes._build import constant_value
+    from ..passes._build import constant_value
 
     image, block = constant_value(node.inputs[1]), constant_value(node.inputs[2])
     if block is None:
@@ -497,7 +497,7 @@ def _col2im(node: Any, value: Callable[[int], Any], b: Any = None) -> list | Non
 
 
 def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from .errors import PassError
+    from ..errors import PassError
 
     k = list(_attr(node, "kernel_shape", []))
     nd = len(k)
@@ -518,7 +518,7 @@ def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
 def _axes_input(node: Any, index: int) -> list[int] | None:
     """Constant axes from input ``index`` (opset 18 reductions) or the ``axes`` attribute; None if
     they are computed at run time."""
-    from .passes._build import constant_value
+    from ..passes._build import constant_value
 
     if len(node.inputs) > index and node.inputs[index] is not None:
         axes = constant_value(node.inputs[index])
@@ -539,7 +539,7 @@ def _reduce_to(kind: str) -> Callable:
 
 
 def _cumsum(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from .passes._build import constant_value
+    from ..passes._build import constant_value
 
     axis = constant_value(value(1))
     if axis is None:
@@ -550,7 +550,7 @@ def _cumsum(node: Any, value: Callable[[int], Any], b: Any = None) -> list | Non
 def _pad(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Pad(mode=reflect|edge|wrap) -> ``ortwrap_ops::pad`` (ORT's Pad gradient handles the constant
     mode only); the pads may be computed at run time."""
-    from .errors import PassError
+    from ..errors import PassError
 
     mode = _attr(node, "mode", "constant")
     if mode == "constant":
@@ -561,7 +561,7 @@ def _pad(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
 
 
 def _depth_to_space(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from .errors import PassError
+    from ..errors import PassError
 
     if _attr(node, "mode", "DCR") != "CRD":
         raise PassError(f"node {node.name!r}: DepthToSpace(mode=DCR) cannot be trained (pixel_shuffle's is CRD)")
@@ -579,7 +579,7 @@ def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Pow of an exponent computed by the graph: ORT 1.19.2 differentiates the base only ("not
     implemented for Pow's input exponent"). Its probe of a lone Pow with a constant base passes,
     so the general rule (``passes/torch_gradients.py``) does not see it."""
-    from .passes._build import constant_value
+    from ..passes._build import constant_value
 
     base, exponent = node.inputs[0], node.inputs[1]
     if constant_value(exponent) is not None or exponent.dtype is None or not exponent.dtype.is_floating_point():
@@ -597,7 +597,7 @@ def _scatter_reduce(node: Any, value: Callable[[int], Any], b: Any = None) -> li
     """ScatterElements with a reduction (``scatter_add``, ``scatter_reduce``): ORT 1.19.2's gradient
     ignores the reduction, treating it as a plain scatter (the gradient of ``data`` zeroed where an
     update lands; eager's is the identity for ``add``)."""
-    from .errors import PassError
+    from ..errors import PassError
 
     reduction = _attr(node, "reduction", "none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
@@ -615,7 +615,7 @@ def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None
     """Slice with a negative step (``flip``): ORT 1.19.2's SliceGrad fails on it (narrowing_error)."""
     import numpy as np_
 
-    from .passes._build import constant_value
+    from ..passes._build import constant_value
 
     x = node.inputs[0]
     if len(node.inputs) < 5 or node.inputs[4] is None or x.dtype is None or not x.dtype.is_floating_point():
@@ -636,7 +636,7 @@ def _scatter_nd(node: Any, value: Callable[[int], Any], b: Any = None) -> list |
     """ScatterND(reduction="add") (``index_put(accumulate=True)``, ``_unsafe_masked_index_put_accumulate``
     under dynamo): ORT 1.19.2's gradient is a plain scatter's, which zeroes the gradient of ``data``
     where an update lands (eager's is the identity)."""
-    from .errors import PassError
+    from ..errors import PassError
 
     reduction = _attr(node, "reduction", "none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
@@ -778,7 +778,7 @@ def _conv(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
 
 
 def _max_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from .errors import PassError
+    from ..errors import PassError
 
     k = list(_attr(node, "kernel_shape", []))
     nd = len(k)
@@ -1136,7 +1136,7 @@ def _attention(q, kt, v, mask, scale: float, dtypes: list[int]):
     """Softmax attention (PyTorch's CPU flash attention) computed in ``dtypes[0]`` from q, k^T and
     v: the output in ``dtypes[1]``, then what the backward reads with it: the operands in the
     compute dtype (k, not k^T) and the log-sum-exp. ``dtypes``: [compute, result, q, kt, v]."""
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     compute, result = _dtypes(dtypes[:2])
     qc, kc, vc = _saved(q, compute), kt.to(compute).transpose(-1, -2).contiguous(), _saved(v, compute)
@@ -1178,7 +1178,7 @@ def _attention_bf16_backward(
     dtypes; ``out`` is the forward's result (in the compute dtype exactly, whatever its dtype)."""
     import torch
 
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     types = _dtypes(dtypes[2:5])
     dq, dk, dv = flash_attention_cpu()[1](
@@ -1195,7 +1195,7 @@ def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_m
     """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
     import torch
 
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     dq, dk, dv = flash_attention_cpu()[1](
         grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, causal, attn_mask=mask, scale=scale
@@ -1239,7 +1239,7 @@ def _matmul_f32(a, b):
 def _attention_f32(q, kt, v, mask, scale: float):
     """:func:`_attention` in the inputs' dtype (float32): the output, then k (contiguous, not k^T) and
     the log-sum-exp, which the backward reads with q, v and the output (no T x T probabilities)."""
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     k = kt.transpose(-1, -2).contiguous()
     out, lse = flash_attention_cpu()[0](q, k, v, 0.0, False, attn_mask=mask, scale=scale)
@@ -1249,7 +1249,7 @@ def _attention_f32(q, kt, v, mask, scale: float):
 def _attention_causal_f32(q, kt, v, scale: float):
     """:func:`_attention_f32` with flash attention's causal mask (top-left aligned) instead of a mask
     tensor: the blocks above the diagonal are skipped, not computed and masked."""
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     k = kt.transpose(-1, -2).contiguous()
     out, lse = flash_attention_cpu()[0](q, k, v, 0.0, True, attn_mask=None, scale=scale)
@@ -1265,7 +1265,7 @@ def _attention_bthd_f32(q, k, v, mask, scale: float, causal: bool):
     """Flash attention on q, k, v in the projections' [B, T, H, D] layout (the kernel reads the
     [B, H, T, D] views, strided; nothing copied): the output in [B, T, H, D] (flash attention writes
     it so) and the log-sum-exp, which the backward reads with q, k, v and the output."""
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     out, lse = flash_attention_cpu()[0](
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
@@ -1277,7 +1277,7 @@ def _attention_bthd_backward(grad, q, k, v, out, lse, mask, scale: float, causal
     """dq, dk, dv of :func:`_attention_bthd_f32`, in [B, T, H, D]."""
     import torch
 
-    from ._compat.torch import flash_attention_cpu
+    from .._compat.torch import flash_attention_cpu
 
     t = [x.transpose(1, 2) for x in (grad, q, k, v, out)]
     grads = flash_attention_cpu()[1](*t, lse, 0.0, causal, attn_mask=mask, scale=scale)

@@ -1,0 +1,1 @@
+"""ortwrap's own ops and kernels: one declaration each (see ``ops/mappers.py``)."""
