@@ -1,5 +1,5 @@
-"""The registries (``ortwrap/registry.py``): kernels declared once, checked against the C table;
-gradients ORT lacks applied by ``TorchGradientsPass``."""
+"""The declarations (``ortwrap/ops/``): kernels and ops declared once, kernels checked against the C
+table, every table derived from the declarations; gradients ORT lacks applied by ``TorchGradientsPass``."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from onnx_text import run_pass
 
 from ortwrap import kernels
 from ortwrap.bridge.aten import NATIVE_PREFIX
-from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
-from ortwrap.passes.torch_gradients import TorchGradientsPass
-from ortwrap.ops.mappers import (
-    _OPS,
+from ortwrap.ops import (
     GRADIENTS,
     KERNELS,
+    OPS,
     OPS_NAMESPACE,
     KernelTableError,
     check_kernel_table,
     kernel,
     parse_signature,
 )
+from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
+from ortwrap.passes.torch_gradients import TorchGradientsPass
 
 
 def test_compiled_table_matches_declarations():
@@ -38,7 +38,7 @@ def test_drift_is_reported_by_name():
         check_kernel_table(table)
     msg = str(e.value)
     assert "gelu: _cpu.c says 'ff>f'" in msg
-    assert "softmax_backward: declared in ortwrap/registry.py but not in _cpu.c" in msg
+    assert "softmax_backward: declared in ortwrap/ops/kernels.py but not in _cpu.c" in msg
     assert "new_kernel: in _cpu.c's kOps but not declared" in msg
 
 
@@ -53,7 +53,7 @@ def test_every_forward_kernel_has_a_declared_backward_and_a_rewrite():
         elif k.replaces_ops:  # written in place of some of ortwrap's PyTorch ops (passes/native_attention.py)
             for replaced in k.replaces_ops:
                 namespace, op = replaced.split("::")
-                assert not k.replaces and namespace == OPS_NAMESPACE and op in _OPS, k.name
+                assert not k.replaces and namespace == OPS_NAMESPACE and op in {o.name for o in OPS}, k.name
         else:
             assert k.replaces and hasattr(NativeCPUKernelsPass, k.rewrite)
         for op in k.replaces:
@@ -150,7 +150,7 @@ def test_rewrite_returning_another_type_is_refused(monkeypatch):
     tensor, int64, gave RoBERTa wrong position ids instead of an error): a registry entry whose op
     returns another type is refused when the graph is built."""
     from ortwrap.errors import PassError
-    from ortwrap.ops.mappers import OnnxViaTorch
+    from ortwrap.ops import OnnxViaTorch
 
     entry = OnnxViaTorch("Softplus", "_cast_Double", lambda n, v, b: [v(0), False])
     monkeypatch.setitem(GRADIENTS, "Softplus", entry)
@@ -169,7 +169,7 @@ def test_squeeze_ones_refuses_a_size_that_is_not_one():
     ``ortwrap_ops::squeeze_ones``: the graph after it was traced for the squeezed rank."""
     import torch
 
-    from ortwrap.ops.mappers import define_ops
+    from ortwrap.ops import define_ops
 
     define_ops()
     x = torch.randn(2, 1, 3)

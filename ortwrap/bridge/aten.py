@@ -162,7 +162,7 @@ def resolve(op: str, overload: str) -> _Plan:
     if plan is None:
         ns, _, name = op.rpartition("::")
         if ns == "ortwrap_ops":
-            from ..ops.mappers import define_ops
+            from ..ops import define_ops
 
             define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
@@ -251,7 +251,7 @@ def mark_bool_inputs(model: onnx.ModelProto) -> None:
     """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``BOOL_MARK``), so the
     executor can give the op bool tensors again (see :func:`_restore_bools`). A node whose gradient
     is an explicit backward op, or ortwrap's own kernels, is left alone."""
-    from ..ops.mappers import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     elem = {}
     for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
@@ -651,7 +651,7 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
     overloads), and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs
     marked 0 are returned as nothing.
     """
-    from ..ops.mappers import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     masked = {g.backward for g in TORCH_OP_GRADIENTS.values()}
     changed = False
@@ -681,7 +681,7 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
 def drop_missing_gradients(model: onnx.ModelProto) -> bool:
     """Make absent the inputs of ``registry.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
     output gradient the built graph lacks: no gradient reaches that output); True if any changed."""
-    from ..ops.mappers import OPTIONAL_GRADIENT_OPS
+    from ..ops import OPTIONAL_GRADIENT_OPS
 
     graph = model.graph
     nodes = [
@@ -765,7 +765,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     ORT keys a gradient definition by ``(operator, overload)`` and reads inputs ``I(i)`` by
     position, so all nodes of one op must have the same number of inputs.
     """
-    from ..ops.mappers import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     keys = []
     types = _types(model)

@@ -211,7 +211,7 @@ def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
     """Names of the ops of ``program`` that ``registry.ATEN_OPS`` sends to PyTorch under dynamo: an
     entry without ``when``, or one whose ``when`` holds for a call (its constant arguments by
     position, defaults filled in, None for a graph value). Every call of such an op becomes an ATen node."""
-    from ..ops.mappers import ATEN_OPS
+    from ..ops import ATEN_OPS
 
     entries = {e.aten: e for e in ATEN_OPS if "dynamo" in e.exporters}
     found: set[str] = set()

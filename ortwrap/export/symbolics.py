@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._compat import torch as compat
-from ..ops.mappers import ATEN_OPS
+from ..ops import ATEN_OPS
 
 #: Domain of the marker ops ortwrap's symbolics emit; passes resolve them before the gradient build.
 ORTWRAP_DOMAIN = "ortwrap"

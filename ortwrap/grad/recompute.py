@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
-from ..ops.mappers import NO_WEIGHT_COPY, OPS_NAMESPACE
+from ..ops import NO_WEIGHT_COPY, OPS_NAMESPACE
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_values"]
 

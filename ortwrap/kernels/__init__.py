@@ -56,7 +56,7 @@ import torch
 from .._compat.torch import bundled_mkl_library, cpu_is_intel
 from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
-from ..ops.mappers import KERNELS, check_kernel_table
+from ..ops import KERNELS, check_kernel_table
 
 PREFIX = aten.NATIVE_PREFIX
 _HERE = os.path.dirname(os.path.abspath(__file__))

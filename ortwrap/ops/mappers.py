@@ -1,21 +1,4 @@
-"""The registries of ortwrap's extension points: the one place to add a kernel or a gradient.
-
-**Kernels** (:data:`KERNELS`). Each of ortwrap's own CPU kernels (``kernels/_cpu.c``) is declared
-once, as a :class:`Kernel`: its name, its typed inputs and outputs (a signature string), its
-gradient (the backward kernel and how the gradient node is wired), and the ONNX op types where the
-rewrite that introduces it starts (``passes/native_cpu_kernels.py``). Everything else is derived
-from, or checked against, these declarations:
-
-* ``_cpu.c``'s ``kOps`` table carries the same signature strings; ``kernels.install`` compares them
-  with the declarations when the library loads and raises :class:`KernelTableError` naming each
-  mismatch. The C runner checks each node's input and output counts against the signature.
-* ``kernels.install`` registers the gradient definitions from the declarations;
-* ``NativeCPUKernelsPass`` dispatches on :attr:`Kernel.replaces`, counts per declared kernel, and
-  types the outputs from the signature.
-
-Signature characters: ``f`` float32 tensor, ``h`` bfloat16 tensor, ``i`` int64 tensor, ``F`` float32 scalar (0-d),
-``I`` int64 scalar (0-d); ``?`` after a character makes that input optional (it may be absent);
-inputs and outputs are separated by ``>``.
+"""ONNX ops and ATen ops that ortwrap runs as PyTorch ops, and how each one's arguments map.
 
 **Gradients ORT lacks** (:data:`GRADIENTS`). One mechanism: the op runs as an ATen node calling a
 PyTorch op (``bridge/aten.py``), and its gradient is PyTorch's autograd of that op (the ATen
@@ -24,8 +7,10 @@ that computes the same function and ``args``, which maps the node's inputs and a
 op's arguments (or returns None to leave the node to ORT, or raises :class:`~ortwrap.errors.PassError`
 saying what is not supported). ``passes/torch_gradients.py`` applies them to training graphs.
 Where no PyTorch op has the ONNX op's semantics, ortwrap defines a composite op of its own in the
-``ortwrap_ops`` namespace (:func:`define_ops`, ``torch.library``; autograd comes from the
-composite's decomposition).
+``ortwrap_ops`` namespace (``ops/torch_ops.py``; autograd comes from the composite's decomposition).
+
+**float64 on CPU** (:data:`DOUBLE_PRECISION`): the same kind of entry for the ops ORT's CPU provider
+cannot run or differentiate in float64 (``passes/double_precision.py``).
 
 **ATen ops whose ONNX form is wrong** (:data:`ATEN_OPS`): an :class:`AtenViaTorch` entry makes the
 exporters it names (TorchScript: ``export/symbolics.py``; dynamo: ``export/aten_fallback.py``) write
@@ -35,261 +20,21 @@ the op as an ATen node, with the same gradient mechanism.
 general rule of ``passes/torch_gradients.py`` asks ORT (a probe of the node alone) and, where its
 gradient build fails, runs the PyTorch op of the same name and tensor arguments instead.
 
-Each registry op costs a Python call per node per step (forward, and one for its gradient), and
-runs where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.
+Each entry costs a Python call per node per step (forward, and one for its gradient), and runs
+where ORT's ATen kernel runs; the CPU entries are tested, CUDA is not.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from .values import constant_value, written
 
-__all__ = [
-    "ATEN_OPS",
-    "DOUBLE_PRECISION",
-    "DTYPE_ARGUMENT_OPS",
-    "GRADIENTS",
-    "KERNELS",
-    "TORCH_OP_GRADIENTS",
-    "AtenViaTorch",
-    "Kernel",
-    "KernelGradient",
-    "KernelTableError",
-    "OnnxViaTorch",
-    "define_ops",
-    "kernel",
-]
+__all__ = ["ATEN_OPS", "DOUBLE_PRECISION", "GRADIENTS", "AtenViaTorch", "OnnxViaTorch"]
 
-
-class KernelTableError(RuntimeError):
-    """The compiled kernel table (``_cpu.c`` ``kOps``) disagrees with :data:`KERNELS`."""
-
-
-# ------------------------------------------------------------------------------------------ kernels
-#: the namespace of ortwrap's PyTorch ops (``torch.ops.ortwrap_ops``; :func:`define_ops`)
-OPS_NAMESPACE = "ortwrap_ops"
-_TENSOR_CHARS = {"f": "float32", "h": "bfloat16", "i": "int64", "F": "float32 scalar", "I": "int64 scalar"}
-
-
-def parse_signature(signature: str) -> tuple[list[tuple[str, bool]], list[str]]:
-    """``"fff?FI>fff"`` -> ([(char, optional), ...] per input, [char per output])."""
-    ins, sep, outs = signature.partition(">")
-    if not sep:
-        raise ValueError(f"signature {signature!r} has no '>'")
-    inputs: list[tuple[str, bool]] = []
-    for ch in ins:
-        if ch == "?":
-            if not inputs:
-                raise ValueError(f"signature {signature!r}: '?' before any input")
-            inputs[-1] = (inputs[-1][0], True)
-        elif ch in _TENSOR_CHARS:
-            inputs.append((ch, False))
-        else:
-            raise ValueError(f"signature {signature!r}: unknown character {ch!r}")
-    for ch in outs:
-        if ch not in _TENSOR_CHARS:
-            raise ValueError(f"signature {signature!r}: unknown output character {ch!r}")
-    return inputs, list(outs)
-
-
-@dataclass(frozen=True)
-class KernelGradient:
-    """The gradient of a forward kernel: one node of ``backward`` reading ``inputs`` (``GO(j)``,
-    ``I(i)``, ``O(k)``) and writing ``outputs`` (``GI(i)``); ``stop``: forward inputs that get no
-    gradient (integer inputs, statistics)."""
-
-    backward: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    stop: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """One of ortwrap's CPU kernels (``ortwrap_cpu::<name>``).
-
-    Attributes:
-        name: the kernel's name in ``kOps``.
-        signature: typed inputs and outputs (module docstring).
-        doc: what it computes, one line.
-        gradient: its gradient, or None for a backward kernel.
-        replaces: ONNX op types where ``NativeCPUKernelsPass``'s rewrite for this kernel starts.
-        rewrite: the pass's method that performs that rewrite.
-        variant_of: for a variant with other dtypes (or layouts), the kernel whose nodes it replaces
-            (in another pass: ``passes/half_values.py``, ``passes/native_attention.py``) instead of a
-            rewrite of its own.
-        replaces_ops: for a kernel that takes the place of some of ortwrap's PyTorch ops (ATen nodes
-            of ``ortwrap_ops``), those ops (``passes/native_attention.py`` rewrites them).
-    """
-
-    name: str
-    signature: str
-    doc: str
-    gradient: KernelGradient | None = None
-    replaces: tuple[str, ...] = ()
-    rewrite: str | None = None
-    variant_of: str | None = None
-    replaces_ops: tuple[str, ...] = ()
-
-    @property
-    def inputs(self) -> list[tuple[str, bool]]:
-        return parse_signature(self.signature)[0]
-
-    @property
-    def outputs(self) -> list[str]:
-        return parse_signature(self.signature)[1]
-
-    @property
-    def dtypes(self) -> tuple[str, ...]:
-        """The float dtypes it reads or writes (it computes in float32; ``h``: bfloat16 tensors)."""
-        return ("float32", "bfloat16") if "h" in self.signature else ("float32",)
-
-
-def _grad(backward: str, inputs: Sequence[str], outputs: Sequence[str], stop: Sequence[int] = ()) -> KernelGradient:
-    return KernelGradient(backward, tuple(inputs), tuple(outputs), frozenset(stop))
-
-
-#: Every kernel in ``kernels/_cpu.c``, forward kernels with their gradients, then backward kernels.
-KERNELS: tuple[Kernel, ...] = (
-    Kernel(
-        "gelu",
-        "f>f",
-        "y = x * Phi(x) (erf GELU)",
-        _grad("gelu_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
-        replaces=("Erf",),
-        rewrite="_gelu",
-    ),
-    Kernel("gelu_backward", "ff>f", "dx from dy, x"),
-    Kernel(
-        "gelu_tanh",
-        "f>f",
-        "0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3)))",
-        _grad("gelu_tanh_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
-        replaces=("Tanh",),
-        rewrite="_gelu_tanh",
-    ),
-    Kernel("gelu_tanh_backward", "ff>f", "dx from dy, x"),
-    Kernel(
-        "layer_norm",
-        "fff?FI>fff",
-        "x, weight, bias, eps, axis -> y, mean, rstd (shape[:axis] + 1s)",
-        _grad(
-            "layer_norm_backward",
-            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            stop=[3, 4],
-        ),
-        replaces=("LayerNormalization",),
-        rewrite="_layer_norm",
-    ),
-    Kernel("layer_norm_backward", "fffffI>fff", "dy, x, weight, mean, rstd, axis -> dx, dweight, dbias"),
-    Kernel(
-        "layer_norm_bf16",
-        "fff?FI>hff",
-        "layer_norm with y rounded to bfloat16 (read only by bf16 GEMMs, which round it anyway)",
-        _grad(
-            "layer_norm_bf16_backward",
-            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)", "I(4)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            stop=[3, 4],
-        ),
-        variant_of="layer_norm",
-    ),
-    Kernel("layer_norm_bf16_backward", "hffffI>fff", "layer_norm_backward with dy in bfloat16"),
-    Kernel(
-        "embedding",
-        "fi>f",
-        "weight, indices -> weight[indices]",
-        _grad("embedding_backward", ["GO(0)", "I(1)", "I(0)"], ["GI(0)"], stop=[1]),
-        replaces=("Gather",),
-        rewrite="_embedding",
-    ),
-    Kernel("embedding_backward", "fif>f", "dy, indices, weight -> dweight"),
-    Kernel(
-        "softmax",
-        "f>f",
-        "softmax over the last dimension",
-        _grad("softmax_backward", ["GO(0)", "O(0)"], ["GI(0)"]),
-        replaces=("Softmax",),
-        rewrite="_softmax",
-    ),
-    Kernel("softmax_backward", "ff>f", "dy, y -> dx"),
-    Kernel(
-        "cross_entropy",
-        "fiII>ff",
-        "scores [n, c], labels, ignore_index, reduction (none, mean, sum) -> loss, log_prob",
-        _grad("cross_entropy_backward", ["GO(0)", "O(1)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], stop=[1, 2, 3]),
-        replaces=("SoftmaxCrossEntropyLoss",),
-        rewrite="_cross_entropy",
-    ),
-    Kernel("cross_entropy_backward", "ffiII>f", "dloss, log_prob, labels, ignore_index, reduction -> dscores"),
-    Kernel(
-        "attention_bf16",
-        "hhhf?F>hf",
-        "softmax attention of bf16 q [..., T, D], k^T [..., D, S], v [..., S, E], additive mask, scale -> out, lse",
-        _grad(
-            "attention_bf16_backward",
-            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            stop=[3, 4],
-        ),
-        replaces_ops=(f"{OPS_NAMESPACE}::attention_keep_inputs", f"{OPS_NAMESPACE}::attention"),
-    ),
-    Kernel("attention_bf16_backward", "hhhhhff?F>hhh", "dout, q, kt, v, out, lse, mask, scale -> dq, dkt, dv"),
-    Kernel(
-        "attention_bthd_bf16",
-        "hhhf?F>hf",
-        "attention_bf16 on q [B, T, H, D], k [B, S, H, D], v [B, S, H, E] -> out [B, T, H, E], lse [B, H, T]",
-        _grad(
-            "attention_bthd_bf16_backward",
-            ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            stop=[3, 4],
-        ),
-        variant_of="attention_bf16",
-    ),
-    Kernel("attention_bthd_bf16_backward", "hhhhhff?F>hhh", "dout, q, k, v, out, lse, mask, scale -> dq, dk, dv"),
-)
-
-
-@functools.cache
-def kernel(name: str) -> Kernel:
-    """The declaration of kernel ``name``."""
-    for k in KERNELS:
-        if k.name == name:
-            return k
-    raise KeyError(f"no ortwrap CPU kernel named {name!r}")
-
-
-def check_kernel_table(compiled: dict[str, str]) -> None:
-    """Compare the compiled table (name -> signature, from ``_cpu.c``) with :data:`KERNELS`.
-
-    Raises:
-        KernelTableError: naming every kernel that is missing on either side or whose signature differs.
-    """
-    problems = []
-    declared = {k.name: k.signature for k in KERNELS}
-    for name, sig in declared.items():
-        if name not in compiled:
-            problems.append(f"{name}: declared in ortwrap/registry.py but not in _cpu.c's kOps")
-        elif compiled[name] != sig:
-            problems.append(f"{name}: _cpu.c says {compiled[name]!r}, ortwrap/registry.py says {sig!r}")
-    problems += [
-        f"{n}: in _cpu.c's kOps but not declared in ortwrap/registry.py" for n in compiled if n not in declared
-    ]
-    for k in KERNELS:
-        if k.gradient is not None and k.gradient.backward not in declared:
-            problems.append(f"{k.name}: its backward kernel {k.gradient.backward!r} is not declared")
-    if problems:
-        raise KernelTableError("ortwrap's kernel table has drifted from its declarations: " + "; ".join(problems))
-
-
-# ---------------------------------------------------------------------------------------- gradients
 #: An argument for the PyTorch op: a graph value (tensor input, None if absent) or a constant.
 Arg = Any
 
@@ -303,7 +48,7 @@ class OnnxViaTorch:
         torch_op: ``"name"`` or ``"name.overload"`` in ``torch.ops.aten``, or ``"ortwrap_ops::name"``.
         args: ``args(node, value, b)`` -> the op's arguments, all of them in schema order: graph
             values (``value(i)`` is the node's input ``i``, None if absent; ``b``, a
-            ``passes._build.NodeBuilder``, adds nodes that compute others) or Python constants (int,
+            ``passes/_build.py``'s ``NodeBuilder``, adds nodes that compute others) or Python constants (int,
             float, bool, list of ints or floats, None for an absent optional). None: leave the node to ORT.
         devices: device types (``torch.device.type``) where the rewrite applies.
         why: what ORT lacks.
@@ -339,8 +84,6 @@ def _hard_sigmoid(node: Any, value: Callable[[int], Any], b: Any = None) -> list
 
 def _reduce(name: str) -> Callable:
     def args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-        from ..passes._build import constant_value
-
         keepdims = bool(_attr(node, "keepdims", 1))
         if len(node.inputs) > 1 and node.inputs[1] is not None:  # opset 18: axes as an input
             axes = constant_value(node.inputs[1])
@@ -438,7 +181,6 @@ def _resize(node: Any, value: Callable[[int], Any], b: Any) -> list | None:
     import numpy as np_
 
     from ..errors import PassError
-    from ..passes._build import constant_value
 
     _, align = _resize_op(node)
     x = node.inputs[0]
@@ -478,8 +220,6 @@ def _grid_sample(node: Any, value: Callable[[int], Any], b: Any = None) -> list 
 
 def _col2im(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Col2Im (block shape constant) -> ``col2im(x, output_size, kernel_size, dilation, padding, stride)``."""
-    from ..passes._build import constant_value
-
     image, block = constant_value(node.inputs[1]), constant_value(node.inputs[2])
     if block is None:
         return None
@@ -518,8 +258,6 @@ def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
 def _axes_input(node: Any, index: int) -> list[int] | None:
     """Constant axes from input ``index`` (opset 18 reductions) or the ``axes`` attribute; None if
     they are computed at run time."""
-    from ..passes._build import constant_value
-
     if len(node.inputs) > index and node.inputs[index] is not None:
         axes = constant_value(node.inputs[index])
         return None if axes is None else [int(a) for a in axes.reshape(-1)]
@@ -539,8 +277,6 @@ def _reduce_to(kind: str) -> Callable:
 
 
 def _cumsum(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from ..passes._build import constant_value
-
     axis = constant_value(value(1))
     if axis is None:
         return None
@@ -579,8 +315,6 @@ def _pow(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Pow of an exponent computed by the graph: ORT 1.19.2 differentiates the base only ("not
     implemented for Pow's input exponent"). Its probe of a lone Pow with a constant base passes,
     so the general rule (``passes/torch_gradients.py``) does not see it."""
-    from ..passes._build import constant_value
-
     base, exponent = node.inputs[0], node.inputs[1]
     if constant_value(exponent) is not None or exponent.dtype is None or not exponent.dtype.is_floating_point():
         return None
@@ -614,8 +348,6 @@ def _scatter_reduce(node: Any, value: Callable[[int], Any], b: Any = None) -> li
 def _slice(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Slice with a negative step (``flip``): ORT 1.19.2's SliceGrad fails on it (narrowing_error)."""
     import numpy as np_
-
-    from ..passes._build import constant_value
 
     x = node.inputs[0]
     if len(node.inputs) < 5 or node.inputs[4] is None or x.dtype is None or not x.dtype.is_floating_point():
@@ -735,13 +467,6 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
 }
 
 
-def written(value: float) -> float:
-    """A float attribute as its author wrote it: ONNX stores float attributes in float32, so
-    ``epsilon=1e-5`` reads back as 9.99999974e-06; a float64 computation wants the decimal the
-    float32 came from (the shortest one that rounds to it), which is the Python float eager used."""
-    return float(str(np.float32(value)))
-
-
 def _softmax(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """Softmax/LogSoftmax over one axis (opset 13 and later; before, they flatten from ``axis`` on)."""
     return [value(0), int(_attr(node, "axis", -1)), False]
@@ -803,11 +528,11 @@ def _global_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list 
     return [value(0), dims, True] + ([None] if node.op_type == "GlobalAveragePool" else [])
 
 
-def _gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+def _gelu_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     return [value(0), _attr(node, "approximate", "none")]
 
 
-def _fast_gelu(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+def _fast_gelu_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
     """com.microsoft ``FastGelu`` (the fused tanh GELU of inference graphs), without its bias."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         return None
@@ -845,9 +570,11 @@ DOUBLE_PRECISION: dict[tuple[str, str], OnnxViaTorch] = {
             devices=("cpu",),
             why="the float64 LayerNormalizationGrad function body is invalid at opset 18",
         ),
-        OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf", domain="com.microsoft"),
-        OnnxViaTorch("Gelu", "gelu", _gelu, devices=("cpu",), why="no float64 Erf"),  # opset 20
-        OnnxViaTorch("FastGelu", "gelu", _fast_gelu, devices=("cpu",), why="no float64 kernel", domain="com.microsoft"),
+        OnnxViaTorch("Gelu", "gelu", _gelu_args, devices=("cpu",), why="no float64 Erf", domain="com.microsoft"),
+        OnnxViaTorch("Gelu", "gelu", _gelu_args, devices=("cpu",), why="no float64 Erf"),  # opset 20
+        OnnxViaTorch(
+            "FastGelu", "gelu", _fast_gelu_args, devices=("cpu",), why="no float64 kernel", domain="com.microsoft"
+        ),
         OnnxViaTorch(
             "InstanceNormalization", "instance_norm", _instance_norm, devices=("cpu",), why="no float64 kernel"
         ),
@@ -970,634 +697,3 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         when=lambda c: len(c) > 2 and c[2] == "circular",
     ),
 )
-
-
-# ------------------------------------------------------------------------------ ortwrap's own ops
-def _prelu(x, slope):
-    import torch
-
-    return torch.where(x > 0, x, x * slope)
-
-
-def _hard_sigmoid_impl(x, alpha: float, beta: float):
-    import torch.nn.functional as F
-
-    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:
-        return F.hardsigmoid(x)
-    return (x * alpha + beta).clamp(0.0, 1.0)
-
-
-def _shrink(x, lambd: float, bias: float):
-    import torch
-
-    zero = torch.zeros((), dtype=x.dtype)
-    return torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, zero))
-
-
-def _reduce_impl(x, kind: str, dims: list[int], keepdim: bool):
-    import torch
-
-    dims = list(dims) or list(range(x.dim()))
-    if kind == "prod":
-        for d in sorted((d % x.dim() for d in dims), reverse=True):
-            x = x.prod(d, keepdim=True)
-        return x if keepdim else x.squeeze(dims) if dims else x
-    if kind == "l1":
-        return torch.linalg.vector_norm(x, 1, dims, keepdim)
-    if kind == "l2":
-        return torch.linalg.vector_norm(x, 2, dims, keepdim)
-    if kind == "sum_square":
-        return (x * x).sum(dims, keepdim)
-    if kind == "log_sum":
-        return x.sum(dims, keepdim).log()
-    raise ValueError(f"ortwrap_ops::reduce: unknown kind {kind!r}")
-
-
-def _cumsum_impl(x, axis: int, exclusive: bool, reverse: bool):
-    y = x.flip(axis) if reverse else x
-    # NOTE: dtype=x.dtype: torch's cumsum of an integer tensor is int64, and an ATen node's output
-    # must have the type the graph declares for it (ORT reads the buffer as that type).
-    y = y.cumsum(axis, dtype=x.dtype)
-    if exclusive:
-        y = y - (x.flip(axis) if reverse else x)
-    return y.flip(axis) if reverse else y
-
-
-def _pad_impl(x, pads: list[int], mode: str):
-    """ONNX pads ([begin per dim, end per dim]) in ``F.pad``'s order (last dim first)."""
-    import torch.nn.functional as F
-
-    rank = x.dim()
-    begin, end = pads[:rank], pads[rank:]
-    first = next((i for i in range(rank) if begin[i] or end[i]), rank)
-    torch_pad: list[int] = []
-    for d in range(rank - 1, first - 1, -1):
-        torch_pad += [begin[d], end[d]]
-    return F.pad(x, torch_pad, mode=mode) if torch_pad else x.clone()
-
-
-def _slice_impl(x, starts: list[int], ends: list[int], axes: list[int], steps: list[int]):
-    """ONNX Slice (negative steps included) from ``flip`` and ``aten::slice``."""
-    import torch
-
-    for s, e, a, st in zip(starts, ends, axes, steps):
-        a = a % x.dim()
-        dim = x.shape[a]
-        if st > 0:
-            x = torch.ops.aten.slice.Tensor(x, a, s, e, st)
-            continue
-        s = s + dim if s < 0 else s
-        e = e + dim if e < 0 else e
-        s, e = min(max(s, 0), dim - 1), min(max(e, -1), dim - 1)
-        x = torch.ops.aten.slice.Tensor(x.flip(a), a, dim - 1 - s, max(dim - 1 - e, dim - 1 - s), -st)
-    return x  # a view of the input is copied by the ATen bridge
-
-
-def _scatter_nd_add(data, indices, updates):
-    """ONNX ``ScatterND(reduction="add")``: ``indices[..., k]`` index the first dims of ``data``."""
-    return data.index_put(tuple(indices[..., i] for i in range(indices.shape[-1])), updates, accumulate=True)
-
-
-def _cat2(a, b, dim: int):
-    import torch
-
-    return torch.cat([a, b], dim)
-
-
-def _squeeze_ones(x, dims: list[int]):
-    """``x.squeeze(dims)`` where the export traced every ``dims`` size as 1: a size that is not 1 at
-    run time is an error (the graph after it was traced for the squeezed rank)."""
-    dims = [d % x.dim() for d in dims]
-    if x.device.type == "meta":  # type inference (symbolic dims stand in as 2): the squeezed rank
-        return x.new_empty([s for i, s in enumerate(x.shape) if i not in dims])
-    for d in dims:
-        if x.shape[d] != 1:
-            raise RuntimeError(
-                f"squeeze({d}) was exported for a size-1 dimension; this input has size {x.shape[d]} "
-                f"(shape {tuple(x.shape)}): the graph after it assumes the squeezed rank"
-            )
-    return x.squeeze(dims)
-
-
-#: torch's ScalarType codes of the float dtypes (``bridge/aten.py`` ``_SCALAR_TYPES``)
-_FLOAT_CODES = {5: "float16", 6: "float32", 7: "float64", 15: "bfloat16"}
-
-
-def _dtypes(codes) -> list:
-    """The torch dtypes named by a ``dtypes`` argument (torch's ScalarType codes)."""
-    import torch
-
-    return [getattr(torch, _FLOAT_CODES[int(c)]) for c in codes]
-
-
-#: A last ``dtypes`` code of the bf16 GEMM ops (``linear``, ``matmul`` and their variants): return
-#: an empty tensor in place of the weight's bf16 copy, whose backward casts the weight itself again
-#: (``grad.recompute._recast_weight_copies``).
-NO_WEIGHT_COPY = -1
-
-
-def _weight_copy(wc, dtypes, n_inputs: int):
-    """``wc`` (the weight's copy in the compute dtype), or an empty tensor where ``dtypes`` (of an op
-    with ``n_inputs`` float inputs) ends with :data:`NO_WEIGHT_COPY`."""
-    if len(dtypes) > 2 + n_inputs and int(dtypes[-1]) == NO_WEIGHT_COPY:
-        return wc.new_empty(0)
-    return wc
-
-
-def _saved(x, dtype):
-    """``x`` in ``dtype`` for the backward. A tensor already in it is returned as it is: the ATen
-    bridge copies a result that shares an input's memory (ORT owns the input)."""
-    return x.to(dtype)
-
-
-def _linear(x, w, b, dtypes: list[int]):
-    """``F.linear`` computed in ``dtypes[0]`` (a bf16 GEMM): the result, rounded to that dtype and
-    returned in ``dtypes[1]``, then the copies of x and w in the compute dtype (what the backward
-    reads). ``dtypes``: torch's ScalarType codes of [compute, result, x, w, b]; the backward returns
-    each input's gradient in its dtype (``passes/half_values.py`` keeps some of them bf16)."""
-    import torch.nn.functional as F
-
-    compute, result = _dtypes(dtypes[:2])
-    xc, wc = _saved(x, compute), _saved(w, compute)
-    return F.linear(xc, wc, None if b is None else b.to(compute)).to(result), xc, _weight_copy(wc, dtypes, 3)
-
-
-def _matmul(a, b, dtypes: list[int]):
-    """``torch.matmul`` computed in ``dtypes[0]``: the result in ``dtypes[1]``, then the copies of a
-    and b. ``dtypes``: [compute, result, a, b] (torch's codes)."""
-    import torch
-
-    compute, result = _dtypes(dtypes[:2])
-    ac, bc = _saved(a, compute), _saved(b, compute)
-    return torch.matmul(ac, bc).to(result), ac, _weight_copy(bc, dtypes, 2)
-
-
-def _attention(q, kt, v, mask, scale: float, dtypes: list[int]):
-    """Softmax attention (PyTorch's CPU flash attention) computed in ``dtypes[0]`` from q, k^T and
-    v: the output in ``dtypes[1]``, then what the backward reads with it: the operands in the
-    compute dtype (k, not k^T) and the log-sum-exp. ``dtypes``: [compute, result, q, kt, v]."""
-    from .._compat.torch import flash_attention_cpu
-
-    compute, result = _dtypes(dtypes[:2])
-    qc, kc, vc = _saved(q, compute), kt.to(compute).transpose(-1, -2).contiguous(), _saved(v, compute)
-    out, lse = flash_attention_cpu()[0](qc, kc, vc, 0.0, False, attn_mask=mask, scale=scale)
-    return out.to(result), qc, kc, vc, lse
-
-
-def _linear_keep_input(x, w, b, dtypes: list[int]):
-    """:func:`_linear` of an ``x`` already in the compute dtype (``passes/half_values.py``): the
-    result and w's copy; the backward reads x itself (a returned x would be copied: see ``_saved``)."""
-    y, _, wc = _linear(x, w, b, dtypes)
-    return y, wc
-
-
-def _linear_keep_input_half(x, w, b, dtypes: list[int]):
-    """:func:`_linear_keep_input` whose result is also read in the compute dtype (a float32 result
-    that the graph also narrows: an LM head's logits, float32 for the loss and bf16 for the caller,
-    as eager autocast returns them): the result, w's copy, then the result in the compute dtype (the
-    GEMM's own output, bf16-exact) in place of ORT's ``Cast`` of the float32 one."""
-    import torch.nn.functional as F
-
-    compute, result = _dtypes(dtypes[:2])
-    wc = _saved(w, compute)
-    y = F.linear(x, wc, None if b is None else b.to(compute))
-    return y.to(result), _weight_copy(wc, dtypes, 3), y
-
-
-def _attention_keep_inputs(q, kt, v, mask, scale: float, dtypes: list[int]):
-    """:func:`_attention` of q, k^T and v already in the compute dtype: the result, k (contiguous)
-    and the log-sum-exp; the backward reads q and v themselves."""
-    out, _, kc, _, lse = _attention(q, kt, v, mask, scale, dtypes)
-    return out, kc, lse
-
-
-def _attention_bf16_backward(
-    grad, qc, kc, vc, out, lse, mask, scale: float, dtypes: list[int], output_mask: list[bool]
-):
-    """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward) in the inputs'
-    dtypes; ``out`` is the forward's result (in the compute dtype exactly, whatever its dtype)."""
-    import torch
-
-    from .._compat.torch import flash_attention_cpu
-
-    types = _dtypes(dtypes[2:5])
-    dq, dk, dv = flash_attention_cpu()[1](
-        grad.to(qc.dtype), qc, kc, vc, out.to(qc.dtype), lse, 0.0, False, attn_mask=mask, scale=scale
-    )
-    return (
-        dq.to(types[0]) if output_mask[0] else torch.empty(0, dtype=types[0]),
-        dk.transpose(-1, -2).to(types[1]).contiguous() if output_mask[1] else torch.empty(0, dtype=types[1]),
-        dv.to(types[2]) if output_mask[2] else torch.empty(0, dtype=types[2]),
-    )
-
-
-def _attention_backward(grad, qc, kc, vc, out, lse, mask, scale: float, output_mask: list[bool], causal=False):
-    """dq, d(k^T), dv of :func:`_attention` (PyTorch's flash attention backward), in grad's dtype."""
-    import torch
-
-    from .._compat.torch import flash_attention_cpu
-
-    dq, dk, dv = flash_attention_cpu()[1](
-        grad.to(qc.dtype), qc, kc, vc, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
-    empty = torch.empty(0, dtype=grad.dtype)
-    return (
-        dq.to(grad.dtype) if output_mask[0] else empty,
-        dk.transpose(-1, -2).to(grad.dtype).contiguous() if output_mask[1] else empty,
-        dv.to(grad.dtype) if output_mask[2] else empty,
-    )
-
-
-def _gelu(x, approximate: int):
-    """``F.gelu`` in x's dtype (PyTorch's bf16 kernel for the bf16 values of ``passes/half_values.py``)."""
-    import torch.nn.functional as F
-
-    return F.gelu(x, approximate="tanh" if approximate else "none")
-
-
-def _gelu_backward(grad, x, approximate: int, output_mask: list[bool]):
-    """dx of :func:`_gelu` (PyTorch's ``gelu_backward``), in x's dtype."""
-    import torch
-
-    return [torch.ops.aten.gelu_backward(grad.to(x.dtype), x, approximate="tanh" if approximate else "none")]
-
-
-def _linear_f32(x, w, b):
-    """``F.linear`` in the inputs' dtype (float32): its backward reads the inputs themselves."""
-    import torch.nn.functional as F
-
-    return F.linear(x, w, b)
-
-
-def _matmul_f32(a, b):
-    """``torch.matmul`` in the inputs' dtype (float32)."""
-    import torch
-
-    return torch.matmul(a, b)
-
-
-def _attention_f32(q, kt, v, mask, scale: float):
-    """:func:`_attention` in the inputs' dtype (float32): the output, then k (contiguous, not k^T) and
-    the log-sum-exp, which the backward reads with q, v and the output (no T x T probabilities)."""
-    from .._compat.torch import flash_attention_cpu
-
-    k = kt.transpose(-1, -2).contiguous()
-    out, lse = flash_attention_cpu()[0](q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    return out, k, lse
-
-
-def _attention_causal_f32(q, kt, v, scale: float):
-    """:func:`_attention_f32` with flash attention's causal mask (top-left aligned) instead of a mask
-    tensor: the blocks above the diagonal are skipped, not computed and masked."""
-    from .._compat.torch import flash_attention_cpu
-
-    k = kt.transpose(-1, -2).contiguous()
-    out, lse = flash_attention_cpu()[0](q, k, v, 0.0, True, attn_mask=None, scale=scale)
-    return out, k, lse
-
-
-def _attention_causal_backward(grad, q, k, v, out, lse, scale: float, output_mask: list[bool]):
-    """dq, d(k^T), dv of :func:`_attention_causal_f32`."""
-    return _attention_backward(grad, q, k, v, out, lse, None, scale, output_mask, causal=True)
-
-
-def _attention_bthd_f32(q, k, v, mask, scale: float, causal: bool):
-    """Flash attention on q, k, v in the projections' [B, T, H, D] layout (the kernel reads the
-    [B, H, T, D] views, strided; nothing copied): the output in [B, T, H, D] (flash attention writes
-    it so) and the log-sum-exp, which the backward reads with q, k, v and the output."""
-    from .._compat.torch import flash_attention_cpu
-
-    out, lse = flash_attention_cpu()[0](
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale
-    )
-    return out.transpose(1, 2).contiguous(), lse
-
-
-def _attention_bthd_backward(grad, q, k, v, out, lse, mask, scale: float, causal: bool, output_mask: list[bool]):
-    """dq, dk, dv of :func:`_attention_bthd_f32`, in [B, T, H, D]."""
-    import torch
-
-    from .._compat.torch import flash_attention_cpu
-
-    t = [x.transpose(1, 2) for x in (grad, q, k, v, out)]
-    grads = flash_attention_cpu()[1](*t, lse, 0.0, causal, attn_mask=mask, scale=scale)
-    empty = torch.empty(0, dtype=grad.dtype)
-    return tuple(d.transpose(1, 2).contiguous() if m else empty for d, m in zip(grads, output_mask))
-
-
-def _sum_to(t, shape):
-    """``t`` summed over the dims it was broadcast along to reach its shape from ``shape``."""
-    lead = t.dim() - len(shape)
-    if lead:
-        t = t.sum(list(range(lead)))
-    dims = [i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1]
-    return t.sum(dims, keepdim=True) if dims else t
-
-
-def _linear_backward(grad, xc, wc, output_mask: list[bool]):
-    """dx = dy W, dW = dy^T x, db = sum(dy) from the forward's copies ``xc``, ``wc`` (in the
-    compute dtype), as eager autocast computes them: GEMMs in that dtype (the output gradient
-    rounded to it first), results in the output gradient's dtype; nothing recomputed."""
-    import torch
-
-    empty = torch.empty(0, dtype=grad.dtype)
-    g = grad.to(wc.dtype)
-    g2 = g.reshape(-1, g.shape[-1])
-    dx = torch.matmul(g, wc).to(grad.dtype) if output_mask[0] else empty
-    dw = g2.t().mm(xc.reshape(-1, xc.shape[-1])).to(grad.dtype) if output_mask[1] else empty
-    db = g2.sum(0).to(grad.dtype) if output_mask[2] else empty
-    return dx, dw, db
-
-
-def _matmul_backward(grad, ac, bc, output_mask: list[bool]):
-    """da = dy b^T, db = a^T dy from the forward's copies (rank >= 2), summed over broadcast dims."""
-    import torch
-
-    empty = torch.empty(0, dtype=grad.dtype)
-    g = grad.to(ac.dtype)
-    da = _sum_to(torch.matmul(g, bc.transpose(-1, -2)), ac.shape).to(grad.dtype) if output_mask[0] else empty
-    if not output_mask[1]:
-        db = empty
-    elif bc.dim() == 2:  # a weight: one GEMM over all rows
-        db = ac.reshape(-1, ac.shape[-1]).t().mm(g.reshape(-1, g.shape[-1])).to(grad.dtype)
-    else:
-        db = _sum_to(torch.matmul(ac.transpose(-1, -2), g), bc.shape).to(grad.dtype)
-    return da, db
-
-
-def _weight_grad(a, b):
-    """``a^T b`` of two row-major [rows, n] operands in a half dtype (a weight's gradient, the rows
-    reduced). NOTE: where ``a`` is no wider than ``b``, ``a^T`` is made contiguous first: PyTorch's
-    bf16 GEMM (oneDNN, AMX) reads a transposed left operand slowly, and copying the narrower operand
-    costs less than that (GPT-2's 3072 -> 768 layer: 5.4 -> 3.8 ms CPU with the copy). A wider
-    ``a`` is read transposed: its transposing copy (PyTorch's is slow, and cold in a training step)
-    cost more than it saved. The products are summed in float32 either way; only the order of the
-    sums differs (rare last-bit differences from eager, which reads ``a`` transposed)."""
-    return (a.t().contiguous() if a.shape[1] <= b.shape[1] else a.t()).mm(b)
-
-
-def _linear_bf16_backward(grad, xc, wc, dtypes: list[int], output_mask: list[bool]):
-    """:func:`_linear_backward` of :func:`_linear` with each gradient cast once, from the compute
-    dtype to its input's dtype (``dtypes`` [compute, result, x, w, b]): a bf16 dx of a float32
-    output gradient is not widened to float32 and narrowed again."""
-    compute = _dtypes(dtypes[:1])[0]
-    return _linear_grads(grad.to(compute), xc, wc.to(compute), _dtypes(dtypes[2:5]), output_mask)
-
-
-def _linear_bf16_backward_half(grad, grad_half, xc, wc, dtypes: list[int], output_mask: list[bool]):
-    """:func:`_linear_bf16_backward` of :func:`_linear_keep_input_half`: the result's two gradients
-    summed as eager autocast sums them (the float32 one rounded to the compute dtype first, then
-    added in it: eager's bf16 result had both readers). Either may be absent (no gradient reaches
-    that result: ``OPTIONAL_GRADIENT_OPS``)."""
-    compute = _dtypes(dtypes[:1])[0]
-    g = None if grad is None else grad.to(compute)
-    if grad_half is not None:
-        g = grad_half.to(compute) if g is None else g + grad_half.to(compute)
-    return _linear_grads(g, xc, wc.to(compute), _dtypes(dtypes[2:5]), output_mask)
-
-
-def _linear_grads(g, xc, wc, types: list, output_mask: list[bool]):
-    """dx, dW, db of a linear from its output gradient ``g`` in the compute dtype, each in ``types``."""
-    import torch
-
-    g2 = g.reshape(-1, g.shape[-1])
-    dx = torch.matmul(g, wc).to(types[0]) if output_mask[0] else torch.empty(0, dtype=types[0])
-    if output_mask[1]:
-        dw = _weight_grad(g2, xc.reshape(-1, xc.shape[-1])).to(types[1])
-    else:
-        dw = torch.empty(0, dtype=types[1])
-    db = g2.sum(0).to(types[2]) if output_mask[2] else torch.empty(0, dtype=types[2])
-    return dx, dw, db
-
-
-def _matmul_bf16_backward(grad, ac, bc, dtypes: list[int], output_mask: list[bool]):
-    """:func:`_matmul_backward` of :func:`_matmul`, each gradient cast once to its input's dtype."""
-    import torch
-
-    types = _dtypes(dtypes[2:4])
-    bc = bc.to(ac.dtype)  # the weight itself where the backward reads it (grad/recompute.py)
-    g = grad.to(ac.dtype)
-    if not output_mask[0]:
-        da = torch.empty(0, dtype=types[0])
-    else:
-        da = _sum_to(torch.matmul(g, bc.transpose(-1, -2)), ac.shape).to(types[0])
-    if not output_mask[1]:
-        db = torch.empty(0, dtype=types[1])
-    elif bc.dim() == 2:  # a weight: one GEMM over all rows
-        db = _weight_grad(ac.reshape(-1, ac.shape[-1]), g.reshape(-1, g.shape[-1])).to(types[1])
-    else:
-        db = _sum_to(torch.matmul(ac.transpose(-1, -2), g), bc.shape).to(types[1])
-    return da, db
-
-
-_OPS = {
-    "cat2": ("cat2(Tensor a, Tensor b, int dim) -> Tensor", _cat2),
-    "scatter_nd_add": ("scatter_nd_add(Tensor data, Tensor indices, Tensor updates) -> Tensor", _scatter_nd_add),
-    "squeeze_ones": ("squeeze_ones(Tensor x, int[] dims) -> Tensor", _squeeze_ones),
-    "linear": ("linear(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _linear),
-    "matmul": ("matmul(Tensor a, Tensor b, int[] dtypes) -> (Tensor, Tensor, Tensor)", _matmul),
-    "attention": (
-        "attention(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-        _attention,
-    ),
-    "linear_keep_input": (
-        "linear_keep_input(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor)",
-        _linear_keep_input,
-    ),
-    "linear_keep_input_half": (
-        "linear_keep_input_half(Tensor x, Tensor w, Tensor? b, int[] dtypes) -> (Tensor, Tensor, Tensor)",
-        _linear_keep_input_half,
-    ),
-    "attention_keep_inputs": (
-        "attention_keep_inputs(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale, int[] dtypes) "
-        "-> (Tensor, Tensor, Tensor)",
-        _attention_keep_inputs,
-    ),
-    "attention_bf16_backward": (
-        "attention_bf16_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
-        "float scale, int[] dtypes, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _attention_bf16_backward,
-    ),
-    "linear_bf16_backward": (
-        "linear_bf16_backward(Tensor grad, Tensor xc, Tensor wc, int[] dtypes, bool[3] output_mask) "
-        "-> (Tensor, Tensor, Tensor)",
-        _linear_bf16_backward,
-    ),
-    "linear_bf16_backward_half": (
-        "linear_bf16_backward_half(Tensor? grad, Tensor? grad_half, Tensor xc, Tensor wc, int[] dtypes, "
-        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _linear_bf16_backward_half,
-    ),
-    "matmul_bf16_backward": (
-        "matmul_bf16_backward(Tensor grad, Tensor ac, Tensor bc, int[] dtypes, bool[2] output_mask) -> (Tensor, Tensor)",
-        _matmul_bf16_backward,
-    ),
-    "gelu": ("gelu(Tensor x, int approximate) -> Tensor", _gelu),
-    "gelu_backward": (
-        "gelu_backward(Tensor grad, Tensor x, int approximate, bool[1] output_mask) -> Tensor[]",
-        _gelu_backward,
-    ),
-    "attention_backward": (
-        "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
-        "float scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _attention_backward,
-    ),
-    "linear_backward": (
-        "linear_backward(Tensor grad, Tensor xc, Tensor wc, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _linear_backward,
-    ),
-    "matmul_backward": (
-        "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
-        _matmul_backward,
-    ),
-    "linear_f32": ("linear_f32(Tensor x, Tensor w, Tensor? b) -> Tensor", _linear_f32),
-    "matmul_f32": ("matmul_f32(Tensor a, Tensor b) -> Tensor", _matmul_f32),
-    "attention_f32": (
-        "attention_f32(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)",
-        _attention_f32,
-    ),
-    "attention_causal_f32": (
-        "attention_causal_f32(Tensor q, Tensor kt, Tensor v, float scale) -> (Tensor, Tensor, Tensor)",
-        _attention_causal_f32,
-    ),
-    "attention_causal_backward": (
-        "attention_causal_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _attention_causal_backward,
-    ),
-    "attention_bthd_f32": (
-        "attention_bthd_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool causal) -> (Tensor, Tensor)",
-        _attention_bthd_f32,
-    ),
-    "attention_bthd_backward": (
-        "attention_bthd_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-        "float scale, bool causal, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _attention_bthd_backward,
-    ),
-    "slice": ("slice(Tensor x, int[] starts, int[] ends, int[] axes, int[] steps) -> Tensor", _slice_impl),
-    "pad": ("pad(Tensor x, int[] pads, str mode) -> Tensor", _pad_impl),
-    "reduce": ("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
-    "cumsum": ("cumsum(Tensor x, int axis, bool exclusive, bool reverse) -> Tensor", _cumsum_impl),
-    "prelu": ("prelu(Tensor x, Tensor slope) -> Tensor", _prelu),
-    "hard_sigmoid": ("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
-    "shrink": ("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
-}
-_library: list = []
-
-#: ortwrap ops that compute in the dtype their last argument, ``dtypes``, names first (torch's
-#: ScalarType codes: [compute, result, each float input]), on inputs of any float dtype: their first
-#: output has the result dtype, the others are what the backward reads (the inputs' copies in the
-#: compute dtype), and the backward returns each input's gradient in that input's dtype.
-DTYPE_ARGUMENT_OPS = frozenset(
-    f"{OPS_NAMESPACE}::{op}"
-    for op in ("linear", "matmul", "attention", "linear_keep_input", "linear_keep_input_half", "attention_keep_inputs")
-)
-#: ortwrap ops whose gradient is one explicit backward op, not the ATen bridge's vjp (which
-#: recomputes the forward under autograd: a third more GEMM work for a matmul). The backward op's
-#: last argument, ``output_mask``, is filled from the gradients the graph uses
-#: (``bridge.aten.mark_used_outputs``). ``passes/half_matmul.py`` writes these ops; their backward
-#: reads the copies of the inputs in the compute dtype that the forward returns (``O(1)``, ``O(2)``)
-#: and the forward's ``dtypes``; ``passes/half_values.py`` writes ``ortwrap_ops::gelu`` (bf16);
-#: that of the ``*_f32`` ops (float32, ``Options.gemm``) reads the forward's inputs (``I(0)``, ``I(1)``).
-TORCH_OP_GRADIENTS: dict[str, KernelGradient] = {
-    f"{OPS_NAMESPACE}::linear": _grad(
-        f"{OPS_NAMESPACE}::linear_bf16_backward",
-        ["GO(0)", "O(1)", "O(2)", "I(3)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3],
-    ),
-    f"{OPS_NAMESPACE}::linear_keep_input": _grad(
-        f"{OPS_NAMESPACE}::linear_bf16_backward",
-        ["GO(0)", "I(0)", "O(1)", "I(3)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3],
-    ),
-    f"{OPS_NAMESPACE}::linear_keep_input_half": _grad(
-        f"{OPS_NAMESPACE}::linear_bf16_backward_half",
-        ["GO(0)", "GO(2)", "I(0)", "O(1)", "I(3)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3],
-    ),
-    f"{OPS_NAMESPACE}::attention_keep_inputs": _grad(
-        f"{OPS_NAMESPACE}::attention_bf16_backward",
-        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)", "I(5)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3, 4, 5],
-    ),
-    f"{OPS_NAMESPACE}::matmul": _grad(
-        f"{OPS_NAMESPACE}::matmul_bf16_backward", ["GO(0)", "O(1)", "O(2)", "I(2)"], ["GI(0)", "GI(1)"], stop=[2]
-    ),
-    f"{OPS_NAMESPACE}::attention": _grad(
-        f"{OPS_NAMESPACE}::attention_bf16_backward",
-        ["GO(0)", "O(1)", "O(2)", "O(3)", "O(0)", "O(4)", "I(3)", "I(4)", "I(5)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3, 4, 5],
-    ),
-    f"{OPS_NAMESPACE}::gelu": _grad(f"{OPS_NAMESPACE}::gelu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
-    f"{OPS_NAMESPACE}::linear_f32": _grad(
-        f"{OPS_NAMESPACE}::linear_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[]
-    ),
-    f"{OPS_NAMESPACE}::matmul_f32": _grad(
-        f"{OPS_NAMESPACE}::matmul_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)", "GI(1)"], stop=[]
-    ),
-    f"{OPS_NAMESPACE}::attention_f32": _grad(
-        f"{OPS_NAMESPACE}::attention_backward",
-        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3, 4],
-    ),
-    f"{OPS_NAMESPACE}::attention_causal_f32": _grad(
-        f"{OPS_NAMESPACE}::attention_causal_backward",
-        ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3],
-    ),
-    f"{OPS_NAMESPACE}::attention_bthd_f32": _grad(
-        f"{OPS_NAMESPACE}::attention_bthd_backward",
-        ["GO(0)", "I(0)", "I(1)", "I(2)", "O(0)", "O(1)", "I(3)", "I(4)", "I(5)"],
-        ["GI(0)", "GI(1)", "GI(2)"],
-        stop=[3, 4, 5],
-    ),
-}
-
-
-#: backward ops (of ``TORCH_OP_GRADIENTS``) that read two output gradients of which the graph may
-#: produce only one: ORT's gradient builder names a missing one anyway (a value nothing produces,
-#: which the session rejects); ``bridge.aten.drop_missing_gradients`` makes it an absent input.
-OPTIONAL_GRADIENT_OPS = frozenset({f"{OPS_NAMESPACE}::linear_bf16_backward_half"})
-
-
-def define_ops() -> None:
-    """Define ortwrap's composite ops (``torch.ops.ortwrap_ops.*``) in this process, once.
-
-    Each has ONNX semantics where no PyTorch op does (``PRelu``'s broadcast slope, ``HardSigmoid``'s
-    alpha and beta, ``Shrink``'s bias); its autograd is that of its decomposition."""
-    if _library:
-        return
-    import torch
-
-    lib = torch.library.Library(OPS_NAMESPACE, "DEF")
-    for name, (schema, fn) in _OPS.items():
-        lib.define(schema)
-        lib.impl(name, fn, "CompositeImplicitAutograd")
-    _library.append(lib)
-
-
-def constant_array(value: Any) -> np.ndarray:
-    """The ATen bridge's encoding of a constant argument (``bridge/aten.py``)."""
-    if isinstance(value, str):
-        return np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy()
-    if isinstance(value, bool):
-        return np.array(value, dtype=np.bool_)
-    if isinstance(value, int):
-        return np.array(value, dtype=np.int64)
-    if isinstance(value, float):
-        return np.array(value, dtype=np.float64)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value) and value:
-        return np.array(value, dtype=np.bool_)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
-        return np.array(value, dtype=np.int64).reshape(len(value))
-    if isinstance(value, (list, tuple)):
-        return np.array(value, dtype=np.float64).reshape(len(value))
-    raise TypeError(f"{value!r} cannot be an ATen node argument")

@@ -36,7 +36,7 @@ import onnx_ir as ir
 from ..bridge.aten import ATEN_DOMAIN
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
-from ..ops.mappers import DOUBLE_PRECISION, constant_array, written
+from ..ops import DOUBLE_PRECISION, constant_array, written
 from ._build import NodeBuilder, constant_value
 from .torch_gradients import replace_with_torch
 

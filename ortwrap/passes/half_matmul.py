@@ -53,7 +53,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..ops.mappers import OPS_NAMESPACE
+from ..ops import OPS_NAMESPACE
 from ._build import constant_value
 
 _ONNX = ("", "ai.onnx")

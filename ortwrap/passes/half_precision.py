@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..ops.mappers import DTYPE_ARGUMENT_OPS
+from ..ops import DTYPE_ARGUMENT_OPS
 
 _HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 _ONNX = ("", "ai.onnx")

@@ -39,7 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..ops.mappers import DTYPE_ARGUMENT_OPS, OPS_NAMESPACE
+from ..ops import DTYPE_ARGUMENT_OPS, OPS_NAMESPACE
 
 _ONNX = ("", "ai.onnx")
 _BF16 = ir.DataType.BFLOAT16

@@ -34,7 +34,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
-from ..ops.mappers import KERNELS
+from ..ops import KERNELS
 from .half_matmul import _heads_layout, _shapes_from_source
 
 _BF16, _FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT

@@ -30,7 +30,7 @@ from .._compat import torch as compat
 from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
-from ..ops.mappers import GRADIENTS, OnnxViaTorch, constant_array
+from ..ops import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder, constant_value
 
 _ONNX = ("", "ai.onnx")

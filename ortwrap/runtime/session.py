@@ -12,8 +12,8 @@ from ..bridge import state as bridge_state
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..kernels import release_cached
+from ..ops import DTYPE_ARGUMENT_OPS
 from ..options import Options
-from ..ops.mappers import DTYPE_ARGUMENT_OPS
 from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
