@@ -36,6 +36,7 @@ import torch
 
 from .._compat import torch as compat
 from .._ort import C
+from ..ops import OWN_GRADIENT_OPS  # ops whose gradient definition their owner registers: no vjp
 from . import state
 from ._native import load
 
@@ -46,8 +47,6 @@ NATIVE_PREFIX = "ortwrap_cpu::"
 #: Operators ORT's gradient builder must not differentiate through (``detach``: every input is a
 #: stop-gradient edge; ``passes/stop_gradient.py``).
 NO_GRADIENT_OPS: frozenset[str] = frozenset({"detach"})
-#: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
-OWN_GRADIENT_OPS: set[str] = set()
 #: Arguments ops update in place although their schemas do not say so (no ``Tensor(a!)``): the
 #: running statistics of ``instance_norm`` (TorchScript exports it with running stats as an ATen
 #: node) and ``batch_norm``. Treated as written: the vjp recomputes on copies, or the statistics

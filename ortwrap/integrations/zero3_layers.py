@@ -47,11 +47,13 @@ from torch import nn
 
 from .._compat import torch as compat
 from ..errors import UnsupportedInputError
+from ..ops import ZERO3_MAX_ARITY, ZERO3_NAMESPACE
 
-NAMESPACE = "ortwrap_zero3"
+#: (declared in ``ops/declare.py``: the ATen bridge reads there that it registers no vjp for ``fetch_<n>``)
+NAMESPACE = ZERO3_NAMESPACE
 OP_PREFIX = NAMESPACE + "::"
 #: Largest number of partitioned parameters one submodule may own.
-MAX_ARITY = 32
+MAX_ARITY = ZERO3_MAX_ARITY
 _ATEN_DOMAIN = "org.pytorch.aten"
 
 
@@ -289,7 +291,6 @@ def register_gradient(n: int) -> None:
         return
     from ..bridge import aten
 
-    aten.OWN_GRADIENT_OPS.add(f"{OP_PREFIX}fetch_{n}")
     aten.register_gradient(
         f"{OP_PREFIX}fetch_{n}",
         "",

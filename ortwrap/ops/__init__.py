@@ -28,6 +28,7 @@ from .declare import (
     Kernel,
     KernelTableError,
     Op,
+    gradient,
     parse_signature,
 )
 from .kernels import KERNELS, check_kernel_table, kernel
@@ -82,6 +83,7 @@ __all__ = [
     "constant_value",
     "define_ops",
     "derive",
+    "gradient",
     "kernel",
     "op",
     "parse_signature",
