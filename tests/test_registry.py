@@ -336,3 +336,21 @@ def test_cpu_arena_is_decided_by_the_declared_operators():
     assert uses_cpu_arena(model("ortwrap_ops::linear_f32"))
     assert uses_cpu_arena(model("ortwrap_ops::linear_backward"))
     assert uses_cpu_arena(model("aten::relu", name="after ortwrap_ops::linear"))
+
+
+def test_ops_imports_no_stage():
+    """``ops/`` is under every stage: passes, export, grad, bridge and runtime import it, not the reverse."""
+    import ast
+    import pathlib
+
+    import ortwrap.ops
+
+    allowed = {"ortwrap.errors", "ortwrap._compat.torch", "ortwrap._compat"}
+    for path in pathlib.Path(ortwrap.ops.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = "ortwrap." + ("ops." if node.level == 1 else "") + (node.module or "")
+                assert target.startswith("ortwrap.ops.") or target.rstrip(".") in allowed, (path.name, target)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.startswith("ortwrap") for n in names), (path.name, names)

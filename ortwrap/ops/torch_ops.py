@@ -547,25 +547,14 @@ OPS: tuple[Op, ...] = (
     ),
     # The torch-GEMM route's float32 ops (Options.gemm="torch"): their backward reads the forward's inputs.
     Op(
-        "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
-        "float scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
-        _attention_backward,
+        "linear_f32(Tensor x, Tensor w, Tensor? b) -> Tensor",
+        _linear_f32,
+        gradient("linear_backward", ["GO(0)", "I(0)", "I(1)"], _GI3),
         heavy=True,
     ),
     Op(
         "linear_backward(Tensor grad, Tensor xc, Tensor wc, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _linear_backward,
-        heavy=True,
-    ),
-    Op(
-        "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
-        _matmul_backward,
-        heavy=True,
-    ),
-    Op(
-        "linear_f32(Tensor x, Tensor w, Tensor? b) -> Tensor",
-        _linear_f32,
-        gradient("linear_backward", ["GO(0)", "I(0)", "I(1)"], _GI3),
         heavy=True,
     ),
     Op(
@@ -575,11 +564,22 @@ OPS: tuple[Op, ...] = (
         heavy=True,
     ),
     Op(
+        "matmul_backward(Tensor grad, Tensor ac, Tensor bc, bool[2] output_mask) -> (Tensor, Tensor)",
+        _matmul_backward,
+        heavy=True,
+    ),
+    Op(
         "attention_f32(Tensor q, Tensor kt, Tensor v, Tensor? mask, float scale) -> (Tensor, Tensor, Tensor)",
         _attention_f32,
         gradient(
             "attention_backward", ["GO(0)", "I(0)", "O(1)", "I(2)", "O(0)", "O(2)", "I(3)", "I(4)"], _GI3, stop=[3, 4]
         ),
+        heavy=True,
+    ),
+    Op(
+        "attention_backward(Tensor grad, Tensor qc, Tensor kc, Tensor vc, Tensor out, Tensor lse, Tensor? mask, "
+        "float scale, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _attention_backward,
         heavy=True,
     ),
     Op(

@@ -146,7 +146,7 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
             raise PassError(
                 f"node {node.name!r} ({domain + '::' if domain else ''}{node.op_type}) cannot be "
                 f"{'trained' if self.with_backward else 'run'} in float64 on ONNX Runtime's CPU provider ({why}), "
-                "and ortwrap has no PyTorch equivalent for it (ortwrap/registry.py, DOUBLE_PRECISION). "
+                "and ortwrap has no PyTorch equivalent for it (ortwrap/ops/mappers.py, DOUBLE_PRECISION). "
                 "Train the model in float32, or report the op"
             )
         return ir.passes.PassResult(model, modified=bool(self.rewritten))

@@ -1,6 +1,6 @@
 """Run the ONNX ops ORT 1.19.2 cannot differentiate as PyTorch ops, differentiated by PyTorch.
 
-Each ONNX node whose op has an entry in ``ortwrap.registry.GRADIENTS`` (HardSwish, HardSigmoid,
+Each ONNX node whose op has an entry in ``ortwrap.ops.GRADIENTS`` (HardSwish, HardSigmoid,
 Mish, Elu, Selu, Celu, Softplus, PRelu, Shrink, ReduceMax/ReduceMin, ConvTranspose on CPU, ...) is
 replaced by one ``org.pytorch.aten::ATen`` node calling the entry's PyTorch op, with the arguments
 its ``args`` maps from the node's inputs and attributes (constants as the ATen bridge encodes them).
@@ -111,7 +111,7 @@ def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.V
         if r.dtype != TORCH_DTYPES[int(out.dtype)]:
             raise PassError(
                 f"node {node.name!r} ({node.op_type}): {op} returns {r.dtype} where the graph has "
-                f"{TORCH_DTYPES[int(out.dtype)]}; its registry entry (ortwrap/registry.py) must keep the type"
+                f"{TORCH_DTYPES[int(out.dtype)]}; its entry (ortwrap/ops/mappers.py, GRADIENTS) must keep the type"
             )
 
 
