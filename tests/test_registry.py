@@ -248,6 +248,8 @@ def test_a_new_declaration_shows_up_in_every_derived_table():
     assert bw in t.optional_gradient_ops
     assert t.weight_copy_output[fw] == 2 and t.weight_copy_input[bw] == 3  # recompute's weight copies
     assert forward.n_outputs == 3 and forward.operator == fw
+    with pytest.raises(ValueError, match="ortwrap_ops::scaled_linear is declared twice"):
+        derive(KERNELS, (*OPS, forward, backward, forward))
     # and none of it is in the tables without the declaration
     plain = derive(KERNELS, OPS)
     assert not {fw, bw, "ortwrap_cpu::dot"} & (plain.operators | plain.heavy | plain.dtype_argument_ops)

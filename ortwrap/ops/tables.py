@@ -67,6 +67,11 @@ def derive(kernels: Iterable[Kernel], ops: Iterable[Op]) -> Tables:
     """The tables of these declarations."""
     kernels, ops = tuple(kernels), tuple(ops)
     declared = (*kernels, *ops)
+    seen: set[str] = set()
+    for d in declared:
+        if d.operator in seen:
+            raise ValueError(f"{d.operator} is declared twice (one declaration per op and kernel)")
+        seen.add(d.operator)
     gradients = {
         o.operator: dataclasses.replace(o.gradient, backward=f"{OPS_NAMESPACE}::{o.gradient.backward}")
         for o in ops
