@@ -356,3 +356,12 @@ def test_ops_imports_no_stage():
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 assert not any(n.startswith("ortwrap") for n in names), (path.name, names)
+
+
+def test_mappers_name_declared_ops():
+    """Every ``ortwrap_ops::`` op a mapper runs is declared (``ops/torch_ops.py``)."""
+    from ortwrap.ops import DOUBLE_PRECISION, OPERATORS
+
+    named = {e.torch_op for e in (*GRADIENTS.values(), *DOUBLE_PRECISION.values())}
+    ours = {n for n in named if n.startswith(OPS_NAMESPACE + "::")}
+    assert ours and ours <= OPERATORS, ours - OPERATORS
