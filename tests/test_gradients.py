@@ -1,4 +1,4 @@
-"""Gradients ORT 1.19.2 lacks, defined through ortwrap's gradient registry (``ortwrap/registry.py``).
+"""Gradients ORT 1.19.2 lacks, defined through ortwrap's gradient registry (``ortwrap/ops/mappers.py``).
 
 Each op runs as PyTorch's op inside the graph and is differentiated by PyTorch's autograd. Every
 case trains with parameters before and after the op and compares outputs and every gradient with

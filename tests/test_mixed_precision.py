@@ -143,7 +143,7 @@ def test_linear_ops_compute_as_eager_autocast(x_dtype, result, recast):
     (a residual add read the result) gives a bf16 dx where x is bf16, a float32 one where x is.
     ``recast`` (recompute="cheap"/"layers", grad/recompute.py): the forward returns no weight copy
     (an empty tensor) and the backward op reads the float32 weight itself, with the same results."""
-    from ortwrap.registry import NO_WEIGHT_COPY, define_ops
+    from ortwrap.ops import NO_WEIGHT_COPY, define_ops
 
     define_ops()
     torch.manual_seed(0)
@@ -178,7 +178,7 @@ def test_linear_half_result_computes_as_eager_autocast():
     """The LM head's op (its float32 result read by the loss, its bf16 result returned, as eager
     autocast's logits): both results and every gradient, with a gradient on each result, are eager
     autocast's bit for bit; its backward sums the two in bf16 as eager's autograd does."""
-    from ortwrap.registry import define_ops
+    from ortwrap.ops import define_ops
 
     define_ops()
     torch.manual_seed(0)
@@ -378,7 +378,7 @@ def test_recompute_on_the_native_route(exporter, recompute):
     # No bf16 weight copy is kept: every GEMM's backward reads its float32 weight (a parameter)
     # and casts it again, and the forward returns an empty copy (ORT keeps an output nothing reads
     # until the end of the run).
-    from ortwrap.registry import NO_WEIGHT_COPY
+    from ortwrap.ops import NO_WEIGHT_COPY
 
     params = {i.name for i in graph.input} & {n for n, _ in w.named_parameters()} | {
         i.name for i in graph.input if "weight" in i.name

@@ -4,7 +4,7 @@ outputs and every input gradient, under both exporters.
 - ``std`` of a full reduction: ORT's ``Sqrt`` gradient of a 0-d value is [1]-shaped, and the
   ``ReduceMean`` gradient below it broadcast it wrongly (``grad/builder.py`` reshapes 0-d gradients);
 - a computed ``Pow`` exponent (``x ** y``, ``exp2``, ``logaddexp2``, ``float_power``): ORT gave it no
-  gradient (``registry.GRADIENTS["Pow"]``);
+  gradient (``ops.GRADIENTS["Pow"]``);
 - ``scatter_reduce`` (every reduction), ``index_add``, ``_safe_softmax`` (dynamo: ATen nodes),
   ``index_put(accumulate=True)`` (``ScatterND(add)``: PyTorch's gradient);
 - ``max_pool3d(return_indices=True)`` on an unbatched input (dynamo: SIGSEGV in ORT's MaxPoolGrad)

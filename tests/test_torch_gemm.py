@@ -203,8 +203,8 @@ def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
     not SDPA and stays."""
     import onnx_text
 
+    from ortwrap.ops import OPS_NAMESPACE
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
@@ -250,8 +250,8 @@ def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     broadcasts one row, stays a mask input."""
     import onnx_text
 
+    from ortwrap.ops import OPS_NAMESPACE
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
@@ -298,8 +298,8 @@ def test_attention_pattern_reads_the_heads_layout(kt_chain):
     transposed q reads q4's shape, permuted."""
     import onnx_text
 
+    from ortwrap.ops import OPS_NAMESPACE
     from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
-    from ortwrap.registry import OPS_NAMESPACE
 
     p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))

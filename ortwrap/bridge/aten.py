@@ -44,8 +44,6 @@ from ._native import load
 #: Operators ORT's gradient builder must not differentiate through (``detach``: every input is a
 #: stop-gradient edge; ``passes/stop_gradient.py``).
 NO_GRADIENT_OPS: frozenset[str] = frozenset({"detach"})
-#: Operators whose gradient definition their owner registers (``register_gradient``): no vjp for them.
-OWN_GRADIENT_OPS: set[str] = set()
 #: Arguments ops update in place although their schemas do not say so (no ``Tensor(a!)``): the
 #: running statistics of ``instance_norm`` (TorchScript exports it with running stats as an ATen
 #: node) and ``batch_norm``. Treated as written: the vjp recomputes on copies, or the statistics
@@ -160,7 +158,7 @@ def resolve(op: str, overload: str) -> _Plan:
     if plan is None:
         ns, _, name = op.rpartition("::")
         if ns == "ortwrap_ops":
-            from ..registry import define_ops
+            from ..ops import define_ops
 
             define_ops()
         packet = getattr(getattr(torch.ops, ns or "aten"), name)

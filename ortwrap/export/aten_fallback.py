@@ -8,7 +8,7 @@ the same: :func:`fallback_translations` returns ``custom_translation_table`` ent
 - every op of the captured graph that neither torchlib nor ortwrap translates (after the exporter's
   decompositions: an op that decomposes into translatable ops is decomposed instead), and
 - every overload of the ops ``Options.aten_ops`` lists (PyTorch's kernels by choice), and
-- every call of an op ``registry.ATEN_OPS`` names for dynamo where a call needs it (its ``when``):
+- every call of an op ``ops.ATEN_OPS`` names for dynamo where a call needs it (its ``when``):
   translations that train wrong (``avg_pool2d`` with ``divisor_override``, p-norms at zero).
 
 Each entry writes a placeholder node (``bridge/dynamo.py``'s per-arity schema) that
@@ -208,10 +208,10 @@ def fallback_translations(
 
 
 def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
-    """Names of the ops of ``program`` that ``registry.ATEN_OPS`` sends to PyTorch under dynamo: an
+    """Names of the ops of ``program`` that ``ops.ATEN_OPS`` sends to PyTorch under dynamo: an
     entry without ``when``, or one whose ``when`` holds for a call (its constant arguments by
     position, defaults filled in, None for a graph value). Every call of such an op becomes an ATen node."""
-    from ..registry import ATEN_OPS
+    from ..ops import ATEN_OPS
 
     entries = {e.aten: e for e in ATEN_OPS if "dynamo" in e.exporters}
     found: set[str] = set()

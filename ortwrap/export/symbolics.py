@@ -32,7 +32,7 @@ repeat_interleave              torch's symbolic normalizes a negative dim in pla
                                gets a constant of its own.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
-``registry.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
+``ops.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
                                ``divisor_override``, p-norms, index_fill of a tensor value,
                                pairwise_distance, cosine_similarity, lerp, circular pad, var/std
                                with a fractional correction: torch's ONNX form is wrong or
@@ -57,7 +57,7 @@ import torch
 
 from .._compat import torch as compat
 from ..graph.names import ORTWRAP_DOMAIN
-from ..registry import ATEN_OPS
+from ..ops import ATEN_OPS
 
 #: Reasons, collected during one export, why the graph needs static non-batch dimensions.
 _static_reasons: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ortwrap_static", default=None)

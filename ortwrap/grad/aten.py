@@ -13,8 +13,9 @@ import onnx
 
 from .._compat import torch as compat
 from .._ort import C
-from ..bridge.aten import NO_GRADIENT_OPS, OWN_GRADIENT_OPS, _types, resolve
+from ..bridge.aten import NO_GRADIENT_OPS, _types, resolve
 from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
+from ..ops import OWN_GRADIENT_OPS  # ops whose gradient definition their owner registers: no vjp
 
 __all__ = [
     "declare_output_types",
@@ -44,7 +45,7 @@ def mark_bool_inputs(model: onnx.ModelProto) -> None:
     """Name the bool tensor inputs of each ATen node in its ``overload_name`` (``ATEN_BOOL_MARK``), so the
     executor can give the op bool tensors again (see :func:`_restore_bools`). A node whose gradient
     is an explicit backward op, or ortwrap's own kernels, is left alone."""
-    from ..registry import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     elem = {}
     for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
@@ -117,7 +118,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     ORT keys a gradient definition by ``(operator, overload)`` and reads inputs ``I(i)`` by
     position, so all nodes of one op must have the same number of inputs.
     """
-    from ..registry import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     keys = []
     types = _types(model)
@@ -197,11 +198,11 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
     differentiate) as unnamed outputs, and ORT's ATen kernel fails ("invalid index -1") when the
     executor hands it a value for one. The flags, ``used=`` and a 1 or 0 per output, go where the
     executor reads them: the ``overload_name`` of ortwrap's CPU kernels and of the backward ops of
-    ``registry.TORCH_OP_GRADIENTS`` (whose ``output_mask`` argument they fill; neither has
+    ``ops.TORCH_OP_GRADIENTS`` (whose ``output_mask`` argument they fill; neither has
     overloads), and into the operator of a vjp node (``ortwrap_vjp::used=101|<op>``). Outputs
     marked 0 are returned as nothing.
     """
-    from ..registry import TORCH_OP_GRADIENTS
+    from ..ops import TORCH_OP_GRADIENTS
 
     masked = {g.backward for g in TORCH_OP_GRADIENTS.values()}
     changed = False
@@ -229,9 +230,9 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
 
 
 def drop_missing_gradients(model: onnx.ModelProto) -> bool:
-    """Make absent the inputs of ``registry.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
+    """Make absent the inputs of ``ops.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
     output gradient the built graph lacks: no gradient reaches that output); True if any changed."""
-    from ..registry import OPTIONAL_GRADIENT_OPS
+    from ..ops import OPTIONAL_GRADIENT_OPS
 
     graph = model.graph
     nodes = [

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 
 import onnx
 
-from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
-from ..registry import NO_WEIGHT_COPY, OPS_NAMESPACE
+from ..graph.names import ATEN_DOMAIN
+from ..ops import HEAVY_OPERATORS, NO_WEIGHT_COPY, OPERATORS, WEIGHT_COPY_INPUT, WEIGHT_COPY_OUTPUT, kernel
 
 __all__ = ["RECOMPUTE_MODES", "RecomputeReport", "recompute_segments", "stashed_values"]
 
@@ -86,10 +86,6 @@ _HEAVY = frozenset(
         "RNN",
     }
 )
-#: ATen nodes of ortwrap's own ops (``ortwrap_ops::``, PyTorch's GEMMs and attention on the
-#: native bf16 and torch-GEMM routes, ``passes/half_matmul.py``; ``ortwrap_cpu::`` kernels) whose
-#: operator names one of these: heavy as :data:`_HEAVY`'s ops are.
-_HEAVY_ATEN = ("linear", "matmul", "attention")
 #: ``"cheap"`` recomputes a product of two activations (attention scores, ``q @ k^T``) when its
 #: reduction dimension is a known size at most this: that many multiply-adds per element it frees.
 MAX_CHEAP_REDUCTION = 128
@@ -205,16 +201,17 @@ def _recomputable(node: onnx.NodeProto) -> bool:
     if node.op_type in _NOT_RECOMPUTABLE or any(a.type in (5, 10) for a in node.attribute):  # GRAPH(S)
         return False
     if node.domain == ATEN_DOMAIN:
-        # ortwrap's CPU kernels and its own PyTorch ops (registry ``_OPS``: deterministic, no state)
-        return _aten_operator(node).startswith((NATIVE_PREFIX, OPS_NAMESPACE + "::"))
+        # ortwrap's CPU kernels and its own PyTorch ops (``ops/``: deterministic, no state)
+        return _aten_operator(node) in OPERATORS
     return node.domain in ("", "ai.onnx", "com.microsoft")
 
 
 def _heavy(node: onnx.NodeProto) -> bool:
     """A GEMM, convolution or attention: ``"cheap"`` does not recompute it (but see :func:`_cheap_chains`)."""
     if node.domain == ATEN_DOMAIN:
-        op = _aten_operator(node)
-        return op.startswith((NATIVE_PREFIX, OPS_NAMESPACE + "::")) and any(k in op for k in _HEAVY_ATEN)
+        # ortwrap's GEMMs and attention (PyTorch's on the native bf16 and torch-GEMM routes,
+        # ``passes/half_matmul.py``; its bf16 attention kernel): their declarations say ``heavy``
+        return _aten_operator(node) in HEAVY_OPERATORS
     return node.op_type in _HEAVY
 
 
@@ -563,26 +560,19 @@ def recompute_segments(model: onnx.ModelProto, user_inputs: set[str], mode: str 
 
 
 #: ortwrap's bf16 GEMM ops (``passes/half_matmul.py``) whose forward returns the bf16 copy of its
-#: weight (input 1) for the backward: operator -> the index of that output.
-_WEIGHT_COPY_OUTPUT = {
-    f"{OPS_NAMESPACE}::linear": 2,
-    f"{OPS_NAMESPACE}::matmul": 2,
-    f"{OPS_NAMESPACE}::linear_keep_input": 1,
-    f"{OPS_NAMESPACE}::linear_keep_input_half": 1,
-}
+#: weight (input 1) for the backward: operator -> the index of that output (``Op.weight_copy_output``).
+_WEIGHT_COPY_OUTPUT = WEIGHT_COPY_OUTPUT
 #: Their backward ops: operator -> the index of the input that reads the weight copy (they cast
-#: what they get there to the compute dtype, ``registry._linear_bf16_backward``).
-_WEIGHT_COPY_INPUT = {
-    f"{OPS_NAMESPACE}::linear_bf16_backward": 2,
-    f"{OPS_NAMESPACE}::linear_bf16_backward_half": 3,
-    f"{OPS_NAMESPACE}::matmul_bf16_backward": 2,
-}
+#: what they get there to the compute dtype, ``ops/torch_ops.py``'s ``_linear_bf16_backward``).
+_WEIGHT_COPY_INPUT = WEIGHT_COPY_INPUT
+#: ortwrap's softmax kernel (attention probabilities, as ONNX ``Softmax``)
+_SOFTMAX_KERNEL = kernel("softmax").operator
 
 
 def _recast_weight_copies(graph, forward, backward) -> tuple[str, ...]:
     """Backward GEMMs of the native bf16 route read their weight itself (a graph input: a
     parameter, which the step keeps anyway) instead of the bf16 copy the forward made, and cast it
-    again; the forward op is told not to return the copy (``registry.NO_WEIGHT_COPY`` after its
+    again; the forward op is told not to return the copy (``ops.NO_WEIGHT_COPY`` after its
     ``dtypes``). ORT 1.19.2 keeps an output that nothing reads until the end of the run, so the
     copy has to go, not only its readers: half the parameters' size (174 MiB on GPT-2 small) less
     from the forward to the end of the backward, for one cast of the weights per step more than
@@ -672,7 +662,7 @@ def _cheap_chains(
     (from the stashed residual)."""
 
     def is_softmax(n: onnx.NodeProto) -> bool:
-        return n.op_type == "Softmax" or (n.domain == ATEN_DOMAIN and _aten_operator(n) == NATIVE_PREFIX + "softmax")
+        return n.op_type == "Softmax" or (n.domain == ATEN_DOMAIN and _aten_operator(n) == _SOFTMAX_KERNEL)
 
     def cheap(j: int, scores: bool) -> bool:
         """``scores``: node ``j`` feeds a softmax through the chain (attention scores)."""

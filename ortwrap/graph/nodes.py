@@ -1,8 +1,8 @@
 """Node builders every stage shares.
 
 :func:`aten_node` is the one way to write an ``org.pytorch.aten::ATen`` node (a PyTorch op inside the
-graph). It types its outputs from what the caller passes: the op declarations (``registry.py``, moving
-to ``ortwrap/ops/``) sit above this layer (they import torch's op implementations and the bridges), so
+graph). It types its outputs from what the caller passes: the op declarations (``ortwrap/ops/``) sit
+above this layer (they import torch's op implementations and the bridges), so
 a builder here cannot read them; the layer that knows an op's declaration passes its output types.
 """
 

@@ -47,11 +47,13 @@ from torch import nn
 
 from .._compat import torch as compat
 from ..errors import UnsupportedInputError
+from ..ops import ZERO3_MAX_ARITY, ZERO3_NAMESPACE
 
-NAMESPACE = "ortwrap_zero3"
+#: (declared in ``ops/declare.py``: the ATen bridge reads there that it registers no vjp for ``fetch_<n>``)
+NAMESPACE = ZERO3_NAMESPACE
 OP_PREFIX = NAMESPACE + "::"
 #: Largest number of partitioned parameters one submodule may own.
-MAX_ARITY = 32
+MAX_ARITY = ZERO3_MAX_ARITY
 _ATEN_DOMAIN = "org.pytorch.aten"
 
 
@@ -287,10 +289,8 @@ def register_gradient(n: int) -> None:
     """Tell ORT that the gradient of ``fetch_<n>`` is one ``grads_<n>`` node (once per arity)."""
     if n in _registered_gradients:
         return
-    from ..bridge import aten
     from ..grad.aten import register_gradient as register
 
-    aten.OWN_GRADIENT_OPS.add(f"{OP_PREFIX}fetch_{n}")
     register(
         f"{OP_PREFIX}fetch_{n}",
         "",

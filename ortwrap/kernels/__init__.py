@@ -28,7 +28,7 @@ without Python. Their gradients are ORT gradient definitions registered once per
 ``passes/native_cpu_kernels.py`` rewrites the matching ONNX nodes; ``Options.native_kernels``
 (``ORTWRAP_NATIVE_KERNELS``) turns it off.
 
-Each kernel is declared once, in ``ortwrap/registry.py`` (``KERNELS``): its name, typed inputs and
+Each kernel is declared once, in ``ortwrap/ops/kernels.py`` (``KERNELS``): its name, typed inputs and
 outputs, gradient, and the ONNX ops its rewrite replaces; ``_cpu.c``'s ``kOps`` carries the same
 signatures and :func:`install` checks the two agree.
 
@@ -58,7 +58,7 @@ from ..bridge import aten
 from ..bridge._native import NativeBuildError, load
 from ..cpu import cpu_is_intel
 from ..grad.aten import register_gradient
-from ..registry import KERNELS, check_kernel_table
+from ..ops import KERNELS, check_kernel_table
 
 PREFIX = aten.NATIVE_PREFIX
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +70,7 @@ def install() -> ctypes.CDLL:
 
     Raises:
         NativeBuildError: no C compiler, or the build failed.
-        KernelTableError: ``_cpu.c``'s table disagrees with ``registry.KERNELS``.
+        KernelTableError: ``_cpu.c``'s table disagrees with ``ops.KERNELS``.
     """
     lib = load("_cpu", _HERE, native_code=True)
     check_kernel_table(compiled_table(lib))

@@ -1894,7 +1894,7 @@ static int op_attention_bthd_bf16_backward(Call* c, size_t n_in, DLManagedTensor
 }
 
 typedef int (*op_fn)(Call*, size_t, DLManagedTensor**, size_t, DLManagedTensor**);
-/* Each kernel's signature, as ortwrap/registry.py declares it (kernels.install compares the two when the library
+/* Each kernel's signature, as ortwrap/ops/kernels.py declares it (kernels.install compares the two when the library
  * loads): one character per input, then '>' and one per output; f float32 tensor, h bfloat16 tensor, i int64
  * tensor, F float32 scalar, I int64 scalar, '?' after an input: it may be absent. */
 static const struct {

@@ -1,9 +1,14 @@
-"""A small helper for passes that replace one node with a few new ones."""
+"""A small helper for passes that replace one node with a few new ones (and ``constant_value``,
+which ``ops/values.py`` defines: the argument mappers of ``ops/`` read constants too)."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
+
+from ..ops.values import constant_value
+
+__all__ = ["NodeBuilder", "constant_value", "ints_attr"]
 
 
 class NodeBuilder:
@@ -58,38 +63,3 @@ def ints_attr(node: ir.Node, name: str, default: list[int] | None = None) -> lis
     """The ints attribute ``name`` of ``node`` as a list, or ``default`` where the node has none."""
     a = node.attributes.get(name)
     return list(a.as_ints()) if a is not None else default
-
-
-def constant_value(value: ir.Value | None) -> np.ndarray | None:
-    """The value of a tensor computed from constants only (Constant, Concat, Cast, Identity)."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        # NOTE: a writable copy, whatever the storage (raw bytes, a read-only mapping, a torch
-        # tensor): callers may use numpy's iterators and in-place operations on it.
-        return np.array(value.const_value.numpy())
-    node = value.producer()
-    if node is None:
-        return None
-    if node.op_type == "Constant" and "value" in node.attributes:
-        return np.array(node.attributes["value"].as_tensor().numpy())
-    if node.op_type == "Constant" and "value_float" in node.attributes:
-        return np.array(node.attributes["value_float"].as_float(), dtype=np.float32)
-    if node.op_type == "Constant" and "value_int" in node.attributes:
-        return np.array(node.attributes["value_int"].as_int(), dtype=np.int64)
-    if node.op_type == "Constant" and "value_floats" in node.attributes:
-        return np.array(node.attributes["value_floats"].as_floats(), dtype=np.float32)
-    if node.op_type == "Constant" and "value_ints" in node.attributes:
-        return np.array(node.attributes["value_ints"].as_ints(), dtype=np.int64)
-    if node.op_type not in ("Concat", "Identity", "Cast"):
-        return None  # before recursing: walking every producer up a deep graph takes exponential time
-    args = [constant_value(v) for v in node.inputs]
-    if any(a is None for a in args):
-        return None
-    if node.op_type == "Concat":
-        return np.concatenate(args, axis=node.attributes["axis"].as_int())
-    if node.op_type == "Identity":
-        return args[0]
-    if node.op_type == "Cast":
-        return args[0].astype(ir.DataType(node.attributes["to"].as_int()).numpy())
-    return None

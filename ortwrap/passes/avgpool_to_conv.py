@@ -9,7 +9,7 @@ its gradient is shape-agnostic::
     padding with count_include_pad=0:    y = Conv(x, ones, group=C) / Conv(ones_like_spatial, ones)
 
 Needs a static channel count and ``ceil_mode=0``; other AveragePools are left to
-``TorchGradientsPass`` (PyTorch's ``avg_pool``, ``ortwrap/registry.py``); ``auto_pad`` is refused.
+``TorchGradientsPass`` (PyTorch's ``avg_pool``, ``ortwrap/ops/mappers.py``); ``auto_pad`` is refused.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class AveragePoolToConvPass(ir.passes.InPlacePass):
             k = ints_attr(node, "kernel_shape", [])
             nd = len(k)
             if "ceil_mode" in node.attributes and node.attributes["ceil_mode"].as_int() != 0:
-                continue  # TorchGradientsPass: PyTorch's avg_pool (ortwrap/registry.py)
+                continue  # TorchGradientsPass: PyTorch's avg_pool (ortwrap/ops/mappers.py)
             if "auto_pad" in node.attributes and node.attributes["auto_pad"].as_string() not in ("NOTSET", ""):
                 raise PassError(f"node {node.name!r}: AveragePool with auto_pad is not supported")
             channels = x.shape[1] if x.shape is not None and len(x.shape) == nd + 2 else None

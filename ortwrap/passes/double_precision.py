@@ -36,7 +36,7 @@ import onnx_ir as ir
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
 from ..graph.names import ATEN_DOMAIN
-from ..registry import DOUBLE_PRECISION, constant_array, written
+from ..ops import DOUBLE_PRECISION, constant_array, written
 from ._build import NodeBuilder, constant_value
 from .torch_gradients import replace_with_torch
 
@@ -146,7 +146,7 @@ class DoublePrecisionOnCPUPass(ir.passes.InPlacePass):
             raise PassError(
                 f"node {node.name!r} ({domain + '::' if domain else ''}{node.op_type}) cannot be "
                 f"{'trained' if self.with_backward else 'run'} in float64 on ONNX Runtime's CPU provider ({why}), "
-                "and ortwrap has no PyTorch equivalent for it (ortwrap/registry.py, DOUBLE_PRECISION). "
+                "and ortwrap has no PyTorch equivalent for it (ortwrap/ops/mappers.py, DOUBLE_PRECISION). "
                 "Train the model in float32, or report the op"
             )
         return ir.passes.PassResult(model, modified=bool(self.rewritten))

@@ -4,7 +4,7 @@ ONNX Runtime 1.19.2's CPU provider has no bfloat16 MatMul or Gemm, so ``HalfPrec
 computes a bf16 graph in float32. Where the CPU has bf16 instructions (AVX512-BF16, AMX), PyTorch's
 oneDNN bf16 GEMMs run several times faster than float32 ones. This pass, which runs just before
 ``HalfPrecisionOnCPUPass``, rewrites every MatMul and Gemm whose inputs and output are bfloat16
-into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``registry.py``):
+into an ``org.pytorch.aten::ATen`` node of ortwrap's own ops (``ops/torch_ops.py``):
 
 - ``MatMul(a, Transpose(W, perm=[1, 0]))`` (a ``Linear``; also through a ``Cast`` to bf16 of the
   Transpose, a tied LM head), with the following ``Add`` of a bias when there is one, and
@@ -30,7 +30,7 @@ for the backward, as eager autocast keeps its bf16 operands, and can free the fl
 ``recompute`` "cheap" or "layers" the weight's copy is not returned: its backward casts the weight
 again, ``grad/recompute.py``.)
 
-Each op's gradient is one explicit backward op (``registry.TORCH_OP_GRADIENTS``: ``dX = dY W`` and
+Each op's gradient is one explicit backward op (its declaration's ``gradient``: ``dX = dY W`` and
 ``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as
 eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
 
@@ -53,7 +53,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..registry import OPS_NAMESPACE
+from ..ops import Op, op
 from ._build import constant_value
 
 _ONNX = ("", "ai.onnx")
@@ -62,13 +62,12 @@ _FLOATS = (ir.DataType.FLOAT, ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.Data
 #: torch's ScalarType code of bfloat16 (``bridge/aten.py`` ``_SCALAR_TYPES``)
 _TORCH_BFLOAT16 = 15
 _TORCH_FLOAT = 6
-LINEAR = f"{OPS_NAMESPACE}::linear"
-ATTENTION = f"{OPS_NAMESPACE}::attention"
-#: float32 only (``attention_causal_f32``): SDPA whose mask is the causal one, as flash attention's ``is_causal``
-CAUSAL_ATTENTION = f"{OPS_NAMESPACE}::attention_causal"
-#: float32 only (``attention_bthd_f32``): SDPA on q, k, v and output in the projections' [B, T, H, D] layout
-HEADS_ATTENTION = f"{OPS_NAMESPACE}::attention_bthd"
-MATMUL = f"{OPS_NAMESPACE}::matmul"
+#: the ops it writes (their declarations: the dtype argument, outputs and float32 form come from there)
+LINEAR, MATMUL, ATTENTION = op("linear"), op("matmul"), op("attention")
+#: float32 only: SDPA whose mask is the causal one, as flash attention's ``is_causal``
+CAUSAL_ATTENTION = op("attention_causal_f32")
+#: float32 only: SDPA on q, k, v and output in the projections' [B, T, H, D] layout
+HEADS_ATTENTION = op("attention_bthd_f32")
 
 
 def _bf16(value: ir.Value | None) -> bool:
@@ -201,13 +200,13 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
             q4, k4, v4, out4, _ = heads
             flag = b.constant(np.array(causal is not None), "causal")
             inputs = [q4, k4, v4, None if causal is not None else mask, scale_value, flag]
-            node = b.aten(HEADS_ATTENTION, inputs, out4, 2)
+            node = b.aten(HEADS_ATTENTION, inputs, out4)
             if self.with_backward:
                 node.outputs[1].dtype, node.outputs[1].shape = ir.DataType.FLOAT, None  # the log-sum-exp
         elif causal is not None:  # flash attention's own causal mode: it skips the masked blocks
-            node = b.aten(CAUSAL_ATTENTION, [q, kt, v, scale_value], pv.outputs[0], 3)
+            node = b.aten(CAUSAL_ATTENTION, [q, kt, v, scale_value], pv.outputs[0])
         else:
-            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0], 5 if self.dtype == _BF16 else 3)
+            node = b.aten(ATTENTION, [q, kt, v, mask, scale_value], pv.outputs[0])
         if heads is None and self.with_backward and self.dtype != _BF16:  # (out, k, lse)
             node.outputs[1].shape = None
             node.outputs[2].dtype, node.outputs[2].shape = ir.DataType.FLOAT, None
@@ -259,17 +258,17 @@ class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
         self,
         graph: ir.Graph,
         node: ir.Node,
-        op: str,
+        gemm: Op,
         inputs: list[ir.Value | None],
         out: ir.Value,
         add: ir.Node | None = None,
     ) -> None:
         # (A linear without bias keeps an empty third input: the dtype is its fourth.)
-        _Builder(graph, node, self.with_backward, self.dtype).aten(op, inputs, out, 3)
+        _Builder(graph, node, self.with_backward, self.dtype).aten(gemm, inputs, out)
         if add is not None:
             graph.remove(add, safe=True)
         graph.remove(node, safe=True)
-        self.rewritten["linear" if op == LINEAR else "matmul"] += 1
+        self.rewritten["linear" if gemm is LINEAR else "matmul"] += 1
 
 
 def _has_half_values(graph: ir.Graph) -> bool:
@@ -463,27 +462,26 @@ class _Builder:
         self.graph.insert_before(self.node, const)
         return const.outputs[0]
 
-    def aten(self, op: str, inputs: list[ir.Value | None], out: ir.Value, n_outputs: int) -> ir.Node:
-        """The node computing ``op`` on ``inputs`` in bf16 (its last input, ``dtypes``, holds torch's
-        ScalarType codes: compute, result, each float input); its first output replaces ``out``. In a
-        training graph it has ``n_outputs`` outputs: the rest are what its backward reads (the
-        operands' bf16 copies first), which ORT keeps for the backward instead of casting again."""
+    def aten(self, gemm: Op, inputs: list[ir.Value | None], out: ir.Value) -> ir.Node:
+        """The node computing ``gemm`` on ``inputs`` in bf16 (its last input, ``dtypes``, holds torch's
+        ScalarType codes: compute, result, each float input), or its float32 form on the torch-GEMM
+        route; its first output replaces ``out``. In a training graph it has the op's outputs: the
+        rest are what its backward reads (the operands' bf16 copies first), which ORT keeps for the
+        backward instead of casting again."""
         name = out.name
         if self.dtype == _BF16:
             # [compute, result, each float input]: float32 but the compute dtype, as
             # ``HalfPrecisionOnCPUPass`` leaves them (``HalfValuesOnCPUPass`` may make some bf16)
-            codes = [_TORCH_BFLOAT16, _TORCH_FLOAT] + [_TORCH_FLOAT] * (2 if op == MATMUL else 3)
+            codes = [_TORCH_BFLOAT16, _TORCH_FLOAT] + [_TORCH_FLOAT] * gemm.dtype_operands
             args = [*inputs, self.constant(np.array(codes, dtype=np.int64), "dtypes")]
-        else:  # the float32 ops: no dtype argument, n_outputs is theirs; nothing beyond the result
-            # in a linear or matmul (the backward reads the inputs)
-            op, args = f"{op}_f32", inputs
-            n_outputs = (
-                n_outputs if op in (f"{ATTENTION}_f32", f"{CAUSAL_ATTENTION}_f32", f"{HEADS_ATTENTION}_f32") else 1
-            )
+        else:  # the float32 ops: no dtype argument; nothing beyond the result in a linear or matmul
+            # (the backward reads the inputs)
+            gemm, args = op(gemm.float32_form) if gemm.float32_form else gemm, inputs
+        n_outputs = gemm.n_outputs
         aten = ir.node(
             "ATen",
             args,
-            attributes={"operator": op, "overload_name": ""},
+            attributes={"operator": gemm.operator, "overload_name": ""},
             domain=ATEN_DOMAIN,
             num_outputs=n_outputs if self.with_backward else 1,
             name=f"{self.node.name}/ortwrap_{'bf16' if self.dtype == _BF16 else 'torch'}",

@@ -32,7 +32,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..registry import DTYPE_ARGUMENT_OPS
+from ..ops import DTYPE_ARGUMENT_OPS
 from .result import PassResult
 
 _HALF = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)

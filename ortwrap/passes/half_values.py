@@ -17,7 +17,7 @@ graph eager's dtypes back on such chains:
   ``aten::gelu_backward`` as its gradient;
 - ortwrap's LayerNorm kernel whose result only GEMMs read becomes ``layer_norm_bf16``: the same
   float32 computation, its result written rounded to bf16 (the GEMM rounded it so before), and
-  its backward reads the incoming gradient in bf16 (``registry.KERNELS``);
+  its backward reads the incoming gradient in bf16 (``ops.KERNELS``);
 - each GEMM's ``dtypes`` argument then names the dtypes of its result and inputs, so that it
   returns its result in bf16 where the graph keeps it, and its backward each input's gradient in
   that input's dtype; a linear whose x (an attention whose q, k^T, v) is now bf16 becomes the
@@ -39,7 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN
-from ..registry import DTYPE_ARGUMENT_OPS, OPS_NAMESPACE
+from ..ops import DTYPE_ARGUMENT_OPS, DTYPE_OPERANDS, KERNELS, kernel, op
 
 _ONNX = ("", "ai.onnx")
 _BF16 = ir.DataType.BFLOAT16
@@ -57,18 +57,17 @@ _LAYOUT = {
     "Concat": None,
 }
 #: GEMM op -> how many of its first inputs are float operands (the rest: mask, scale, dtypes)
-_OPERANDS = {
-    f"{OPS_NAMESPACE}::linear": 3,
-    f"{OPS_NAMESPACE}::matmul": 2,
-    f"{OPS_NAMESPACE}::attention": 3,
-    f"{OPS_NAMESPACE}::linear_keep_input": 3,
-    f"{OPS_NAMESPACE}::linear_keep_input_half": 3,
-    f"{OPS_NAMESPACE}::attention_keep_inputs": 3,
-}
+_OPERANDS = DTYPE_OPERANDS
 #: ortwrap's float32 GELU kernels -> ``ortwrap_ops::gelu``'s ``approximate`` (0: erf, 1: tanh)
-_GELU = {"ortwrap_cpu::gelu": 0, "ortwrap_cpu::gelu_tanh": 1}
-#: ortwrap's LayerNorm kernel, and its variant whose y is bf16 (``registry.KERNELS``)
-_LAYER_NORM, _LAYER_NORM_BF16 = "ortwrap_cpu::layer_norm", "ortwrap_cpu::layer_norm_bf16"
+_GELU = {kernel("gelu").operator: 0, kernel("gelu_tanh").operator: 1}
+_BF16_GELU = op("gelu").operator
+#: ortwrap's LayerNorm kernel, and its variant whose y is bf16
+_LAYER_NORM = kernel("layer_norm").operator
+(_LAYER_NORM_BF16,) = (k.operator for k in KERNELS if k.variant_of == "layer_norm" and "bfloat16" in k.dtypes)
+_LINEAR, _ATTENTION = op("linear").operator, op("attention").operator
+#: the variants whose backward reads input x (q, k^T and v) itself, and that returning the result in both dtypes
+_LINEAR_KEEP_INPUT, _ATTENTION_KEEP_INPUTS = op("linear_keep_input"), op("attention_keep_inputs")
+_LINEAR_KEEP_INPUT_HALF = op("linear_keep_input_half")
 
 
 def _operator(node: ir.Node) -> str | None:
@@ -210,17 +209,17 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         """A training graph's linear whose x, or attention whose q, k^T and v, are now bf16: the
         variant whose backward reads those inputs themselves, not copies (a copy of an input in
         the compute dtype would be the input, which the ATen bridge copies)."""
-        op = _operator(node)
-        if op == f"{OPS_NAMESPACE}::linear" and len(node.outputs) == 3 and node.inputs[0] in keep:
-            variant, drop = "linear_keep_input", {1}
-        elif op == f"{OPS_NAMESPACE}::attention" and len(node.outputs) == 5 and all(v in keep for v in node.inputs[:3]):
-            variant, drop = "attention_keep_inputs", {1, 3}
+        operator = _operator(node)
+        if operator == _LINEAR and len(node.outputs) == 3 and node.inputs[0] in keep:
+            variant, drop = _LINEAR_KEEP_INPUT, {1}
+        elif operator == _ATTENTION and len(node.outputs) == 5 and all(v in keep for v in node.inputs[:3]):
+            variant, drop = _ATTENTION_KEEP_INPUTS, {1, 3}
         else:
             return
         new = ir.node(
             "ATen",
             list(node.inputs),
-            attributes={"operator": f"{OPS_NAMESPACE}::{variant}", "overload_name": ""},
+            attributes={"operator": variant.operator, "overload_name": ""},
             domain=ATEN_DOMAIN,
             num_outputs=len(node.outputs) - len(drop),
             name=node.name,
@@ -239,7 +238,7 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         instead of ORT's Cast of the bf16 one and a float32 ``Sum``. (A result that only the Cast
         reads is bf16 already: ``_member_ok``.)"""
         result = node.outputs[0]
-        if _operator(node) != f"{OPS_NAMESPACE}::linear_keep_input" or len(node.outputs) != 2:
+        if _operator(node) != _LINEAR_KEEP_INPUT.operator or len(node.outputs) != 2:
             return
         if result.dtype != ir.DataType.FLOAT or result.is_graph_output():
             return
@@ -250,9 +249,9 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         new = ir.node(
             "ATen",
             list(node.inputs),
-            attributes={"operator": f"{OPS_NAMESPACE}::linear_keep_input_half", "overload_name": ""},
+            attributes={"operator": _LINEAR_KEEP_INPUT_HALF.operator, "overload_name": ""},
             domain=ATEN_DOMAIN,
-            num_outputs=3,
+            num_outputs=_LINEAR_KEEP_INPUT_HALF.n_outputs,
             name=node.name,
         )
         graph.insert_before(node, new)
@@ -270,7 +269,7 @@ class HalfValuesOnCPUPass(ir.passes.InPlacePass):
         gelu = ir.node(
             "ATen",
             [node.inputs[0], const.outputs[0]],
-            attributes={"operator": f"{OPS_NAMESPACE}::gelu", "overload_name": ""},
+            attributes={"operator": _BF16_GELU, "overload_name": ""},
             domain=ATEN_DOMAIN,
             name=f"{node.name}/bf16",
         )
@@ -295,9 +294,9 @@ def _member_ok(v: ir.Value, is_exact: bool, candidates: dict[ir.Value, bool]) ->
         if user.domain in _ONNX and user.op_type == "Shape":
             continue
         differentiable += 1
-        op = _operator(user)
-        if op in _OPERANDS:
-            if index >= _OPERANDS[op]:
+        operator = _operator(user)
+        if operator in _OPERANDS:
+            if index >= _OPERANDS[operator]:
                 return False
         elif _layout_inputs(user) is not None:
             if index not in (
@@ -306,7 +305,7 @@ def _member_ok(v: ir.Value, is_exact: bool, candidates: dict[ir.Value, bool]) ->
                 return False
             if any(o not in candidates for o in user.outputs):
                 return False
-        elif op in _GELU:
+        elif operator in _GELU:
             if not is_exact or user.outputs[0] not in candidates:
                 return False
         elif not _narrowing_cast(user):

@@ -5,7 +5,7 @@ On CPUs with native bf16, ``passes/half_matmul.py`` turns the exporters' decompo
 eager autocast runs it), and ``passes/half_values.py`` makes it ``attention_keep_inputs`` where q,
 k^T and v arrive in bf16. This pass (CPU training graphs, after those two) replaces each such node
 whose mask, if any, is float32 with one ``org.pytorch.aten::ATen`` node of ortwrap's kernel
-(``kernels/_cpu.c``, declared in ``registry.KERNELS`` with its gradient):
+(``kernels/_cpu.c``, declared in ``ops.KERNELS`` with its gradient):
 
 - ``attention_bthd_bf16(q4, k4, v4, mask, scale) -> (out4, lse)`` where q, k^T and v are bf16
   [B, T, H, D] tensors moved into heads by Transposes and the output's only reader moves it back
@@ -34,7 +34,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
-from ..registry import KERNELS
+from ..ops import KERNELS
 from .half_matmul import _heads_layout, _shapes_from_source
 
 _BF16, _FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT

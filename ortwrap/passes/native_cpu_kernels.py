@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
-from ..registry import KERNELS, kernel
+from ..ops import KERNELS, kernel
 from ._build import NodeBuilder, constant_value
 from .gather_to_gathernd import parameter_lookup
 

@@ -6,7 +6,7 @@ and W is separable for every mode, so ``y = A_h @ x @ A_w^T`` with constant inte
 Resize, with the node's attributes, on one-hot inputs, so every mode and coordinate transform is
 reproduced exactly. Needs static H and W and constant scales or sizes (the exporter marks graphs with
 Resize as needing static spatial shapes; the batch stays dynamic). Other Resizes (3-D, 5-D, sizes
-read at run time) are left to ``TorchGradientsPass`` (PyTorch's upsampling ops, ``ortwrap/registry.py``).
+read at run time) are left to ``TorchGradientsPass`` (PyTorch's upsampling ops, ``ortwrap/ops/mappers.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ResizeToMatMulPass(ir.passes.InPlacePass):
             x = node.inputs[0]
             sx = x.shape
             if sx is None or len(sx) != 4 or not all(isinstance(d, int) for d in sx[2:]):
-                continue  # TorchGradientsPass: PyTorch's upsampling op (ortwrap/registry.py)
+                continue  # TorchGradientsPass: PyTorch's upsampling op (ortwrap/ops/mappers.py)
             attrs = {name: attr.value for name, attr in node.attributes.items()}
             if attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize":
                 raise PassError(f"node {node.name!r}: Resize tf_crop_and_resize is not supported")

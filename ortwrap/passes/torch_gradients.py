@@ -1,6 +1,6 @@
 """Run the ONNX ops ORT 1.19.2 cannot differentiate as PyTorch ops, differentiated by PyTorch.
 
-Each ONNX node whose op has an entry in ``ortwrap.registry.GRADIENTS`` (HardSwish, HardSigmoid,
+Each ONNX node whose op has an entry in ``ortwrap.ops.GRADIENTS`` (HardSwish, HardSigmoid,
 Mish, Elu, Selu, Celu, Softplus, PRelu, Shrink, ReduceMax/ReduceMin, ConvTranspose on CPU, ...) is
 replaced by one ``org.pytorch.aten::ATen`` node calling the entry's PyTorch op, with the arguments
 its ``args`` maps from the node's inputs and attributes (constants as the ATen bridge encodes them).
@@ -30,7 +30,7 @@ from .._compat import torch as compat
 from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
 from ..errors import PassError
 from ..grad.probe import UNKNOWN, probe_node
-from ..registry import GRADIENTS, OnnxViaTorch, constant_array
+from ..ops import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder, constant_value
 
 _ONNX = ("", "ai.onnx")
@@ -39,7 +39,7 @@ _ONNX = ("", "ai.onnx")
 def _torch_op(name: str, node: ir.Node, args: list) -> str:
     """The op for this node: Resize and AveragePool pick theirs by mode and rank."""
     if name == "upsample":
-        from ..registry import _resize_op
+        from ..ops.mappers import _resize_op
 
         return _resize_op(node)[0]
     if name == "avg_pool":
@@ -111,7 +111,7 @@ def _check_output_types(node: ir.Node, op: str, overload: str, values: list[ir.V
         if r.dtype != TORCH_DTYPES[int(out.dtype)]:
             raise PassError(
                 f"node {node.name!r} ({node.op_type}): {op} returns {r.dtype} where the graph has "
-                f"{TORCH_DTYPES[int(out.dtype)]}; its registry entry (ortwrap/registry.py) must keep the type"
+                f"{TORCH_DTYPES[int(out.dtype)]}; its entry (ortwrap/ops/mappers.py, GRADIENTS) must keep the type"
             )
 
 

@@ -9,11 +9,12 @@ from .._compat import torch as compat
 from .._logging import ort_log_wanted
 from .._ort import C, ort
 from ..bridge import state as bridge_state
+from ..bridge.aten import ATEN_DOMAIN
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..kernels import release_cached
+from ..ops import DTYPE_ARGUMENT_OPS
 from ..options import Options
-from ..registry import DTYPE_ARGUMENT_OPS
 from .dlpack import to_dlpack, to_tensors
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
@@ -48,19 +49,18 @@ def _has_bool_outputs(graph: TrainingGraph, model: onnx.ModelProto) -> bool:
     return any(types.get(name, 9) == 9 for name in graph.info.user_output_names)
 
 
-#: Operators of the native bf16 route's GEMM ops (``registry.DTYPE_ARGUMENT_OPS``), as the built
-#: graph's bytes spell them.
-_TORCH_GEMM_OPERATORS = tuple(op.encode() for op in sorted(DTYPE_ARGUMENT_OPS))
+def uses_cpu_arena(model: onnx.ModelProto) -> bool:
+    """Whether a session of ``model`` allocates from ORT's CPU arena: not where PyTorch's bf16 GEMMs run
+    inside it (the native bf16 route, ``passes/half_matmul.py``: the ops with a dtype argument,
+    ``ops.DTYPE_ARGUMENT_OPS``). Their results, the gradients and the weights' casts are PyTorch's
+    tensors from glibc's heap; the arena would keep its own high-water mark of ORT's values (~255 MiB
+    of regions on GPT-2 small, doubling as it grows) next to that heap, whose free blocks ORT's values
+    can use instead (docs/performance.md, "Peak memory of the native bf16 route")."""
+    return not any(node.domain == ATEN_DOMAIN and _operator(node) in DTYPE_ARGUMENT_OPS for node in model.graph.node)
 
 
-def uses_cpu_arena(graph: TrainingGraph) -> bool:
-    """Whether ``graph``'s session allocates from ORT's CPU arena: not where PyTorch's bf16 GEMMs run
-    inside it (the native bf16 route, ``passes/half_matmul.py``). Their results, the gradients and
-    the weights' casts are PyTorch's tensors from glibc's heap; the arena would keep its own
-    high-water mark of ORT's values (~255 MiB of regions on GPT-2 small, doubling as it grows) next
-    to that heap, whose free blocks ORT's values can use instead (docs/performance.md, "Peak
-    memory of the native bf16 route")."""
-    return not any(op in graph.model_bytes for op in _TORCH_GEMM_OPERATORS)
+def _operator(node: onnx.NodeProto) -> str | None:
+    return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
 
 
 def session_options(options: Options, *, cpu_arena: bool = True) -> ort.SessionOptions:
@@ -122,8 +122,11 @@ def providers_for(device: torch.device) -> tuple[list[str], list[dict], C.OrtDev
 
 
 def _create_session(
-    graph: TrainingGraph, device: torch.device, options: Options
+    graph: TrainingGraph, device: torch.device, options: Options, model: onnx.ModelProto | None = None
 ) -> tuple[ort.InferenceSession, C.OrtDevice]:
+    """A session of ``graph`` (``model``: ``graph.model()``, where the caller has it parsed)."""
+    if model is None:
+        model = onnx.load_model_from_string(graph.model_bytes)
     providers, provider_options, ort_device = providers_for(device)
     # NOTE: ORT's common subexpression elimination would merge recomputed copies of forward nodes
     # back into the originals (grad/recompute.py).
@@ -131,7 +134,7 @@ def _create_session(
     try:
         sess = ort.InferenceSession(
             graph.model_bytes,
-            session_options(options, cpu_arena=uses_cpu_arena(graph)),
+            session_options(options, cpu_arena=uses_cpu_arena(model)),
             providers,
             provider_options,
             disabled_optimizers=disabled,
@@ -305,7 +308,8 @@ class TrainingRunner:
     def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
         self.graph = graph
         self.device = device
-        sess, ort_device = _create_session(graph, device, options)
+        model = graph.model()
+        sess, ort_device = _create_session(graph, device, options, model)
         self._session = sess
         info = graph.info
         n_fw = len(info.user_output_names) + info.frontier_count
@@ -323,7 +327,6 @@ class TrainingRunner:
 
         self._output_types: list[tuple[torch.dtype, torch.device]] | None = None
         self._from_dlpack = compat.from_dlpack()
-        model = graph.model()
         self._bool_outputs = _has_bool_outputs(graph, model)
         self._declared = _declared_dtypes(model, info.user_output_names)
         self.grad_outputs = tuple(
@@ -422,13 +425,13 @@ class InferenceRunner:
     def __init__(self, graph: TrainingGraph, device: torch.device, options: Options) -> None:
         self.graph = graph
         self.device = device
-        self._session, ort_device = _create_session(graph, device, options)
+        model = graph.model()
+        self._session, ort_device = _create_session(graph, device, options, model)
         self._sess = self._session._sess
         self._feed_names = list(graph.feed_names)
         self._fetch_names = list(graph.info.user_output_names)
         self._devices = [ort_device] * len(self._fetch_names)
         self._run_options = ort.RunOptions()
-        model = graph.model()
         self._bool_outputs = _has_bool_outputs(graph, model)
         self._declared: list[torch.dtype | None] | None = _declared_dtypes(model, self._fetch_names)
 
