@@ -123,13 +123,18 @@ def _rank(value: ir.Value) -> int | None:
 # ------------------------------------------------------------------------------------------ GELU
 
 
-class _GeluErf(pattern.RewriteRuleClassBase):
-    def __init__(self, opset: int, outer: int) -> None:
-        super().__init__(f"GeluErf{outer}")
+class GeluErfRule(pattern.RewriteRuleClassBase):
+    """``0.5 * x * (1 + erf(x / sqrt(2)))``, the 0.5 at ``outer`` (0: ``(x * t) * 0.5``, 1: ``(0.5 * x)
+    * t``, 2: ``x * (t * 0.5)``; commuted) -> the standard op. Also the base of the rule that writes
+    ortwrap's own GELU kernel (``passes/native_cpu_kernels.py``), which overrides the check and the
+    replacement."""
+
+    def __init__(self, opset: int, outer: int, name: str = "GeluErf") -> None:
+        super().__init__(f"{name}{outer}")
         self.opset, self.outer = opset, outer
 
     def pattern(self, op, x, c, half, one):
-        inner = pattern.OrValue([op.Div(x, c), op.Mul(x, c)], tag_var="scaled_by")
+        inner = pattern.OrValue([op.Div(x, c), op.Mul(x, c)], tag_var="scaled_by", tag_values=("Div", "Mul"))
         t = op.Add(op.Erf(inner), one)
         if self.outer == 0:  # (x * t) * 0.5
             return op.Mul(op.Mul(x, t), half)
@@ -137,14 +142,13 @@ class _GeluErf(pattern.RewriteRuleClassBase):
             return op.Mul(op.Mul(half, x), t)
         return op.Mul(x, op.Mul(t, half))  # x * (t * 0.5)
 
-    def check(self, context, x, c, half, one, **_) -> pattern.MatchResult:
+    def check(self, context, x, c, half, one, scaled_by, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if x.dtype not in _FLOATS:
             return result.fail("not a float input", x)
         if not (_close(c, _SQRT2) or _close(c, 1 / _SQRT2)) or not _close(half, 0.5) or not _close(one, 1.0):
             return result.fail("constants are not GELU's")
-        divisor = c.uses()[0][0] if c.uses() else None  # Div(x, sqrt 2) or Mul(x, 1/sqrt 2)
-        if divisor is not None and ((divisor.op_type == "Div") != _close(c, _SQRT2)):
+        if (scaled_by == "Div") != _close(c, _SQRT2):
             return result.fail("x / (1/sqrt 2) or x * sqrt 2 is not GELU")
         return result
 
@@ -154,13 +158,17 @@ class _GeluErf(pattern.RewriteRuleClassBase):
         return op.Gelu(x, _domain="com.microsoft")
 
 
-class _GeluTanh(pattern.RewriteRuleClassBase):
-    def __init__(self, opset: int, training: bool, outer: int, cube: int) -> None:
-        super().__init__(f"GeluTanh{outer}{cube}")
+class GeluTanhRule(pattern.RewriteRuleClassBase):
+    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, the 0.5 placed as in
+    :class:`GeluErfRule`, the cube ``Pow(x, 3)`` (``cube=0``) or ``x * (x * x)`` -> the standard op
+    (or ORT's FastGelu). The base of the rule that writes ortwrap's tanh GELU kernel."""
+
+    def __init__(self, opset: int, training: bool, outer: int, cube: int, name: str = "GeluTanh") -> None:
+        super().__init__(f"{name}{outer}{cube}")
         self.opset, self.training, self.outer, self.cube = opset, training, outer, cube
 
-    def pattern(self, op, x, c3, k, half, one):
-        cube = op.Pow(x, 3.0) if self.cube == 0 else op.Mul(x, op.Mul(x, x))
+    def pattern(self, op, x, c3, k, half, one, three):
+        cube = op.Pow(x, three) if self.cube == 0 else op.Mul(x, op.Mul(x, x))
         t = op.Add(op.Tanh(op.Mul(k, op.Add(x, op.Mul(c3, cube)))), one)
         if self.outer == 0:
             return op.Mul(op.Mul(x, t), half)
@@ -168,12 +176,14 @@ class _GeluTanh(pattern.RewriteRuleClassBase):
             return op.Mul(op.Mul(half, x), t)
         return op.Mul(x, op.Mul(t, half))
 
-    def check(self, context, x, c3, k, half, one, **_) -> pattern.MatchResult:
+    def check(self, context, x, c3, k, half, one, three=None, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if x.dtype not in _FLOATS:
             return result.fail("not a float input", x)
         if not (_close(c3, 0.044715) and _close(k, _SQRT_2_OVER_PI) and _close(half, 0.5) and _close(one, 1.0)):
             return result.fail("constants are not the tanh GELU's")
+        if three is not None and not _close(three, 3.0):
+            return result.fail("not a cube")
         return result
 
     def rewrite(self, op, x, **_):
@@ -295,9 +305,9 @@ _ANCHORS = {
 def _rule_set(opset: int, training: bool, families: tuple[str, ...]) -> pattern.RewriteRuleSet:
     rules = []
     if "gelu_erf" in families:
-        rules += [_GeluErf.rule(opset, outer) for outer in range(3)]
+        rules += [GeluErfRule.rule(opset, outer) for outer in range(3)]
     if "gelu_tanh" in families:
-        rules += [_GeluTanh.rule(opset, training, outer, cube) for outer in range(3) for cube in range(2)]
+        rules += [GeluTanhRule.rule(opset, training, outer, cube) for outer in range(3) for cube in range(2)]
     if "layer_norm" in families:
         rules += [_LayerNorm.rule(True), _LayerNorm.rule(False)]
     if "rms_norm" in families:
