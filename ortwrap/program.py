@@ -41,7 +41,7 @@ from .grad import TrainingGraph, build_graph
 from .grad.recompute import RecomputeReport, recompute_segments
 from .options import Options, build_cache_dir
 from .passes import PassRecord, default_passes, run_pass
-from .passes.half_matmul import HalfMatMulOnCPUPass
+from .passes.half_matmul import TorchGemmOnCPUPass
 from .passes.half_precision import FuseHalfInitializersPass
 from .passes.half_values import HalfValuesOnCPUPass
 from .passes.host_shapes import HostShapeSplit, HostShapeSplitPass
@@ -533,7 +533,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
     stage_names: dict[str, int] = {}
 
     def pass_stage(p: ir.passes.PassBase) -> Stage:
-        # a pass that runs twice (HalfMatMulOnCPUPass for bf16, then for float32) names its second stage
+        # a pass that runs twice (TorchGemmOnCPUPass for bf16, then for float32) names its second stage
         # "<name>_2": stage names key BuildArtifacts.stage_seconds and the debug snapshots
         name = type(p).__name__
         stage_names[name] = stage_names.get(name, 0) + 1
@@ -717,7 +717,7 @@ def _route_gate(p: ir.passes.PassBase, st: Stage) -> Stage:
     ``native_bf16``); the CPU-kernel passes only where ortwrap's kernels are usable (``_native_gate``)."""
     if isinstance(p, (NativeCPUKernelsPass, NativeAttentionPass)):
         st = _native_gate(st)
-    if isinstance(p, HalfMatMulOnCPUPass):
+    if isinstance(p, TorchGemmOnCPUPass):
         route = "torch_gemm" if p.dtype == ir.DataType.FLOAT else "native_bf16"
     elif isinstance(p, (HalfValuesOnCPUPass, NativeAttentionPass)):
         route = "native_bf16"

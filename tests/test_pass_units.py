@@ -180,12 +180,16 @@ DIRECT_TESTS: dict[str, tuple[str, ...]] = {
     "GatherToGatherNDPass": ("test_cpu_kernel_passes.py::test_gathernd_pass_rewrites_parameter_lookups_only",),
     "LinearToGemmPass": ("test_cpu_kernel_passes.py::test_linear_gemm_pass_rewrites",),
     "NativeCPUKernelsPass": (
+        "test_pass_units.py::test_native_gelu_rules_write_the_kernel_node",
         "test_native_kernels.py::test_pass_rewrites_gelu_forms_and_leaves_shared_intermediates",
         "test_native_kernels.py::test_pass_gelu_tanh_forms",
         "test_native_kernels.py::test_pass_layer_norm_and_embedding_conditions",
     ),
     "BidirectionalRNNPass": ("test_rnn.py::test_split_into_forward_nodes_and_packed_sequences_refused",),
-    "HalfMatMulOnCPUPass": ("test_mixed_precision.py::test_half_matmul_pass_writes_linears_and_matmuls",),
+    "TorchGemmOnCPUPass": (
+        "test_mixed_precision.py::test_half_matmul_pass_writes_linears_and_matmuls",  # bfloat16
+        "test_torch_gemm.py::test_attention_pattern_reads_through_the_nan_guard",  # dtype=FLOAT
+    ),
     "HalfPrecisionOnCPUPass": ("test_mixed_precision.py::test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16",),
     "HalfValuesOnCPUPass": ("test_mixed_precision.py::test_half_values_pass_keeps_bf16_between_gemms",),
     "NativeAttentionPass": ("test_mixed_precision.py::test_native_attention_pass_conditions",),
@@ -218,6 +222,14 @@ def test_every_pipeline_pass_has_a_direct_test():
                 assert name in (TESTS / file).read_text(), f"{file} does not name {name}"
     stale = sorted(set(DIRECT_TESTS) - {c.__name__ for c in classes})
     assert not stale, f"DIRECT_TESTS names passes the pipeline no longer has: {stale}"
+
+
+def test_every_pipeline_pass_is_named_in_the_docs():
+    """docs/architecture.md's table of the passes names each pass of the pipeline."""
+    text = (TESTS.parent / "docs" / "architecture.md").read_text()
+    table = text[text.index("### Every pass, in pipeline order") :]
+    missing = sorted(c.__name__ for c in _pipeline_pass_classes() if f"| `{c.__name__}" not in table)
+    assert not missing, f"docs/architecture.md's table of passes lacks {missing}"
 
 
 # --------------------------------------------------------------------- passes every graph gets
@@ -870,3 +882,45 @@ def test_double_precision_ops_run_as_pytorch_ops():
     aten = node(after, "ATen")
     assert aten.domain == ATEN and attrs(aten)["operator"] == b"erf"
     assert not apply(pipeline.DoublePrecisionOnCPUPass(with_backward=True), parse(body.replace("double", "float")))[0]
+
+
+def test_native_gelu_rules_write_the_kernel_node():
+    """The GELU rules of NativeCPUKernelsPass (fusions.py's patterns): the 0.5 anywhere, constants
+    rounded to bfloat16 (an autocast export) accepted, a near miss and float64 left alone."""
+    from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
+
+    before = parse(
+        """
+        g (float[4, 8] x, float[4, 8] u, double[4, 8] d) => (float[4, 8] y1, float[4, 8] y2, double[4, 8] y3) {
+            r = Constant <value = float {0.70703125}> ()
+            near = Constant <value = float {0.7072}> ()
+            one = Constant <value = float {1.0}> ()
+            half = Constant <value = float {0.5}> ()
+            a1 = Mul(x, r)
+            e1 = Erf(a1)
+            t1 = Add(one, e1)
+            h1 = Mul(t1, half)
+            y1 = Mul(x, h1)
+            a2 = Mul(u, near)
+            e2 = Erf(a2)
+            t2 = Add(e2, one)
+            m2 = Mul(u, t2)
+            y2 = Mul(m2, half)
+            rd = Constant <value = double {0.7071067811865476}> ()
+            oned = Constant <value = double {1.0}> ()
+            halfd = Constant <value = double {0.5}> ()
+            a3 = Mul(d, rd)
+            e3 = Erf(a3)
+            t3 = Add(e3, oned)
+            m3 = Mul(d, t3)
+            y3 = Mul(m3, halfd)
+        }
+        """
+    )
+    modified, after = apply(NativeCPUKernelsPass(), before)
+    assert modified and ops(after)["Erf"] == 2 and ops(after)["ATen"] == 1
+    gelu = node(after, "ATen")
+    assert gelu.domain == ATEN and list(gelu.input) == ["x"] and list(gelu.output) == ["y1"]
+    assert attrs(gelu) == {"operator": b"ortwrap_cpu::gelu", "overload_name": b""}
+    assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert {"a1", "e1", "t1", "h1"}.isdisjoint(o for n in after.graph.node for o in n.output)

@@ -203,10 +203,10 @@ def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
     not SDPA and stays."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.registry import OPS_NAMESPACE
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
     assert p.rewritten["attention"] == rewritten
     ops = [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Where")]
@@ -250,10 +250,10 @@ def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     broadcasts one row, stays a mask input."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.registry import OPS_NAMESPACE
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
     assert p.rewritten["attention"] == 1
     (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
@@ -298,10 +298,10 @@ def test_attention_pattern_reads_the_heads_layout(kt_chain):
     transposed q reads q4's shape, permuted."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.registry import OPS_NAMESPACE
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))
     assert p.rewritten["attention"] == 1
     (node,) = [n for n in after.graph.node if n.op_type == "ATen"]

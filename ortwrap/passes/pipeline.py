@@ -23,7 +23,7 @@ from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .grouped_conv import GroupedConvGradPass
-from .half_matmul import HalfMatMulOnCPUPass
+from .half_matmul import TorchGemmOnCPUPass
 from .half_precision import HalfPrecisionOnCPUPass
 from .half_values import HalfValuesOnCPUPass
 from .instance_norm import DecomposeInstanceNormPass
@@ -93,10 +93,10 @@ def default_passes(
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
-            passes.append(HalfMatMulOnCPUPass(with_backward=with_backward))
+            passes.append(TorchGemmOnCPUPass(with_backward=with_backward))
         if torch_gemm:
             # float32 GEMMs and attention as PyTorch's (before the next pass: only the graph's own float32 ones).
-            passes.append(HalfMatMulOnCPUPass(with_backward=with_backward, dtype=ir.DataType.FLOAT))
+            passes.append(TorchGemmOnCPUPass(with_backward=with_backward, dtype=ir.DataType.FLOAT))
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
         passes.append(HalfPrecisionOnCPUPass())
