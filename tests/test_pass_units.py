@@ -30,6 +30,7 @@ from ortwrap.passes.avgpool_to_conv import AveragePoolToConvPass
 from ortwrap.passes.batchnorm_running_stats import BatchNormRunningStatsPass
 from ortwrap.passes.control_flow import RefuseControlFlowPass
 from ortwrap.passes.conv_pads import ExplicitConvPadsPass
+from ortwrap.passes.double_precision import DoublePrecisionOnCPUPass
 from ortwrap.passes.einsum import EinsumToMatMulPass
 from ortwrap.passes.eval_batchnorm import DecomposeEvalBatchNormPass
 from ortwrap.passes.grouped_conv import GroupedConvGradPass
@@ -876,12 +877,12 @@ def test_double_precision_ops_run_as_pytorch_ops():
         y = Add(e, x)
     }
     """
-    modified, after = apply(pipeline.DoublePrecisionOnCPUPass(with_backward=True), parse(body))
+    modified, after = apply(DoublePrecisionOnCPUPass(with_backward=True), parse(body))
     # ORT's CPU provider has no float64 Erf: PyTorch's (an ATen node); Add stays ORT's.
     assert modified and ops(after) == Counter({"ATen": 1, "Add": 1}), ops(after)
     aten = node(after, "ATen")
     assert aten.domain == ATEN and attrs(aten)["operator"] == b"erf"
-    assert not apply(pipeline.DoublePrecisionOnCPUPass(with_backward=True), parse(body.replace("double", "float")))[0]
+    assert not apply(DoublePrecisionOnCPUPass(with_backward=True), parse(body.replace("double", "float")))[0]
 
 
 def test_native_gelu_rules_write_the_kernel_node():
