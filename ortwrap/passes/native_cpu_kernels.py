@@ -32,6 +32,7 @@ these ops are fast, and an inference graph gets ORT's own fusions.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,7 +43,7 @@ from onnxscript.rewriter import pattern
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ..registry import KERNELS, kernel
 from ._build import NodeBuilder, constant_value
-from .fusions import GeluErfRule, GeluTanhRule
+from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus
 from .gather_to_gathernd import parameter_lookup
 
 _ONNX = ("", "ai.onnx")
@@ -119,43 +120,21 @@ class _GeluTanhKernel(GeluTanhRule):
         return _aten(op, "gelu_tanh", x)
 
 
-#: kernel -> the rules that write it (``Kernel.rewrite`` names them, like the methods below).
-_RULES: dict[str, pattern.RewriteRuleSet] = {
-    "_gelu": pattern.RewriteRuleSet([_GeluKernel.rule(outer) for outer in range(3)], commute=True),
-    "_gelu_tanh": pattern.RewriteRuleSet(
+@functools.cache
+def _gelu_rules() -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet([_GeluKernel.rule(outer) for outer in range(3)], commute=True)
+
+
+@functools.cache
+def _gelu_tanh_rules() -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet(
         [_GeluTanhKernel.rule(outer, cube) for outer in range(3) for cube in range(2)], commute=True
-    ),
-}
+    )
 
 
-def _apply_rules(rules: pattern.RewriteRuleSet, model: ir.Model, cores: list[ir.Node]) -> int:
-    """Apply ``rules`` where a GELU around one of ``cores`` (its Erf or Tanh) can end: a Mul one or
-    two steps after the ``Add`` that reads the core. (``RewriteRuleSet.apply_to_model`` tries each
-    commuted pattern, 960 for the tanh GELU, at every node: seconds on a GPT graph.) The rule that
-    matched is tried first at the next core: a graph writes its GELUs alike. Returns the count."""
-    graph = model.graph
-    order = list(rules.rules)
-    count = 0
-    for core in cores:
-        if core.graph is not graph:
-            continue
-        roots = [mul for add, _ in core.outputs[0].uses() for mul, _ in add.outputs[0].uses()]
-        roots += [after for mul in roots for after, _ in mul.outputs[0].uses()]
-        roots = [r for r in roots if r.op_type == "Mul" and r.domain in _ONNX]
-        for i, rule in enumerate(order):
-            for root in roots:
-                delta = rule.try_rewrite(model, graph, root)
-                if delta is not None:
-                    ir.convenience.replace_nodes_and_values(
-                        graph, root, delta.match.nodes, delta.new_nodes, delta.match.outputs, delta.new_outputs
-                    )
-                    break
-            else:
-                continue
-            order.insert(0, order.pop(i))
-            count += 1
-            break
-    return count
+#: ``Kernel.rewrite`` -> the rules that write that kernel (built on first use: the 960 commuted
+#: tanh patterns take about half a second).
+_RULES = {"_gelu": _gelu_rules, "_gelu_tanh": _gelu_tanh_rules}
 
 
 _OUTPUT_TYPES = {
@@ -201,11 +180,11 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None and k.replaces}  # per rewrite
+        present = {n.op_type for n in graph if n.domain in _ONNX}
         for k in KERNELS:
             rules = _RULES.get(k.rewrite)
-            if rules is not None:
-                cores = [n for n in graph if n.op_type in k.replaces and n.domain in _ONNX]
-                self.rewritten[k.name] += _apply_rules(rules, model, cores)
+            if rules is not None and set(k.replaces) <= present:
+                self.rewritten[k.name] += apply_at_gelus(rules(), model, k.replaces)
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
@@ -217,8 +196,8 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
     # The GELUs: rewrite rules (:data:`_RULES`), applied first.
-    _gelu = _RULES["_gelu"]
-    _gelu_tanh = _RULES["_gelu_tanh"]
+    _gelu = staticmethod(_gelu_rules)
+    _gelu_tanh = staticmethod(_gelu_tanh_rules)
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
