@@ -22,6 +22,10 @@ around it or not)                           which ORT 1.19.2 does not load)
 Which rules run is the pipeline's choice (``passes.pipeline``): on CPU training graphs ortwrap's
 own GELU kernels are faster than ORT's fused Gelu/GeluGrad (docs/performance.md), so the GELU
 rules do not run there; the LayerNorm rule's result is what ortwrap's LayerNorm kernel replaces.
+There, ``NativeCPUKernelsPass`` writes ortwrap's GELU kernels with the same GELU patterns
+(:class:`GeluErfRule`, :class:`GeluTanhRule`: its own check and replacement). GELU rules are tried
+only where a GELU can end (:func:`apply_at_gelus`): onnxscript would try each commuted pattern at
+every node.
 """
 
 from __future__ import annotations
