@@ -148,7 +148,7 @@ def test_architecture_trains_under_autocast_on_the_float32_route(case, exporter)
         autocast=bf16_autocast,
         wrap_options={"exporter": exporter, "half_compute": "float32"},
     )
-    assert "HalfMatMulOnCPUPass" not in [p.name for p in w.last_artifacts.passes if p.modified]
+    assert "TorchGemmOnCPUPass" not in [p.name for p in w.last_artifacts.passes if p.modified]
 
 
 #: cases also run under float16 autocast (eager's LSTM has no float16 oneDNN kernel on CPU).

@@ -44,9 +44,9 @@ def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool =
     counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
-        assert not counts and "HalfMatMulOnCPUPass" not in modified, counts
+        assert not counts and "TorchGemmOnCPUPass" not in modified, counts
         return
-    assert "HalfMatMulOnCPUPass" in modified
+    assert "TorchGemmOnCPUPass" in modified
     forward = counts.get(f"ortwrap_ops::{op}", 0) + counts.get(f"ortwrap_ops::{op}_keep_input", 0)
     assert forward > 0 and (not backward or counts.get(f"ortwrap_ops::{op}_bf16_backward", 0) > 0), counts
     assert not any(k.startswith("ortwrap_vjp::") and "ortwrap_ops::" in k for k in counts), counts
@@ -732,7 +732,7 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
     MatMul becomes matmul; float32 and 1-D MatMuls stay as they are."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
     body = """
     agraph (bfloat16[2, 5, 8] x, bfloat16[6, 8] w, bfloat16[6] b, bfloat16[2, 3, 5, 4] q, bfloat16[2, 3, 4, 5] k,
@@ -746,7 +746,7 @@ def test_half_matmul_pass_writes_linears_and_matmuls():
         u = MatMul (x, v)
     }
     """
-    p = HalfMatMulOnCPUPass()
+    p = TorchGemmOnCPUPass()
     result, after = onnx_text.run_pass(p, body)
     assert result.modified and p.rewritten == {"linear": 1, "matmul": 1, "attention": 0}
     bf16 = 15  # torch's ScalarType code
@@ -765,7 +765,7 @@ def test_half_matmul_pass_writes_attention():
     scale, 1/sqrt(head dim)."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
     body = """
     agraph (bfloat16[2, 3, 5, 64] q, bfloat16[2, 3, 64, 5] kt, bfloat16[2, 3, 5, 64] v, bool[5, 5] keep)
@@ -784,7 +784,7 @@ def test_half_matmul_pass_writes_attention():
         y = MatMul (p, v)
     }
     """
-    p = HalfMatMulOnCPUPass()
+    p = TorchGemmOnCPUPass()
     result, after = onnx_text.run_pass(p, body)
     assert result.modified and p.rewritten == {"linear": 0, "matmul": 0, "attention": 1}
     assert [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Cast", "Where")] == ["ATen"]
@@ -802,7 +802,7 @@ def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
     decomposed form: the bias's gradient flows through the scores."""
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
     body = """
     agraph (bfloat16[2, 3, 5, 8] q, bfloat16[2, 3, 8, 5] kt, bfloat16[2, 3, 5, 8] v, float[5, 5] bias)
@@ -814,7 +814,7 @@ def test_half_matmul_pass_leaves_attention_with_a_learned_bias():
         y = MatMul (p, v)
     }
     """
-    p = HalfMatMulOnCPUPass()
+    p = TorchGemmOnCPUPass()
     onnx_text.run_pass(p, body)
     assert p.rewritten == {"linear": 0, "matmul": 2, "attention": 0}
 
@@ -922,7 +922,7 @@ def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
     import onnx_ir as ir
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
 
     body = """
@@ -935,7 +935,7 @@ def test_half_matmul_pass_then_float32_keeps_the_gemms_in_bf16():
     }
     """
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
-    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass()):
+    for p in (TorchGemmOnCPUPass(), HalfPrecisionOnCPUPass()):
         model = p(model).model
     after = ir.serde.serialize_model(model)
     ops = [n.op_type for n in after.graph.node if n.op_type != "Constant"]
@@ -971,7 +971,7 @@ def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
     import onnx_ir as ir
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
     from ortwrap.passes.half_values import HalfValuesOnCPUPass
 
@@ -979,7 +979,7 @@ def test_half_values_pass_keeps_bf16_between_gemms(read_twice):
     body = _TWO_LINEARS.format(extra=extra, extra_out=", bfloat16[4, 16] r" if read_twice else "")
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
     last = HalfValuesOnCPUPass()
-    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass(), last):
+    for p in (TorchGemmOnCPUPass(), HalfPrecisionOnCPUPass(), last):
         model = p(model).model
     after = ir.serde.serialize_model(model)
     constants = {
@@ -1004,7 +1004,7 @@ def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
     import onnx_ir as ir
     import onnx_text
 
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
     from ortwrap.passes.half_precision import HalfPrecisionOnCPUPass
     from ortwrap.passes.half_values import HalfValuesOnCPUPass
 
@@ -1012,7 +1012,7 @@ def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
         "(float[4, 8] y)", "(bfloat16[4, 8] y)").replace("y = Cast <to = 1> (m2)", "y = Identity (m2)")  # fmt: skip
     model = ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(onnx_text.parse(body)))
     last = HalfValuesOnCPUPass()
-    for p in (HalfMatMulOnCPUPass(), HalfPrecisionOnCPUPass(), last):
+    for p in (TorchGemmOnCPUPass(), HalfPrecisionOnCPUPass(), last):
         model = p(model).model
     after = ir.serde.serialize_model(model)
     constants = {

@@ -259,8 +259,7 @@ def test_the_stages_read_the_derived_tables_and_cannot_change_them():
     import dataclasses
 
     from ortwrap import ops
-    from ortwrap.grad import aten
-    from ortwrap.grad import recompute
+    from ortwrap.grad import aten, recompute
     from ortwrap.passes import half_precision, half_values
     from ortwrap.runtime import session
 

@@ -204,9 +204,9 @@ def test_attention_pattern_reads_through_the_nan_guard(fill, rewritten):
     import onnx_text
 
     from ortwrap.ops import OPS_NAMESPACE
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, NAN_GUARDED_SDPA.replace("FILL", fill))
     assert p.rewritten["attention"] == rewritten
     ops = [n.op_type for n in after.graph.node if n.op_type not in ("Constant", "Where")]
@@ -251,9 +251,9 @@ def test_attention_pattern_finds_the_causal_mask(upper, rows, causal):
     import onnx_text
 
     from ortwrap.ops import OPS_NAMESPACE
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, CAUSAL_SDPA.replace("UPPER", str(upper)).replace("ROWS", str(rows)))
     assert p.rewritten["attention"] == 1
     (node,) = [n for n in after.graph.node if n.op_type == "ATen"]
@@ -299,9 +299,9 @@ def test_attention_pattern_reads_the_heads_layout(kt_chain):
     import onnx_text
 
     from ortwrap.ops import OPS_NAMESPACE
-    from ortwrap.passes.half_matmul import HalfMatMulOnCPUPass
+    from ortwrap.passes.half_matmul import TorchGemmOnCPUPass
 
-    p = HalfMatMulOnCPUPass(dtype=ir.DataType.FLOAT)
+    p = TorchGemmOnCPUPass(dtype=ir.DataType.FLOAT)
     _, after = onnx_text.run_pass(p, HEADS_SDPA.replace("KT_CHAIN", kt_chain))
     assert p.rewritten["attention"] == 1
     (node,) = [n for n in after.graph.node if n.op_type == "ATen"]

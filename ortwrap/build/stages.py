@@ -127,7 +127,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         """The build stage of one entry of the pass list (``passes/pipeline.py``): it runs where
         the build values its entry requires are true (``GATES``), and gives the build the side
         results its entry provides, read from the pass's typed result."""
-        # a pass that runs twice (HalfMatMulOnCPUPass for bf16, then for float32) names its second stage
+        # a pass that runs twice (TorchGemmOnCPUPass for bf16, then for float32) names its second stage
         # "<name>_2": stage names key BuildArtifacts.stage_seconds and the debug snapshots
         name = entry.name
         stage_names[name] = stage_names.get(name, 0) + 1

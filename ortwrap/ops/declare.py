@@ -151,7 +151,7 @@ class Op:
             backward returns each operand's gradient in that operand's dtype. None: no dtype argument.
         optional_gradients: a backward op reading two output gradients of which the graph may
             produce only one (``bridge.aten.drop_missing_gradients`` makes the missing one absent).
-        float32_form: the op ``HalfMatMulOnCPUPass`` writes instead on the float32 torch-GEMM
+        float32_form: the op ``TorchGemmOnCPUPass`` writes instead on the float32 torch-GEMM
             route (``Options.gemm="torch"``).
         weight_copy_output: the output that is the weight's (input 1's) copy in the compute dtype,
             which ``grad/recompute.py`` drops (``NO_WEIGHT_COPY``), the backward casting the weight again.

@@ -22,12 +22,17 @@ around it or not)                           which ORT 1.19.2 does not load)
 Which rules run is the pipeline's choice (``passes.pipeline``): on CPU training graphs ortwrap's
 own GELU kernels are faster than ORT's fused Gelu/GeluGrad (docs/performance.md), so the GELU
 rules do not run there; the LayerNorm rule's result is what ortwrap's LayerNorm kernel replaces.
+There, ``NativeCPUKernelsPass`` writes ortwrap's GELU kernels with the same GELU patterns
+(:class:`GeluErfRule`, :class:`GeluTanhRule`: its own check and replacement). GELU rules are tried
+only where a GELU can end (:func:`apply_at_gelus`): onnxscript would try each commuted pattern at
+every node.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import onnx_ir as ir
@@ -36,6 +41,7 @@ from onnxscript.rewriter import pattern
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
+_ONNX = ("", "ai.onnx")
 
 
 def _scalar(value: ir.Value | None) -> float | None:
@@ -123,13 +129,18 @@ def _rank(value: ir.Value) -> int | None:
 # ------------------------------------------------------------------------------------------ GELU
 
 
-class _GeluErf(pattern.RewriteRuleClassBase):
-    def __init__(self, opset: int, outer: int) -> None:
-        super().__init__(f"GeluErf{outer}")
+class GeluErfRule(pattern.RewriteRuleClassBase):
+    """``0.5 * x * (1 + erf(x / sqrt(2)))``, the 0.5 at ``outer`` (0: ``(x * t) * 0.5``, 1: ``(0.5 * x)
+    * t``, 2: ``x * (t * 0.5)``; commuted) -> the standard op. Also the base of the rule that writes
+    ortwrap's own GELU kernel (``passes/native_cpu_kernels.py``), which overrides the check and the
+    replacement."""
+
+    def __init__(self, opset: int, outer: int, name: str = "GeluErf") -> None:
+        super().__init__(f"{name}{outer}")
         self.opset, self.outer = opset, outer
 
     def pattern(self, op, x, c, half, one):
-        inner = pattern.OrValue([op.Div(x, c), op.Mul(x, c)], tag_var="scaled_by")
+        inner = pattern.OrValue([op.Div(x, c), op.Mul(x, c)], tag_var="scaled_by", tag_values=("Div", "Mul"))
         t = op.Add(op.Erf(inner), one)
         if self.outer == 0:  # (x * t) * 0.5
             return op.Mul(op.Mul(x, t), half)
@@ -137,14 +148,13 @@ class _GeluErf(pattern.RewriteRuleClassBase):
             return op.Mul(op.Mul(half, x), t)
         return op.Mul(x, op.Mul(t, half))  # x * (t * 0.5)
 
-    def check(self, context, x, c, half, one, **_) -> pattern.MatchResult:
+    def check(self, context, x, c, half, one, scaled_by, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if x.dtype not in _FLOATS:
             return result.fail("not a float input", x)
         if not (_close(c, _SQRT2) or _close(c, 1 / _SQRT2)) or not _close(half, 0.5) or not _close(one, 1.0):
             return result.fail("constants are not GELU's")
-        divisor = c.uses()[0][0] if c.uses() else None  # Div(x, sqrt 2) or Mul(x, 1/sqrt 2)
-        if divisor is not None and ((divisor.op_type == "Div") != _close(c, _SQRT2)):
+        if (scaled_by == "Div") != _close(c, _SQRT2):
             return result.fail("x / (1/sqrt 2) or x * sqrt 2 is not GELU")
         return result
 
@@ -154,13 +164,17 @@ class _GeluErf(pattern.RewriteRuleClassBase):
         return op.Gelu(x, _domain="com.microsoft")
 
 
-class _GeluTanh(pattern.RewriteRuleClassBase):
-    def __init__(self, opset: int, training: bool, outer: int, cube: int) -> None:
-        super().__init__(f"GeluTanh{outer}{cube}")
+class GeluTanhRule(pattern.RewriteRuleClassBase):
+    """``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, the 0.5 placed as in
+    :class:`GeluErfRule`, the cube ``Pow(x, 3)`` (``cube=0``) or ``x * (x * x)`` -> the standard op
+    (or ORT's FastGelu). The base of the rule that writes ortwrap's tanh GELU kernel."""
+
+    def __init__(self, opset: int, training: bool, outer: int, cube: int, name: str = "GeluTanh") -> None:
+        super().__init__(f"{name}{outer}{cube}")
         self.opset, self.training, self.outer, self.cube = opset, training, outer, cube
 
-    def pattern(self, op, x, c3, k, half, one):
-        cube = op.Pow(x, 3.0) if self.cube == 0 else op.Mul(x, op.Mul(x, x))
+    def pattern(self, op, x, c3, k, half, one, three):
+        cube = op.Pow(x, three) if self.cube == 0 else op.Mul(x, op.Mul(x, x))
         t = op.Add(op.Tanh(op.Mul(k, op.Add(x, op.Mul(c3, cube)))), one)
         if self.outer == 0:
             return op.Mul(op.Mul(x, t), half)
@@ -168,12 +182,14 @@ class _GeluTanh(pattern.RewriteRuleClassBase):
             return op.Mul(op.Mul(half, x), t)
         return op.Mul(x, op.Mul(t, half))
 
-    def check(self, context, x, c3, k, half, one, **_) -> pattern.MatchResult:
+    def check(self, context, x, c3, k, half, one, three=None, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if x.dtype not in _FLOATS:
             return result.fail("not a float input", x)
         if not (_close(c3, 0.044715) and _close(k, _SQRT_2_OVER_PI) and _close(half, 0.5) and _close(one, 1.0)):
             return result.fail("constants are not the tanh GELU's")
+        if three is not None and not _close(three, 3.0):
+            return result.fail("not a cube")
         return result
 
     def rewrite(self, op, x, **_):
@@ -295,9 +311,9 @@ _ANCHORS = {
 def _rule_set(opset: int, training: bool, families: tuple[str, ...]) -> pattern.RewriteRuleSet:
     rules = []
     if "gelu_erf" in families:
-        rules += [_GeluErf.rule(opset, outer) for outer in range(3)]
+        rules += [GeluErfRule.rule(opset, outer) for outer in range(3)]
     if "gelu_tanh" in families:
-        rules += [_GeluTanh.rule(opset, training, outer, cube) for outer in range(3) for cube in range(2)]
+        rules += [GeluTanhRule.rule(opset, training, outer, cube) for outer in range(3) for cube in range(2)]
     if "layer_norm" in families:
         rules += [_LayerNorm.rule(True), _LayerNorm.rule(False)]
     if "rms_norm" in families:
@@ -318,6 +334,37 @@ def fusion_rules(
     return _rule_set(opset, training, tuple(families)) if families else None
 
 
+def apply_at_gelus(rules: pattern.RewriteRuleSet, model: ir.Model, cores: Iterable[str]) -> int:
+    """Apply GELU ``rules`` only where a GELU can end: a Mul one or two steps after the ``Add``
+    that reads a node of the ``cores`` op types (its Erf or Tanh), in the graph and its subgraphs.
+    (``RewriteRuleSet.apply_to_model`` tries each commuted pattern, 960 for the tanh GELU, at every
+    node: seconds on a GPT graph.) The rule that matched is tried first at the next core, as a
+    graph writes its GELUs alike. Returns the number of GELUs rewritten."""
+    order = list(rules.rules)
+    count = 0
+    for core in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        graph = core.graph
+        if graph is None or core.op_type not in cores or core.domain not in _ONNX:
+            continue
+        roots = [mul for add, _ in core.outputs[0].uses() for mul, _ in add.outputs[0].uses()]
+        roots += [after for mul in roots for after, _ in mul.outputs[0].uses()]
+        roots = [r for r in roots if r.op_type == "Mul" and r.domain in _ONNX and r.graph is graph]
+        for i, rule in enumerate(order):
+            for root in roots:
+                delta = rule.try_rewrite(model, graph, root)
+                if delta is not None:
+                    ir.convenience.replace_nodes_and_values(
+                        graph, root, delta.match.nodes, delta.new_nodes, delta.match.outputs, delta.new_outputs
+                    )
+                    break
+            else:
+                continue
+            order.insert(0, order.pop(i))
+            count += 1
+            break
+    return count
+
+
 class StandardOpFusionPass(ir.passes.InPlacePass):
     """Apply :func:`fusion_rules` (see the module docstring)."""
 
@@ -327,11 +374,15 @@ class StandardOpFusionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.opset_imports.get("", 17)
-        op_types = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
-        rules = fusion_rules(opset, training=self.training, gelu=self.gelu, norms=self.norms, op_types=op_types)
-        if rules is None:
-            return ir.passes.PassResult(model, modified=False)
-        count = rules.apply_to_model(model)
+        op_types = {n.op_type for n in model.graph if n.domain in _ONNX}
+        count = 0
+        if self.gelu:
+            for family in ("gelu_erf", "gelu_tanh"):
+                if _ANCHORS[family] <= op_types:
+                    count += apply_at_gelus(_rule_set(opset, self.training, (family,)), model, _ANCHORS[family])
+        rules = fusion_rules(opset, training=self.training, gelu=False, norms=self.norms, op_types=op_types)
+        if rules is not None:
+            count += rules.apply_to_model(model)
         if count and any(n.domain == "com.microsoft" for n in model.graph):
             model.opset_imports.setdefault("com.microsoft", 1)
         return ir.passes.PassResult(model, modified=bool(count))

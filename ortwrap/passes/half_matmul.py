@@ -34,7 +34,7 @@ Each op's gradient is one explicit backward op (its declaration's ``gradient``: 
 ``dW = dY^T X`` as bf16 GEMMs on the saved copies, the output gradient rounded to bf16 first, as
 eager's is), not the ATen bridge's vjp, which would recompute the forward GEMM.
 
-The same pass with ``dtype=FLOAT`` (``Options.gemm="torch"``, for CPUs where PyTorch's MKL/oneDNN
+The same pass (``TorchGemmOnCPUPass``) with ``dtype=FLOAT`` (``Options.gemm="torch"``, for CPUs where PyTorch's MKL/oneDNN
 float32 GEMMs beat ORT's MLAS: Intel) writes the ``*_f32`` ops on float32 MatMul/Gemm/attention:
 no dtype argument, no copies (the backward op reads the forward's inputs); only in graphs without
 bfloat16/float16 values (mixed-precision graphs follow ``Options.half_compute``); attention returns only
@@ -93,8 +93,9 @@ def _float_attr(node: ir.Node, name: str, default: float) -> float:
     return default if attr is None else attr.as_float()
 
 
-class HalfMatMulOnCPUPass(ir.passes.InPlacePass):
-    """Run bfloat16 MatMul/Gemm as PyTorch's bf16 GEMMs (see the module docstring).
+class TorchGemmOnCPUPass(ir.passes.InPlacePass):
+    """Run the MatMul/Gemm/attention of ``dtype`` as PyTorch's GEMMs (see the module docstring):
+    bfloat16 (``Options.half_compute`` native), or float32 (``dtype=FLOAT``, ``Options.gemm="torch"``).
 
     ``rewritten`` counts the nodes written, by op (``linear``, ``matmul``, ``attention``).
     """

@@ -20,7 +20,7 @@ float32, keeping the boundaries eager PyTorch has:
 
 Numerics: eager rounds every half-precision result to half precision; here intermediate results
 keep float32, so results agree with eager within half-precision tolerance and are closer to a
-float32 run. (On CPUs with native bfloat16, ``HalfMatMulOnCPUPass`` then runs the bfloat16 GEMMs
+float32 run. (On CPUs with native bfloat16, ``TorchGemmOnCPUPass`` then runs the bfloat16 GEMMs
 in bfloat16: see docs/performance.md.)
 """
 

@@ -1,6 +1,6 @@
 """bfloat16 values between PyTorch's bf16 ops: no widening and narrowing around every GEMM.
 
-After ``HalfMatMulOnCPUPass`` and ``HalfPrecisionOnCPUPass``, every value of a bf16 graph is
+After ``TorchGemmOnCPUPass`` and ``HalfPrecisionOnCPUPass``, every value of a bf16 graph is
 float32 and each of ortwrap's bf16 GEMMs (``ortwrap_ops::linear``/``matmul``/``attention``) widens
 its result to float32 and narrows its inputs again: the head reshapes between a projection and
 attention, and GELU between the two MLP projections, run on float32 copies of bf16 numbers. Eager

@@ -4,11 +4,15 @@ Rewrites, float32 only, each into one ``org.pytorch.aten::ATen`` node (``operato
 whose gradient definition pairs it with its backward kernel:
 
 * ``0.5 * x * (1 + Erf(x * 1/sqrt(2)))`` (both exporters' ``F.gelu``; also with ``Div(x,
-  sqrt(2))``, the form before ``UnfuseErfGeluPass``), the 0.5 on either side -> ``gelu(x)``. The
+  sqrt(2))``, the form before ``UnfuseErfGeluPass``), the 0.5 anywhere -> ``gelu(x)``. The
   intermediate values must have no other consumer.
 * The tanh GELU, ``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))`` (``F.gelu(x,
   approximate="tanh")`` from either exporter, transformers' ``gelu_new`` with ``Pow``), the 0.5
-  on either side -> ``gelu_tanh(x)``.
+  anywhere -> ``gelu_tanh(x)``.
+
+The two GELUs are onnxscript rewrite rules: ``passes/fusions.py``'s patterns (every operand order),
+with this pass's check (float32; the constants as written, or rounded to half precision) and
+replacement (the kernel's ATen node). The other rewrites start at one node each.
 * ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
   them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
   outputs, mean and inverse standard deviation in the same shapes.
@@ -28,14 +32,18 @@ these ops are fast, and an inference graph gets ORT's own fusions.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
 from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ..ops import KERNELS, kernel
 from ._build import NodeBuilder, constant_value
+from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus
 from .gather_to_gathernd import parameter_lookup
 
 _ONNX = ("", "ai.onnx")
@@ -55,11 +63,12 @@ def _half_rounded(value: float) -> tuple[float, float]:
     return float(np.array(bits, dtype=np.uint32).view(np.float32)), float(np.float16(value))
 
 
-def _is_constant(k: float | None, want: float, tol: float) -> bool:
-    """``k`` is ``want``, or ``want`` rounded to half precision: a graph exported under autocast, or
-    from a bf16/fp16 model, holds its GELU's constants in half precision, and
+def _is_constant(value: ir.Value | None, want: float, tol: float) -> bool:
+    """``value`` is the constant ``want``, or ``want`` rounded to half precision: a graph exported
+    under autocast, or from a bf16/fp16 model, holds its GELU's constants in half precision, and
     ``HalfPrecisionOnCPUPass`` makes them float32 as they are (eager's GELU kernel computes with
     the exact constants, as ortwrap's does)."""
+    k = _scalar(value)
     return k is not None and (abs(k - want) < tol or k in _half_rounded(want))
 
 
@@ -68,50 +77,64 @@ def _const_dtype(value: ir.Value | None) -> ir.DataType | None:
     return None if v is None else ir.DataType.from_numpy(v.dtype)
 
 
-def _const_operand(node: ir.Node) -> tuple[ir.Value | None, float | None]:
-    """For a two-input node with one scalar-constant input: (the other input, the constant)."""
-    a, b = node.inputs
-    for value, const in ((a, b), (b, a)):
-        k = _scalar(const)
-        if k is not None and _scalar(value) is None:
-            return value, k
-    return None, None
+class _GeluKernel(GeluErfRule):
+    """:class:`~.fusions.GeluErfRule`'s pattern -> ``gelu(x)``."""
+
+    def __init__(self, outer: int) -> None:
+        super().__init__(0, outer, name="GeluKernel")
+
+    def check(self, context, x, c, half, one, scaled_by, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        want = math.sqrt(2) if scaled_by == "Div" else 1 / math.sqrt(2)
+        if not _is_constant(c, want, 1e-6) or _scalar(half) != 0.5 or _scalar(one) != 1.0:
+            return result.fail("constants are not GELU's")
+        # Mul and Div take one type T: x has the constant's type when inference left it unknown.
+        if (x.dtype or _const_dtype(c)) != ir.DataType.FLOAT:
+            return result.fail("not float32", x)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return _aten(op, "gelu", x)
 
 
-def _cube_of(value: ir.Value | None, x: ir.Value | None) -> list[ir.Node] | None:
-    """The nodes computing ``value = x ** 3`` (``Pow(x, 3)`` or ``x * (x * x)``), consumers first;
-    None if it is not that or an intermediate has another consumer."""
-    node = value.producer() if value is not None else None
-    if node is None or _only_use(value) is None or x is None:
-        return None
-    if node.op_type == "Pow" and node.domain in _ONNX and node.inputs[0] is x:
-        e = constant_value(node.inputs[1])
-        return [node] if e is not None and e.size == 1 and float(e.reshape(-1)[0]) == 3.0 else None
-    if not _is(node, "Mul") or x not in node.inputs:
-        return None
-    sq = _other(node, x)
-    sq_node = sq.producer() if sq is not None else None
-    if sq is x or not _is(sq_node, "Mul") or list(sq_node.inputs) != [x, x] or _only_use(sq) is not node:
-        return None
-    return [node, sq_node]
+class _GeluTanhKernel(GeluTanhRule):
+    """:class:`~.fusions.GeluTanhRule`'s pattern -> ``gelu_tanh(x)``."""
+
+    def __init__(self, outer: int, cube: int) -> None:
+        super().__init__(0, True, outer, cube, name="GeluTanhKernel")
+
+    def check(self, context, x, c3, k, half, one, three=None, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        if not (_is_constant(k, math.sqrt(2 / math.pi), 1e-6) and _is_constant(c3, 0.044715, 1e-7)):
+            return result.fail("constants are not the tanh GELU's")
+        if _scalar(half) != 0.5 or _scalar(one) != 1.0:
+            return result.fail("constants are not the tanh GELU's")
+        power = constant_value(three) if three is not None else None
+        if three is not None and (power is None or power.size != 1 or float(power.reshape(-1)[0]) != 3.0):
+            return result.fail("not a cube")
+        if (x.dtype or _const_dtype(k)) != ir.DataType.FLOAT:
+            return result.fail("not float32", x)
+        return result
+
+    def rewrite(self, op, x, **_):
+        return _aten(op, "gelu_tanh", x)
 
 
-def _only_use(value: ir.Value) -> ir.Node | None:
-    """The single consumer of ``value`` (None if it has several, or is a graph output)."""
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    return uses[0][0]
+@functools.cache
+def _gelu_rules() -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet([_GeluKernel.rule(outer) for outer in range(3)], commute=True)
 
 
-def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
-    """The other input of a two-input node that takes ``value``."""
-    a, b = node.inputs
-    return b if a is value else a
+@functools.cache
+def _gelu_tanh_rules() -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet(
+        [_GeluTanhKernel.rule(outer, cube) for outer in range(3) for cube in range(2)], commute=True
+    )
 
 
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in _ONNX and len(node.inputs) == 2
+#: ``Kernel.rewrite`` -> the rules that write that kernel (built on first use: the 960 commuted
+#: tanh patterns take about half a second).
+_RULES = {"_gelu": _gelu_rules, "_gelu_tanh": _gelu_tanh_rules}
 
 
 _OUTPUT_TYPES = {
@@ -123,12 +146,26 @@ _OUTPUT_TYPES = {
 }
 
 
-def _aten(b: NodeBuilder, name: str, inputs: list[ir.Value | None], outputs: int) -> ir.Node:
+def _declared(name: str, inputs: int, outputs: int) -> list[str]:
+    """The output types of kernel ``name``, which must take ``inputs`` and write ``outputs``."""
     declared = kernel(name)
-    if outputs != len(declared.outputs) or len(inputs) != len(declared.inputs):
+    if outputs != len(declared.outputs) or inputs != len(declared.inputs):
         raise AssertionError(f"ortwrap_cpu::{name} is declared as {declared.signature!r}")
-    node = b.node("ATen", inputs, domain=ATEN_DOMAIN, outputs=outputs, operator=NATIVE_PREFIX + name, overload_name="")
-    for v, t in zip(node.outputs, declared.outputs):  # ORT cannot infer the outputs of ATen nodes
+    return declared.outputs
+
+
+def _aten(b: NodeBuilder | Any, name: str, *inputs: ir.Value | None, outputs: int = 1) -> ir.Node | ir.Value:
+    """The ATen node calling kernel ``name``, its outputs typed from the declaration. ``b``: a
+    NodeBuilder (returns the node), or a rule's op builder (returns its one output)."""
+    types = _declared(name, len(inputs), outputs)
+    attrs = {"operator": NATIVE_PREFIX + name, "overload_name": ""}
+    if isinstance(b, NodeBuilder):
+        node = b.node("ATen", list(inputs), domain=ATEN_DOMAIN, outputs=outputs, **attrs)
+        values = list(node.outputs)
+    else:
+        node = b.ATen(*inputs, _domain=ATEN_DOMAIN, **attrs)
+        values = [node]
+    for v, t in zip(values, types):  # ORT cannot infer the outputs of ATen nodes
         v.dtype = _OUTPUT_TYPES[t]
     return node
 
@@ -143,91 +180,24 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None and k.replaces}  # per rewrite
+        present = {n.op_type for n in graph if n.domain in _ONNX}
+        for k in KERNELS:
+            rules = _RULES.get(k.rewrite)
+            if rules is not None and set(k.replaces) <= present:
+                self.rewritten[k.name] += apply_at_gelus(rules(), model, k.replaces)
         for node in list(graph):
             if node.graph is None or node.domain not in _ONNX:
                 continue  # removed by an earlier rewrite
             for method in _REWRITES.get(node.op_type, ()):
                 if node.graph is None:
                     break
-                getattr(self, method)(graph, node)
+                if method not in _RULES:
+                    getattr(self, method)(graph, node)
         return ir.passes.PassResult(model, modified=any(self.rewritten.values()))
 
-    def _gelu(self, graph: ir.Graph, erf: ir.Node) -> None:
-        scale = erf.inputs[0].producer()
-        if not (_is(scale, "Mul") or _is(scale, "Div")) or _only_use(scale.outputs[0]) is not erf:
-            return
-        for x, c in ((scale.inputs[0], scale.inputs[1]), (scale.inputs[1], scale.inputs[0])):
-            k = _scalar(c)
-            want = 1 / math.sqrt(2) if scale.op_type == "Mul" else math.sqrt(2)
-            if _is_constant(k, want, 1e-6) and (scale.op_type == "Mul" or x is scale.inputs[0]):
-                break
-        else:
-            return
-        # Mul and Div take one type T: x has the constant's type when inference left it unknown.
-        if x is None or (x.dtype or _const_dtype(c)) != ir.DataType.FLOAT:
-            return
-        self._gelu_tail(graph, "gelu", x, erf, [scale])
-
-    def _gelu_tanh(self, graph: ir.Graph, tanh: ir.Node) -> None:
-        # u = sqrt(2/pi) * (x + 0.044715 * cube(x)), cube = Pow(x, 3) | x * (x * x)
-        scale = tanh.inputs[0].producer()
-        if not _is(scale, "Mul") or _only_use(scale.outputs[0]) is not tanh:
-            return
-        s, beta = _const_operand(scale)
-        if s is None or not _is_constant(beta, math.sqrt(2 / math.pi), 1e-6):
-            return
-        add = s.producer()
-        if not _is(add, "Add") or _only_use(s) is not scale:
-            return
-        for x, k in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-            kmul = k.producer() if k is not None else None
-            if not _is(kmul, "Mul") or _only_use(k) is not add:
-                continue
-            cube, kappa = _const_operand(kmul)
-            if cube is None or not _is_constant(kappa, 0.044715, 1e-7):
-                continue
-            cube_nodes = _cube_of(cube, x)
-            if cube_nodes is not None:
-                break
-        else:
-            return
-        if (
-            x is None
-            or (x.dtype or _const_dtype(scale.inputs[0]) or _const_dtype(scale.inputs[1])) != ir.DataType.FLOAT
-        ):
-            return
-        self._gelu_tail(graph, "gelu_tanh", x, tanh, [scale, add, kmul, *cube_nodes])
-
-    def _gelu_tail(self, graph: ir.Graph, kernel: str, x: ir.Value, core: ir.Node, inner: list[ir.Node]) -> None:
-        """Both GELUs end ``0.5 * (x * (1 + core))`` or ``(0.5 * x) * (1 + core)``, operands in any
-        order (``core``: the Erf or Tanh node; ``inner``: the nodes before it, consumers first). If
-        this one does, replace it all with ``kernel(x)``."""
-        one = _only_use(core.outputs[0])
-        if not _is(one, "Add") or _scalar(_other(one, core.outputs[0])) != 1.0:
-            return
-        mul = _only_use(one.outputs[0])
-        if not _is(mul, "Mul"):
-            return
-        other = _other(mul, one.outputs[0])
-        if other is x:
-            final = _only_use(mul.outputs[0])
-            if not _is(final, "Mul") or _scalar(_other(final, mul.outputs[0])) != 0.5:
-                return
-            dead = [mul]
-        else:
-            half_x = other.producer() if other is not None else None
-            if not _is(half_x, "Mul") or _only_use(other) is not mul:
-                return
-            hx, half = _const_operand(half_x)
-            if hx is not x or half != 0.5:
-                return
-            final, dead = mul, [half_x]
-        b = NodeBuilder(final.name or f"{kernel}_{id(final):x}")
-        gelu = _aten(b, kernel, [x], 1)
-        b.replace(graph, final, list(gelu.outputs))
-        for node in (*dead, one, core, *inner):
-            graph.remove(node, safe=True)
-        self.rewritten[kernel] += 1
+    # The GELUs: rewrite rules (:data:`_RULES`), applied first.
+    _gelu = staticmethod(_gelu_rules)
+    _gelu_tanh = staticmethod(_gelu_tanh_rules)
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
@@ -243,7 +213,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         b = NodeBuilder(node.name or f"layer_norm_{id(node):x}")
         eps_value = b.const(np.array(eps.as_float() if eps is not None else 1e-5, dtype=np.float32))
         axis_value = b.const(np.array(axis.as_int() if axis is not None else -1, dtype=np.int64))
-        ln = _aten(b, "layer_norm", [*node.inputs, eps_value, axis_value], 3)
+        ln = _aten(b, "layer_norm", *node.inputs, eps_value, axis_value, outputs=3)
         x = node.inputs[0]
         for stat in ln.outputs[1:]:  # mean and rstd: shape[:axis] + 1s
             if x.shape is not None:
@@ -259,7 +229,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             return
         table, indices = lookup
         b = NodeBuilder(node.name or f"embedding_{id(node):x}")
-        lookup = _aten(b, "embedding", [table, indices], 1)
+        lookup = _aten(b, "embedding", table, indices)
         if table.shape is not None and indices.shape is not None:
             lookup.outputs[0].shape = ir.Shape([*indices.shape, *table.shape[1:]])
         b.replace(graph, node, list(lookup.outputs))
@@ -284,7 +254,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         b = NodeBuilder(node.name or f"cross_entropy_{id(node):x}")
         ignore_value = b.const(np.array(ignore.as_int() if ignore is not None else np.iinfo(np.int64).min))
         mode_value = b.const(np.array(mode, dtype=np.int64))
-        ce = _aten(b, "cross_entropy", [scores, labels, ignore_value, mode_value], 2)
+        ce = _aten(b, "cross_entropy", scores, labels, ignore_value, mode_value, outputs=2)
         ce.outputs[1].shape = scores.shape
         b.replace(graph, node, list(ce.outputs))
         self.rewritten["cross_entropy"] += 1
@@ -301,7 +271,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         if k not in (-1, len(x.shape) - 1):
             return
         b = NodeBuilder(node.name or f"softmax_{id(node):x}")
-        sm = _aten(b, "softmax", [x], 1)
+        sm = _aten(b, "softmax", x)
         b.replace(graph, node, list(sm.outputs))
         self.rewritten["softmax"] += 1
 

@@ -31,7 +31,7 @@ from .fusions import StandardOpFusionPass
 from .gather_to_gathernd import GatherToGatherNDPass
 from .gelu_unfuse import UnfuseErfGeluPass
 from .grouped_conv import GroupedConvGradPass
-from .half_matmul import HalfMatMulOnCPUPass
+from .half_matmul import TorchGemmOnCPUPass
 from .half_precision import FuseHalfInitializersPass, HalfPrecisionOnCPUPass
 from .half_values import HalfValuesOnCPUPass
 from .host_shapes import HostShapeSplitPass
@@ -234,11 +234,11 @@ def _graph_passes(
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
-            passes.append(P(HalfMatMulOnCPUPass(with_backward=with_backward), requires=("native_bf16",)))
+            passes.append(P(TorchGemmOnCPUPass(with_backward=with_backward), requires=("native_bf16",)))
         if torch_gemm:
             # float32 GEMMs and attention as PyTorch's (before the next pass: only the graph's own float32 ones).
             passes.append(
-                P(HalfMatMulOnCPUPass(with_backward=with_backward, dtype=ir.DataType.FLOAT), requires=("torch_gemm",))
+                P(TorchGemmOnCPUPass(with_backward=with_backward, dtype=ir.DataType.FLOAT), requires=("torch_gemm",))
             )
         # ORT's CPU kernels compute in float32: half-precision values become float32 between
         # their boundaries (before the rewrites below, which read dtypes).
