@@ -27,6 +27,7 @@ from .errors import (  # noqa: E402
     UnsupportedTorchError,
     VerificationError,
 )
+from .integrations import builtin as _builtin_integrations  # noqa: E402,F401 (registers them)
 from .options import ENV_VARS, Options  # noqa: E402
 
 __all__ = [

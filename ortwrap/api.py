@@ -27,6 +27,7 @@ from ._logging import set_verbosity
 from .build import BuildArtifacts
 from .dispatch import Dispatcher
 from .engines import make_engine
+from .engines import resolve as resolve_engine
 from .errors import FallbackWarning, ORTWrapError
 from .options import Options
 from .runtime.program import Program
@@ -89,7 +90,7 @@ class ORTWrap(nn.Module):
             )
         # NOTE: another engine than the training build's takes every call (the one dispatch point,
         # in forward); it keeps its own compiled graphs (ortwrap/engines/).
-        d["_engine"] = make_engine(self._options.resolved_engine, self._options)
+        d["_engine"] = make_engine(resolve_engine(self._options.engine), self._options)
         #: the training engine's calls: programs by graph key, fallback, int promotion (dispatch.py)
         d["_dispatch"] = Dispatcher(self, module, self._options)
 

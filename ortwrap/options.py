@@ -261,14 +261,6 @@ class Options:
         return (first, "torchscript") if first != "torchscript" else (first,)
 
     @property
-    def resolved_engine(self) -> str:
-        """The engine ``engine`` stands for here (``"auto"`` resolved; ImportError when its runtime is
-        not installed)."""
-        from .engines import resolve
-
-        return resolve(self.engine)
-
-    @property
     def native_bf16(self) -> bool | None:
         """Whether bfloat16 GEMMs run in bfloat16 on CPU (``half_compute``); None for ``"auto"``,
         which each build decides by measurement (``gemm_choice.py``)."""

@@ -73,7 +73,7 @@ def test_engines_available_and_resolved():
     assert "onnxruntime" in engines and ortwrap.available_engines() == engines
     assert ("training" in engines) == is_training_available()
     assert resolve("auto") == ("training" if is_training_available() else "onnxruntime")
-    assert Options.resolve(engine="onnxruntime").resolved_engine == "onnxruntime"
+    assert resolve(Options.resolve(engine="onnxruntime").engine) == "onnxruntime"
     with pytest.raises(ValueError, match="engine='tensorrt' is invalid; allowed: auto, training, onnxruntime"):
         Options.resolve(engine="tensorrt")
 

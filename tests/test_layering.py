@@ -78,13 +78,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: a debt with its reason, and each is also an import cycle (:func:`test_no_import_cycles` lists the
 #: cycles that remain once these edges are gone). An entry no longer needed fails
 #: :func:`test_allowed_exceptions_are_still_needed`.
-ALLOWED: dict[tuple[str, str], str] = {
-    ("ortwrap.integrations", "ortwrap.integrations.deepspeed"): "issue 25, R2: the seam loads its"
-    " integrations (INTEGRATIONS); the public protocol replaces the list",
-    ("ortwrap.integrations", "ortwrap.integrations.distributed"): "issue 25, R2: as above",
-    ("ortwrap.options", "ortwrap.engines"): "issue 25, R2: Options.resolved_engine resolves 'auto' by what is"
-    " installed; the one place that picks the engine (api/dispatch) should call engines.resolve itself",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def _layer_of(module: str) -> int:

@@ -46,6 +46,7 @@ __all__ = [
     "Wrapper",
     "check_wrappable",
     "export_context",
+    "register",
     "rewrite_graph",
     "step_integration",
     "wrapper_attribute",
@@ -127,26 +128,21 @@ class Integration:
     #: other attributes set on a wrapper go to the wrapped module.
     wrapper_attributes: tuple[str, ...] = ()
 
-    def gather(self, wrapper: Wrapper) -> Any:
-        """Make the module's parameters whole; return a token for :meth:`release`."""
-        return None
 
-    def release(self, wrapper: Wrapper, token: Any) -> None:
-        """Undo :meth:`gather`."""
-
-
-def _load() -> list[Integration]:
-    from .deepspeed import DeepSpeedZero3
-    from .distributed import DataParallelWrappers
-
-    return [DataParallelWrappers(), DeepSpeedZero3()]
-
-
-#: Every integration, in the order their hooks run.
-INTEGRATIONS: list[Integration] = _load()
+#: Every integration, in the order their hooks run: filled by :func:`register` (ortwrap's own by
+#: ``integrations/builtin.py``, which the package imports; the seam imports none of them).
+INTEGRATIONS: list[Integration] = []
 #: Those that may take a step over (asked on every call, so only these are asked).
-_STEPPING: tuple[Integration, ...] = tuple(i for i in INTEGRATIONS if type(i).applies is not Integration.applies)
-_WRAPPER_ATTRIBUTES: tuple[str, ...] = tuple(p for i in INTEGRATIONS for p in i.wrapper_attributes)
+_STEPPING: tuple[Integration, ...] = ()
+_WRAPPER_ATTRIBUTES: tuple[str, ...] = ()
+
+
+def register(integration: Integration) -> None:
+    """Add ``integration`` after those registered before it (its hooks run in that order)."""
+    global _STEPPING, _WRAPPER_ATTRIBUTES
+    INTEGRATIONS.append(integration)
+    _STEPPING = tuple(i for i in INTEGRATIONS if type(i).applies is not Integration.applies)
+    _WRAPPER_ATTRIBUTES = tuple(p for i in INTEGRATIONS for p in i.wrapper_attributes)
 
 
 def check_wrappable(module: nn.Module) -> None:

@@ -453,13 +453,3 @@ class DeepSpeedZero3(Integration):
     def rewrite_graph(self, graph: Any) -> Any:
         return zero3_layers.rewrite_training_graph(graph)
 
-    def gather(self, wrapper: Wrapper) -> Any:
-        if not is_zero3_module(wrapper):
-            return None
-        st = _state(wrapper)
-        _gather(wrapper, st)
-        return st
-
-    def release(self, wrapper: Wrapper, token: Any) -> None:
-        if token is not None:
-            _release_if_idle(wrapper, token)
