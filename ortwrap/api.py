@@ -23,6 +23,7 @@ from ._compat import torch as compat
 from ._logging import logger, set_verbosity, warn_at_user_line
 from .bridge import state as bridge_state
 from .engines import make_engine
+from .export import split_capture
 from .errors import (
     FALLBACK_PHASES,
     ExportError,
@@ -115,6 +116,7 @@ class ORTWrap(nn.Module):
         # its traceback holds the frames of that call, its tensors included). Their calls run in
         # PyTorch; every other key keeps building and running on ONNX Runtime.
         d["_failed"] = {}
+        d["_split"] = {}  # graph key -> its SplitCapture (export/split_capture.py): a data-dependent capture
         # NOTE: calls whose build failed and which eager PyTorch rejects too (a batch of a bad shape):
         # by graph key, the leaves' shapes of each such call (at most _BAD_SHAPES a key). The same
         # signature again runs in PyTorch straight away (eager's exception, no new export); if it
@@ -193,6 +195,7 @@ class ORTWrap(nn.Module):
         keys that fell back are tried again too (what changed may be what failed)."""
         self._programs.clear()
         self._failed.clear()
+        self._split.clear()
         self._bad_shapes.clear()
         if self._engine is not None:
             self._engine.clear()
@@ -238,6 +241,12 @@ class ORTWrap(nn.Module):
     def last_artifacts(self) -> BuildArtifacts | None:
         """The artifacts of the most recent build (ONNX models, pass records, stage times)."""
         return self._last_artifacts
+
+    @property
+    def split_capture(self) -> split_capture.SplitCapture | None:
+        """The most recent split capture (a module whose capture stops on a data-dependent guard runs
+        as graph fragments on ONNX Runtime: export/split_capture.py), or None."""
+        return next(reversed(self._split.values()), None)
 
     @property
     def fallback_reason(self) -> ORTWrapError | None:
@@ -304,6 +313,8 @@ class ORTWrap(nn.Module):
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
         program = programs.find(leaves) if programs is not None else None
         if program is None:
+            if self._split and key in self._split:
+                return self._split[key](*args, **kwargs)
             if programs is None and self._failed and key in self._failed:
                 self.__dict__["_fallback_calls"] += 1  # this signature fell back (said once, when it did)
                 return self.module(*args, **kwargs)
@@ -332,8 +343,8 @@ class ORTWrap(nn.Module):
                     program = self._build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
                 except _GuardMiss as miss:
                     return self._run_eagerly_once(miss.error, args, kwargs)
-                if program is None:  # this key fell back
-                    return self.module(*args, **kwargs)
+                if program is None:  # this key fell back, or is split where its capture stops on data
+                    return self._split[key](*args, **kwargs) if key in self._split else self.module(*args, **kwargs)
             if self._options.verify and promoted is None:
                 try:
                     verify_program(self.module, program, args, kwargs, leaves, _run_program)
@@ -615,6 +626,9 @@ class ORTWrap(nn.Module):
                 raise error.with_traceback(error.__traceback__) from None
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
+            if may_fall_back and self._options.exporter in ("auto", "dynamo") and split_capture.is_data_dependent(e):
+                self._split[key] = split_capture.SplitCapture(self.module, self._option_values, self._options, e)
+                return None
             if not self._options.fallback or not may_fall_back:
                 raise
             self._fall_back(e, key, in_spec, args, kwargs)
