@@ -23,7 +23,6 @@ from ._compat import torch as compat
 from ._logging import logger, set_verbosity, warn_at_user_line
 from .bridge import state as bridge_state
 from .engines import make_engine
-from .export import split_capture
 from .errors import (
     FALLBACK_PHASES,
     ExportError,
@@ -34,6 +33,7 @@ from .errors import (
     VerificationError,
     sentence,
 )
+from .export import split_capture
 from .options import Options
 from .program import BuildArtifacts, Program, ProgramSet, compile_program
 from .runtime.function import run_training_graph

@@ -66,7 +66,9 @@ class _Fragment:
         self.index = index
         ops = [str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes if n.op == "call_function"]
         shown = ", ".join(dict.fromkeys(ops[:6]))
-        self.name = f"fragment {index} of {owner}'s split capture ({len(ops)} ops: {shown}{', ...' if len(ops) > 6 else ''})"
+        self.name = (
+            f"fragment {index} of {owner}'s split capture ({len(ops)} ops: {shown}{', ...' if len(ops) > 6 else ''})"
+        )
         self.ops = len(ops)
         gm.train(training)
         self.wrapper = ORTWrap(gm, **{**options, "exporter": "dynamo", "fallback": False})
