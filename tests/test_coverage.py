@@ -325,3 +325,40 @@ def test_loop_over_routed_experts_trains_as_a_split_capture(exporter):
     every = _expert_batches()[1]
     with torch.no_grad():  # another graph key: its own split capture
         torch.testing.assert_close(wrapped(every), eager(every))
+
+
+class _ComplexThenExpertLoop(_ExpertLoop):
+    """_ExpertLoop after a graph fragment ONNX Runtime cannot take: its output is complex
+    (``torch.polar``), which the dynamo exporter refuses (no complex outputs in ORT)."""
+
+    def forward(self, x):
+        z = torch.polar(x.abs() + 1.0, x)
+        out = super().forward(x)
+        return out + torch.view_as_real(z).sum(-1)
+
+
+def test_split_capture_fragment_that_cannot_build_runs_in_pytorch_and_says_so():
+    import copy
+
+    from ortwrap import FallbackWarning, ORTWrap
+
+    torch.manual_seed(0)
+    eager = _ComplexThenExpertLoop()
+    wrapped = ORTWrap(copy.deepcopy(eager))
+    x = _expert_batches()[1]
+    with pytest.warns(FallbackWarning, match="fragment 0 of _ComplexThenExpertLoop's split capture"):
+        ours = wrapped(x)
+    theirs = eager(x)
+    torch.testing.assert_close(ours, theirs)
+    ours.sum().backward()
+    theirs.sum().backward()
+    for (name, p), q in zip(wrapped.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    split = wrapped.split_capture
+    assert split.fragments[0].fallback_reason is not None and not split.fragments[0].on_ort
+    # (fragment 2 takes the complex value as an input, which ORT cannot take either)
+    eager_fragments = [f.index for f in split.fragments if f.fallback_reason is not None]
+    assert eager_fragments == [0, 2] and "2 in PyTorch" in split.summary()
+    strict = ORTWrap(copy.deepcopy(eager), fallback=False)  # fallback=False: the fragment's error is raised
+    with pytest.raises(Exception, match="complex"):
+        strict(x)

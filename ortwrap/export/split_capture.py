@@ -120,11 +120,11 @@ class SplitCapture:
         self.calls = 0
         self._compiled = torch.compile(module, backend=self._backend, dynamic=False)
         logger.warning(
-            "the capture of %s stops on a data-dependent guard (%s); it runs as a split capture: "
+            "the capture of %s stops on a data-dependent guard: %s. It runs as a split capture: "
             "torch.compile keeps the data-dependent Python code in Python and each graph fragment trains on "
             "ONNX Runtime (ORTWrap.split_capture.summary() says which)",
             type(module).__name__,
-            sentence(self.reason.split(". ")[0][:300]),
+            self.reason.split(". ")[0][:300].rstrip("."),
         )
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
@@ -165,7 +165,7 @@ class SplitCapture:
         left = self.parameters_in_pytorch
         text = (
             f"split capture of {type(self.module).__name__}: {len(on_ort)} fragments on ONNX Runtime, "
-            f"{len(eager)} in PyTorch (their build failed)"
+            f"{len(eager)} in PyTorch (build failed)"
         )
         if left:
             text += (
