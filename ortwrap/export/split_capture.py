@@ -74,7 +74,7 @@ class _Fragment:
         self.wrapper = ORTWrap(gm, **{**options, "exporter": "dynamo", "fallback": False})
         self.fallback = fallback
         self.fallback_reason: str | None = None
-        #: ids of the parameters this fragment takes as inputs (filled on its first call)
+        #: ids of the parameters this fragment has taken as inputs (over all its calls)
         self.parameter_ids: set[int] = set()
 
     @property
@@ -142,8 +142,9 @@ class SplitCapture:
             # (torch.compile's own warnings about the graph breaks are the summary's to say)
             warnings.filterwarnings("ignore", module=r"torch\._dynamo.*")
             # NOTE: dynamo captures a frame once per shape and per module instance, and past its
-            # recompile limit (8 a code object) it runs the frame in PyTorch without a word: a stack
-            # of layers shares one code object, and so do transformers' decorators across models.
+            # recompile limit (8 a code object) it runs the frame in PyTorch, said only in torch's log:
+            # a stack of layers shares one code object, and so do transformers' decorators across
+            # models (Mixtral after DBRX in one process: no fragment at all).
             with compat.dynamo_recompile_limits(_PER_CODE, _TOTAL):
                 out = self._compiled(*args, **kwargs)
         if self.calls == 1 or len(self.fragments) != before:
