@@ -47,7 +47,7 @@ def adamw(params):
 
 def _family_params():
     for case in FAMILY_CASES:
-        for exporter in ("torchscript", "dynamo", *(("auto",) if case.xfail else ())):
+        for exporter in ("torchscript", "dynamo", *(("auto",) if case.data_dependent else ())):
             marks = [pytest.mark.slow]
             if exporter in case.xfail:
                 marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
@@ -66,6 +66,8 @@ def test_architecture_trains_like_eager(case, exporter):
         wrap_options={"exporter": exporter},
     )
     assert wrapped.fallback_reason is None
+    split = wrapped.split_capture  # (a data-dependent capture: every fragment on ORT)
+    assert split is None or (split.fragments and all(f.on_ort for f in split.fragments)), split.summary()
 
 
 class _NeedsStaticImageSize(torch.nn.Module):
