@@ -31,6 +31,7 @@ from .engines import resolve as resolve_engine
 from .errors import FallbackWarning, ORTWrapError
 from .options import Options
 from .runtime.program import Program
+from .split_capture import SplitCapture
 
 __all__ = ["FallbackWarning", "ORTWrap"]
 
@@ -92,7 +93,7 @@ class ORTWrap(nn.Module):
         # in forward); it keeps its own compiled graphs (ortwrap/engines/).
         d["_engine"] = make_engine(resolve_engine(self._options.engine), self._options)
         #: the training engine's calls: programs by graph key, fallback, int promotion (dispatch.py)
-        d["_dispatch"] = Dispatcher(self, module, self._options)
+        d["_dispatch"] = Dispatcher(self, module, self._options, options, ORTWrap)
 
     # ------------------------------------------------------------------ the wrapped module's face
     def __getattr__(self, name: str) -> Any:
@@ -190,6 +191,12 @@ class ORTWrap(nn.Module):
     def last_artifacts(self) -> BuildArtifacts | None:
         """The artifacts of the most recent build (ONNX models, pass records, stage times)."""
         return self._dispatch.last_artifacts
+
+    @property
+    def split_capture(self) -> SplitCapture | None:
+        """The most recent split capture (a module whose capture stops on a data-dependent guard runs
+        as graph fragments on ONNX Runtime: split_capture.py), or None."""
+        return next(reversed(self._dispatch.split.values()), None)
 
     @property
     def fallback_reason(self) -> ORTWrapError | None:

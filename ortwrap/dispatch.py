@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import operator
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -38,6 +39,7 @@ from .errors import (
 from .options import Options
 from .runtime.function import run_training_graph
 from .runtime.program import Program
+from .split_capture import SplitCapture, is_data_dependent
 from .verify import verify_program
 
 __all__ = ["Dispatcher", "GraphKey", "ProgramSet", "autocast_state"]
@@ -141,11 +143,22 @@ class Dispatcher:
         options: the wrapper's resolved options.
     """
 
-    def __init__(self, wrapper: nn.Module, module: nn.Module, options: Options) -> None:
+    def __init__(
+        self,
+        wrapper: nn.Module,
+        module: nn.Module,
+        options: Options,
+        option_values: dict | None = None,
+        wrap: Callable[..., nn.Module] | None = None,
+    ) -> None:
         self._wrapper = weakref.ref(wrapper)
         self.module = module
         self.options = options
+        self.option_values = option_values or {}
+        self.wrap = wrap  # what trains a split capture's fragment (ORTWrap)
         self.table: dict[GraphKey, ProgramSet] = {}
+        #: graph key -> its split capture (split_capture.py): a key whose capture stops on a data-dependent guard
+        self.split: dict[GraphKey, SplitCapture] = {}
         # NOTE: fallback is per graph key: the keys whose build (or first run) failed on an input
         # PyTorch accepts, each with its error's text (not the error: its traceback holds the frames
         # of that call, its tensors included). Their calls run in PyTorch; every other key keeps
@@ -180,6 +193,7 @@ class Dispatcher:
         back are tried again (what changed may be what failed)."""
         self.table.clear()
         self.failed.clear()
+        self.split.clear()
         self.bad_shapes.clear()
         self.refresh_params()
 
@@ -221,6 +235,8 @@ class Dispatcher:
             raise UnsupportedInputError(f"forward() inputs hold a constant that cannot be hashed: {e}") from e
         program = programs.find(leaves) if programs is not None else None
         if program is None:
+            if self.split and key in self.split:
+                return self.split[key](*args, **kwargs)
             if programs is None and self.failed and key in self.failed:
                 self.fallback_calls += 1  # this signature fell back (said once, when it did)
                 return self.module(*args, **kwargs)
@@ -249,8 +265,8 @@ class Dispatcher:
                     program = self.build(key, leaves, in_spec, needs_grad, programs, args, kwargs)
                 except _GuardMiss as miss:
                     return self.run_eagerly_once(miss.error, args, kwargs)
-                if program is None:  # this key fell back
-                    return self.module(*args, **kwargs)
+                if program is None:  # this key fell back, or is split where its capture stops on data
+                    return self.split[key](*args, **kwargs) if key in self.split else self.module(*args, **kwargs)
             if self.options.verify and promoted is None:
                 try:
                     verify_program(self.module, program, args, kwargs, leaves, _run_program)
@@ -536,6 +552,14 @@ class Dispatcher:
                 raise error.with_traceback(error.__traceback__) from None
             if programs is not None and programs.guarded and isinstance(e, ExportError):
                 raise _GuardMiss(e) from e
+            if (
+                may_fall_back
+                and self.wrap is not None
+                and self.options.exporter in ("auto", "dynamo")
+                and is_data_dependent(e)
+            ):
+                self.split[key] = SplitCapture(self.module, self.option_values, self.options, e, self.wrap)
+                return None
             if not self.options.fallback or not may_fall_back:
                 raise
             self.fall_back(e, key, in_spec, args, kwargs)

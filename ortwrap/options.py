@@ -68,7 +68,10 @@ class Options:
         f"Exporter, one of {', '.join(EXPORTER_CHOICES)}. 'auto' tries 'dynamo' (torch.export) first on every torch "
         "release where torch.onnx deprecates the TorchScript exporter (2.9 and later, so all supported releases), "
         "and the TorchScript exporter when the dynamo capture fails (a data-dependent branch in an autograd.Function, "
-        "say), saying so once; before 2.9 it is 'torchscript' (docs/exporters.md).",
+        "say), saying so once; before 2.9 it is 'torchscript'. Where the dynamo capture stops on a data-dependent "
+        "guard and TorchScript fails too (a Python loop over routed experts), 'auto' and 'dynamo' run the call as a "
+        "split capture: torch.compile keeps the Python code and trains each graph fragment on ONNX Runtime "
+        "(ORTWrap.split_capture; docs/exporters.md).",
     )
     intra_op_threads: int = _opt(
         0,

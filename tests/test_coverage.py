@@ -13,7 +13,8 @@ once it lands.
 Issue 28's families (``model_zoo.FAMILY_CASES``: sliding-window caches, recurrent scans,
 interleaved RoPE, MoE routing; ``attn_implementation="eager"``, the default ``use_cache``, lengths
 8, 12, 10 and a padded row) are all ``slow``; one whose dynamo capture stops on a data-dependent
-guard also runs under the default exporter, ``"auto"``, which falls to TorchScript. Each cause
+guard also runs under the default exporter, ``"auto"``, which falls to TorchScript, or where that
+is refused too (a loop over the routed experts), to a split capture (``split_capture.py``). Each cause
 behind them has a small test below that runs by default.
 
 AdamW with ``eps=1e-5``: with the default 1e-8, a gradient that is rounding noise (1e-9 on both
@@ -46,7 +47,7 @@ def adamw(params):
 
 def _family_params():
     for case in FAMILY_CASES:
-        for exporter in ("torchscript", "dynamo", *(("auto",) if "dynamo" in case.xfail else ())):
+        for exporter in ("torchscript", "dynamo", *(("auto",) if case.data_dependent else ())):
             marks = [pytest.mark.slow]
             if exporter in case.xfail:
                 marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
@@ -65,6 +66,8 @@ def test_architecture_trains_like_eager(case, exporter):
         wrap_options={"exporter": exporter},
     )
     assert wrapped.fallback_reason is None
+    split = wrapped.split_capture  # (a data-dependent capture: every fragment on ORT)
+    assert split is None or (split.fragments and all(f.on_ort for f in split.fragments)), split.summary()
 
 
 class _NeedsStaticImageSize(torch.nn.Module):
@@ -244,29 +247,36 @@ def test_detach_of_an_integer_beside_a_float_one(exporter):
 
 
 class _ExpertLoop(torch.nn.Module):
-    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to. A trace
-    unrolls it for the traced batch's routing: a batch that reaches one more expert silently got
-    zeros for that expert's tokens."""
+    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to, each
+    expert's output scaled by its routing weight. A trace unrolls the loop for the traced batch's
+    routing: a batch that reaches one more expert silently got zeros for that expert's tokens."""
 
     def __init__(self) -> None:
         super().__init__()
         self.router = torch.nn.Linear(4, 4, bias=False)
         with torch.no_grad():
-            self.router.weight.copy_(torch.eye(4))  # token -> the expert of its largest feature
+            self.router.weight.copy_(torch.eye(4) + 0.1 * torch.randn(4, 4))  # token -> its largest feature's expert
         self.experts = torch.nn.Parameter(torch.randn(4, 4, 4))
 
     def forward(self, x):
-        route = self.router(x).argmax(-1)
+        logits = self.router(x)
+        gate, route = logits.softmax(-1), logits.argmax(-1)
         out = torch.zeros_like(x)
         hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
         for expert in hit:
             idx = torch.where(route == expert[0])[0]
-            out = out.index_add(0, idx, x[idx] @ self.experts[expert[0]])
+            out = out.index_add(0, idx, (x[idx] @ self.experts[expert[0]]) * gate[idx, expert[0], None])
         return out
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "auto"])
-def test_loop_over_routed_experts_is_refused_not_wrong(exporter):
+def _expert_batches():
+    few = torch.randn(6, 4) - torch.tensor([0.0, 0.0, 9.0, 9.0])  # routes to experts 0 and 1 only
+    every = torch.randn(8, 4) + 9.0 * torch.eye(4).repeat(2, 1)  # routes to all four
+    three = torch.randn(10, 4) - torch.tensor([0.0, 0.0, 0.0, 9.0])  # routes to 0, 1 and 2
+    return few, every, three
+
+
+def test_loop_over_routed_experts_is_refused_not_wrong_by_torchscript():
     import copy
     import warnings
 
@@ -274,11 +284,83 @@ def test_loop_over_routed_experts_is_refused_not_wrong(exporter):
 
     torch.manual_seed(0)
     eager = _ExpertLoop()
-    wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter)
-    few = torch.randn(6, 4) - torch.tensor([0.0, 0.0, 9.0, 9.0])  # routes to experts 0 and 1 only
-    every = torch.randn(8, 4) + 9.0 * torch.eye(4).repeat(2, 1)  # routes to all four
+    wrapped = ORTWrap(copy.deepcopy(eager), exporter="torchscript")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for x in (few, every):
+        for x in _expert_batches():
             torch.testing.assert_close(wrapped(x), eager(x))
     assert "depends on the input values" in str(wrapped.fallback_reason)
+    assert wrapped.split_capture is None
+
+
+@pytest.mark.parametrize("exporter", ["auto", "dynamo"])
+def test_loop_over_routed_experts_trains_as_a_split_capture(exporter):
+    """torch.export stops on the loop's data-dependent guard (``Eq(u0, 0)``) and the TorchScript trace
+    is refused: the module runs as a split capture (split_capture.py), the loop in Python and
+    each graph fragment on ONNX Runtime. Outputs and every gradient match eager over batches that
+    route to different sets of experts, with every fragment on ORT."""
+    import copy
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = _ExpertLoop()
+    wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter, fallback=False)
+    for x in _expert_batches():
+        for p in (*eager.parameters(), *wrapped.parameters()):
+            p.grad = None
+        ours, theirs = wrapped(x), eager(x)
+        torch.testing.assert_close(ours, theirs)
+        weights = torch.arange(1.0, ours.numel() + 1).view_as(ours)
+        (ours * weights).sum().backward()
+        (theirs * weights).sum().backward()
+        for (name, p), q in zip(wrapped.named_parameters(), eager.parameters()):
+            assert q.grad is not None and q.grad.abs().sum() > 0, name
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    split = wrapped.split_capture
+    assert wrapped.fallback_reason is None and split is not None
+    assert split.fragments and all(f.on_ort for f in split.fragments)
+    # the router's gradient reaches it through a fragment on ORT; the loop body (torch.where in a
+    # loop: dynamo cannot resume there) runs in PyTorch, and the summary says so
+    assert split.parameters_in_pytorch == ["experts"]
+    assert "experts" in split.summary()
+    every = _expert_batches()[1]
+    with torch.no_grad():  # another graph key: its own split capture
+        torch.testing.assert_close(wrapped(every), eager(every))
+
+
+class _ComplexThenExpertLoop(_ExpertLoop):
+    """_ExpertLoop after a graph fragment ONNX Runtime cannot take: its output is complex
+    (``torch.polar``), which the dynamo exporter refuses (no complex outputs in ORT)."""
+
+    def forward(self, x):
+        z = torch.polar(x.abs() + 1.0, x)
+        out = super().forward(x)
+        return out + torch.view_as_real(z).sum(-1)
+
+
+def test_split_capture_fragment_that_cannot_build_runs_in_pytorch_and_says_so():
+    import copy
+
+    from ortwrap import FallbackWarning, ORTWrap
+
+    torch.manual_seed(0)
+    eager = _ComplexThenExpertLoop()
+    wrapped = ORTWrap(copy.deepcopy(eager))
+    x = _expert_batches()[1]
+    with pytest.warns(FallbackWarning, match="fragment 0 of _ComplexThenExpertLoop's split capture"):
+        ours = wrapped(x)
+    theirs = eager(x)
+    torch.testing.assert_close(ours, theirs)
+    ours.sum().backward()
+    theirs.sum().backward()
+    for (name, p), q in zip(wrapped.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    split = wrapped.split_capture
+    assert split.fragments[0].fallback_reason is not None and not split.fragments[0].on_ort
+    # (fragment 2 takes the complex value as an input, which ORT cannot take either)
+    eager_fragments = [f.index for f in split.fragments if f.fallback_reason is not None]
+    assert eager_fragments == [0, 2] and "2 in PyTorch" in split.summary()
+    strict = ORTWrap(copy.deepcopy(eager), fallback=False)  # fallback=False: the fragment's error is raised
+    with pytest.raises(Exception, match="complex"):
+        strict(x)

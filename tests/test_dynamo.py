@@ -289,14 +289,20 @@ class WithBranchesOnData(nn.Module):
 
 def test_auto_builds_a_function_that_branches_on_data_with_the_torchscript_exporter():
     """The dynamo exporter runs a Function's forward on fake tensors, where a branch on data cannot be
-    decided: ``exporter="dynamo"`` refuses it; ``"auto"`` builds it with the TorchScript exporter,
-    whose graph calls the Function's own forward (the raise included) and backward."""
+    decided: ``"auto"`` builds it with the TorchScript exporter, whose graph calls the Function's own
+    forward (the raise included) and backward. ``exporter="dynamo"`` runs it as a split capture
+    (split_capture.py): the Linears are fragments on ORT, the Function runs in PyTorch with its
+    own backward (3, which the gradients check)."""
 
     def inputs(b, g):
         return (torch.randn(b, 6, generator=g),), {}
 
-    with pytest.raises(ExportError, match="data-dependent"):
-        ORTWrap(WithBranchesOnData(), exporter="dynamo", fallback=False)(torch.randn(3, 6))
+    split = check_parity(WithBranchesOnData, inputs, wrap_options={"exporter": "dynamo"})
+    assert split.fallback_reason is None and "data-dependent" in split.split_capture.reason
+    assert split.split_capture.fragments and all(f.on_ort for f in split.split_capture.fragments)
+    assert split.split_capture.parameters_in_pytorch == []
+    with pytest.raises(ValueError, match="boom 42"):
+        split(torch.randn(3, 6) * 1e9)
     w = check_parity(WithBranchesOnData, inputs, wrap_options={"exporter": "auto"})
     assert w.last_artifacts.exporter == "torchscript"
     with pytest.raises(ValueError, match="boom 42"):

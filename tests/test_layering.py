@@ -65,7 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     # the other engine (AOTAutograd on plain InferenceSessions), chosen at one dispatch point
     ("engines", ("ortwrap.engines",)),
-    ("dispatch", ("ortwrap.dispatch",)),
+    ("dispatch", ("ortwrap.dispatch", "ortwrap.split_capture")),
     # the module's face
     ("api", ("ortwrap.api",)),
     # DeepSpeed, torch.distributed wrappers

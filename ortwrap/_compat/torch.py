@@ -468,6 +468,15 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, _resolve(_OPTIMIZED_MODULE))
 
 
+_DYNAMO_CONFIG = _declare("torch._dynamo.config")
+
+
+def dynamo_recompile_limits(per_code: int, total: int) -> contextlib.AbstractContextManager:
+    """A context in which torch.compile captures one code object up to ``per_code`` times, and up to
+    ``total`` over all (the defaults, 8 and 256, run a frame past them in PyTorch, silently)."""
+    return _resolve(_DYNAMO_CONFIG).patch(recompile_limit=per_code, accumulated_recompile_limit=total)
+
+
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     """The mutable set of the module's buffer names left out of ``state_dict``."""
     return module.__dict__["_non_persistent_buffers_set"]
