@@ -720,7 +720,8 @@ ExtraTranslations = Callable[[Any, Callable[[Any], bool], bool], "dict[Any, Call
 
 
 def _with_extra(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
-    """A copy of ``registry`` whose first choice for each op of ``extra`` is ``extra``'s translation."""
+    """A copy of ``registry`` whose first choice for each op of ``extra`` is ``extra``'s translation
+    (for complex inputs where the translation says ``complex_values = True``)."""
     import copy
 
     if not extra:
@@ -730,7 +731,7 @@ def _with_extra(registry: Any, extra: dict[Any, Callable[..., Any]]) -> Any:
     for op in extra:
         out.functions[op.name()] = list(registry.functions.get(op.name(), []))
     for op, fn in extra.items():
-        out.register_op(op, fn, is_complex=False)
+        out.register_op(op, fn, is_complex=bool(getattr(fn, "complex_values", False)))
     return out
 
 
