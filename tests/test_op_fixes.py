@@ -198,8 +198,9 @@ def test_native_batch_norm_saved_statistics(exporter):
         lambda x, y: torch.complex(x, y),
         lambda x, y: torch.polar(x.abs(), y),
         lambda x, y: torch.view_as_complex(torch.stack([x * y, x - y], -1)),
+        lambda x, y: (x * y).to(torch.complex64) + torch.complex(y, x),
     ],
-    ids=["complex", "polar", "view_as_complex"],
+    ids=["complex", "polar", "view_as_complex", "to_complex"],
 )
 def test_complex_output(exporter, fn):
     """A complex output comes back complex (dynamo: ``view_as_complex`` of the graph's real ``[..., 2]``

@@ -277,10 +277,21 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 
 
 def _cast_or_identity(x, dtype):
+    """``x`` (a real tensor: complex inputs go to torchlib's complex translations) cast to ``dtype``;
+    to a complex dtype, torchlib's form of complex values: ``[..., (x, 0)]`` (ONNX Runtime has no
+    complex tensors: a complex ``Cast`` failed the session)."""
+    import numpy as np
+    import onnx
     from onnxscript import opset18 as op
 
     if dtype is None or dtype == -1:
         return op.Identity(x)
+    code = int(getattr(dtype, "value", dtype))
+    parts = {onnx.TensorProto.COMPLEX64: onnx.TensorProto.FLOAT, onnx.TensorProto.COMPLEX128: onnx.TensorProto.DOUBLE}
+    if code in parts:
+        real = op.Unsqueeze(op.Cast(x, to=parts[code]), op.Constant(value_ints=[-1]))
+        zero = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(parts[code]))))
+        return op.Concat(real, op.Expand(zero, op.Shape(real)), axis=-1)
     return op.Cast(x, to=dtype)
 
 
