@@ -413,3 +413,25 @@ def test_complex_rotary_embedding_refused_under_torchscript():
     (x, pos), _ = _rope_inputs(2, torch.Generator().manual_seed(0))
     with pytest.raises(ORTWrapError, match=r"ATen op polar makes a torch.complex64 tensor.*exporter='dynamo'"):
         wrapped(x, pos)
+
+
+class _RandomSlopes(torch.nn.Module):
+    """``rrelu`` in training: its gradient depends on the slopes it drew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.rrelu(self.proj(x), training=True)
+
+
+def test_random_op_whose_gradient_depends_on_its_draw_is_refused():
+    """An ATen node's vjp recomputes its op: a random op would draw again (a silently wrong gradient).
+    Refused at build, naming the op, unless its result does not depend on its inputs (exponential_)."""
+    from ortwrap import ORTWrap
+    from ortwrap.errors import ORTWrapError
+
+    wrapped = ORTWrap(_RandomSlopes(), exporter="dynamo", fallback=False, build_cache=False)
+    with pytest.raises(ORTWrapError, match=r"rrelu\w* is random: its gradient would recompute it"):
+        wrapped(torch.randn(3, 4)).sum().backward()
