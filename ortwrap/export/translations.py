@@ -453,8 +453,9 @@ def number_operands_as_tensors(program: torch.export.ExportedProgram) -> int:
                 dtype = torch.int64 if isinstance(value, int) else torch.float64
             with graph.inserting_before(node):
                 number = graph.call_function(torch.ops.aten.scalar_tensor.default, (value,), {"dtype": dtype})
-            if isinstance(out, torch.Tensor):
-                with out.fake_mode:
+            fake_mode = getattr(out, "fake_mode", None)
+            if fake_mode is not None:  # (a node without it is run again by the type promotion pass)
+                with fake_mode:
                     number.meta["val"] = torch.ops.aten.scalar_tensor.default(value, dtype=dtype)
             node.update_arg(i, number)
             count += 1
