@@ -31,6 +31,10 @@ INT = ("I",)
 _CONST_TYPES = (int, float, bool, type(None), str, torch.dtype, torch.device)
 #: Spec of a symbolic float output, returned as a 0-d float64 tensor leaf (``.item()`` on each call).
 FLOAT = ("F",)
+#: Spec of a complex tensor output, carried as its ``view_as_real`` (a real leaf with a trailing dim
+#: of 2: ONNX Runtime has no complex tensors) and returned as ``view_as_complex`` of it, through
+#: which autograd takes the gradient back.
+COMPLEX = ("Z",)
 _SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat)
 
 
@@ -48,6 +52,9 @@ def flatten(
         objects: take apart objects that hold tensors (see the module docstring); for outputs.
     """
     if isinstance(obj, torch.Tensor):
+        if objects and obj.is_complex():
+            leaves.append(torch.view_as_real(obj))
+            return COMPLEX
         leaves.append(obj)
         return TENSOR
     cls = type(obj)
@@ -146,6 +153,9 @@ def _build(spec: tuple, it: Any) -> Any:
         return next(it)
     if kind == "C":
         return spec[2]
+    if kind == "Z":
+        value = next(it)
+        return torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
     if kind == "I" or kind == "F":
         value = next(it)
         return value if torch.jit.is_tracing() else value.item()

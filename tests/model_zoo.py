@@ -394,6 +394,41 @@ def mixtral_eager_experts():
     )
 
 
+def deepseek_v2():
+    t = _tf()
+    return t.DeepseekV2ForCausalLM(
+        t.DeepseekV2Config(**{**_FAMILY, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                           v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                           moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+                           topk_method="group_limited_greedy")
+    )  # fmt: skip
+
+
+def phimoe():
+    # router_jitter_noise=0: the router's Gumbel sampling and Heun's random mask run (ORT's or
+    # PyTorch's generator), but each keeps only the top expert, so both sides route alike.
+    t = _tf()
+    return t.PhimoeForCausalLM(
+        t.PhimoeConfig(**_FAMILY, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
+    )
+
+
+def jamba():
+    t = _tf()
+    return t.JambaForCausalLM(
+        t.JambaConfig(**_FAMILY, num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                      attn_layer_period=2, attn_layer_offset=0, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                      mamba_dt_rank=4)
+    )  # fmt: skip
+
+
+def lfm2():
+    t = _tf()
+    return t.Lfm2ForCausalLM(
+        t.Lfm2Config(**_FAMILY, conv_L_cache=3, block_multiple_of=16, layer_types=["conv", "full_attention"])
+    )
+
+
 def deberta_v2():
     t = _tf()
     return t.DebertaV2ForSequenceClassification(
@@ -586,6 +621,11 @@ _EXPERT_LOOP = (
     "and the model trains as a split capture (split_capture.py)"
 )
 
+_COMPLEX_TS = (
+    "complex-valued RoPE: the TorchScript exporter keeps complex tensors (ATen polar, mul, view_as_real), "
+    "which ONNX Runtime cannot hold; refused at build, naming the op. The dynamo exporter trains it"
+)
+
 #: Issue 28's families (all slow): 3 AdamW steps at lengths 8, 12, 10 with a padded row.
 FAMILY_CASES: list[Case] = [
     Case(name, make, padded_lm_inputs, hf_loss)
@@ -593,7 +633,10 @@ FAMILY_CASES: list[Case] = [
         ("mistral", mistral), ("gemma2", gemma2), ("gemma3", gemma3), ("gpt_oss", gpt_oss),
         ("exaone4", exaone4), ("cohere2", cohere2), ("recurrent_gemma", recurrent_gemma), ("mamba", mamba),
         ("cohere", cohere), ("helium", helium), ("ernie4_5", ernie4_5), ("glm", glm), ("glm4", glm4),
+        ("phimoe", phimoe), ("jamba", jamba), ("lfm2", lfm2),
     ]
+] + [
+    Case("deepseek_v2", deepseek_v2, padded_lm_inputs, hf_loss, xfail={"torchscript": _COMPLEX_TS}),
 ] + [
     Case(name, make, padded_lm_inputs, hf_loss,
          xfail={"torchscript": _EXPERT_LOOP}, data_dependent=True)

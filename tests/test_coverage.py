@@ -364,3 +364,156 @@ def test_split_capture_fragment_that_cannot_build_runs_in_pytorch_and_says_so():
     strict = ORTWrap(copy.deepcopy(eager), fallback=False)  # fallback=False: the fragment's error is raised
     with pytest.raises(Exception, match="complex"):
         strict(x)
+
+
+class _NumberFirst(torch.nn.Module):
+    """PhiMoE's router: ``torch.add(0.3333, mask, alpha=0.6667)``. torch.export records the number as
+    the op's ``self``, and the dynamo exporter's type promotion found no ``aten.add`` overload for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        mask = torch.add(0.3333, h > 0, alpha=0.6667)
+        return h * mask + torch.sub(2, h, alpha=3) * torch.mul(0.5, h)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_number_as_an_ops_first_operand(exporter):
+    def inputs(b, g):
+        return (torch.randn(b, 5, 4, generator=g),), {}
+
+    check_parity(_NumberFirst, inputs, wrap_options={"exporter": exporter})
+
+
+class _GumbelRouter(torch.nn.Module):
+    """PhiMoE's router: Gumbel noise from ``empty_like(...).exponential_()``, a random mask from
+    ``uniform_()``. Under TorchScript their ATen nodes' optional ``generator`` argument failed the
+    build; under dynamo ``exponential``/``uniform`` had no translation (and the decomposition left
+    ``prims.uniform`` of a symbolic shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        noise = torch.empty_like(h).exponential_()
+        pick = (h.detach() - noise.log()).argmax(-1, keepdim=True)
+        keep = torch.empty_like(h[..., :1]).uniform_() > 0.5
+        return h.gather(-1, pick) * keep + h.softmax(-1) * noise
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_random_ops_draw_from_pytorchs_generator(exporter):
+    """The draws run as ATen nodes on PyTorch's generator: seeded alike, ORT's step is eager's."""
+    import copy
+
+    from parity import assert_close
+
+    from ortwrap import ORTWrap
+
+    torch.manual_seed(0)
+    eager = _GumbelRouter()
+    wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter, fallback=False, build_cache=False)
+    for step, b in enumerate((3, 5, 2)):
+        x = torch.randn(b, 6, 4)
+        outs = []
+        for module in (eager, wrapped):
+            torch.manual_seed(100 + step)
+            out = module(x)
+            (out * torch.linspace(-1, 2, out.numel()).reshape(out.shape)).sum().backward()
+            outs.append(out.detach())
+        assert_close(outs[1], outs[0], f"step {step} output")
+        for (name, p), (_, q) in zip(wrapped.named_parameters(), eager.named_parameters()):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+            p.grad = q.grad = None
+
+
+class _StateCopy(torch.nn.Module):
+    """Jamba's and LFM2's cache fill: ``conv_state.copy_(activation[..., -k:])`` into a state made in
+    forward, returned with the cache. TorchScript writes an ATen ``copy`` node, whose vjp failed:
+    PyTorch has no derivative of the functional ``aten::copy``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x).transpose(1, 2)
+        state = torch.zeros(x.shape[0], 4, 3)
+        state.copy_(h[:, :, -3:] * 2.0)
+        return h.tanh(), state
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_state_filled_by_copy_trains(exporter):
+    def inputs(b, g):
+        return (torch.randn(b, 5 + b, 4, generator=g),), {}
+
+    check_parity(_StateCopy, inputs, wrap_options={"exporter": exporter})
+
+
+class _ComplexRope(torch.nn.Module):
+    """DeepSeek-V2's rotary embedding: the table as ``torch.polar`` scaled by a number, broadcast by
+    ``unsqueeze``, the rotation as a complex product between ``view_as_complex`` and ``view_as_real``.
+    Under dynamo torchlib had no complex ``unsqueeze``, and its complex ``mul`` sliced the number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 16)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, pos):
+        freqs = pos[..., None].float() * self.inv_freq
+        cis = (torch.polar(torch.ones_like(freqs), freqs) * 0.5).unsqueeze(1)
+        q = self.q(x).view(x.shape[0], x.shape[1], 2, 8).transpose(1, 2)
+        qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        q = torch.view_as_real(qc * cis).flatten(3).type_as(q)
+        return (q @ q.transpose(-1, -2)).softmax(-1)
+
+
+def _rope_inputs(b, g):
+    t = {2: 8, 3: 12, 4: 10}[b]
+    return (torch.randn(2, t, 8, generator=g), torch.arange(t).expand(2, t)), {}
+
+
+def test_complex_rotary_embedding_trains_under_dynamo():
+    check_parity(_ComplexRope, _rope_inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": "dynamo"})
+
+
+def test_complex_rotary_embedding_refused_under_torchscript():
+    """TorchScript keeps complex values (ATen nodes of complex tensors), which ORT cannot hold: refused
+    at build, naming the op."""
+    from ortwrap import ORTWrap
+    from ortwrap.errors import ORTWrapError
+
+    wrapped = ORTWrap(_ComplexRope(), exporter="torchscript", fallback=False, build_cache=False)
+    (x, pos), _ = _rope_inputs(2, torch.Generator().manual_seed(0))
+    with pytest.raises(ORTWrapError, match=r"ATen op polar makes a torch.complex64 tensor.*exporter='dynamo'"):
+        wrapped(x, pos)
+
+
+class _RandomSlopes(torch.nn.Module):
+    """``rrelu`` in training: its gradient depends on the slopes it drew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.rrelu(self.proj(x), training=True)
+
+
+def test_random_op_whose_gradient_depends_on_its_draw_is_refused():
+    """An ATen node's vjp recomputes its op: a random op would draw again (a silently wrong gradient).
+    Refused at build, naming the op, unless its result does not depend on its inputs (exponential_)."""
+    from ortwrap import ORTWrap
+    from ortwrap.errors import ORTWrapError
+
+    wrapped = ORTWrap(_RandomSlopes(), exporter="dynamo", fallback=False, build_cache=False)
+    with pytest.raises(ORTWrapError, match=r"rrelu\w* is random: its gradient would recompute it"):
+        wrapped(torch.randn(3, 4)).sum().backward()

@@ -717,7 +717,7 @@ def with_extra_translations(registry: Any, extra: dict[Any, Callable[..., Any]])
     for op in extra:
         out.functions[op.name()] = list(registry.functions.get(op.name(), []))
     for op, fn in extra.items():
-        out.register_op(op, fn, is_complex=False)
+        out.register_op(op, fn, is_complex=bool(getattr(fn, "complex_values", False)))
     return out
 
 

@@ -95,6 +95,12 @@ def _decoder(arg):
         return lambda x: bytes(x.tolist()).decode("utf-8")
     if str(t) == "ScalarType":
         return lambda x: _SCALAR_TYPES[int(x.item())]
+    if kind == "GeneratorType":  # Generator? (random ops): only absent, PyTorch's default generator
+
+        def generator(x):
+            raise NotImplementedError(f"argument {arg.name!r}: a torch.Generator cannot be passed into ONNX Runtime")
+
+        return generator
     raise NotImplementedError(f"argument {arg.name!r} of type {arg.type} is not supported inside ONNX Runtime")
 
 
@@ -243,6 +249,16 @@ def _bool_positions(op: str, overload: str) -> tuple[int, tuple[int, ...]]:
     return offset, positions
 
 
+def _copy_form(self, src, non_blocking=False):
+    return self.clone().copy_(src, non_blocking)
+
+
+#: Ops PyTorch's autograd has no formula for, recomputed in a vjp as an op that has one with the
+#: same result: the functional ``copy`` (TorchScript writes ``state.copy_(activation)``, Jamba's and
+#: LFM2's cache fill, so) as ``copy_`` into a clone.
+_DIFFERENTIABLE_FORMS = {"copy": _copy_form, "aten::copy": _copy_form}
+
+
 def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = None) -> list:
     """PyTorch's backward of ``op``: inputs are the output gradients (one per output of the forward
     node: ``outs=N|op`` when it has fewer than the op returns), then the forward inputs."""
@@ -266,7 +282,7 @@ def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = N
             leaves.append(i)
     with torch.enable_grad():
         args, kwargs = plan.decode(op, inputs)
-        res = plan.fn(*args, **kwargs)
+        res = _DIFFERENTIABLE_FORMS.get(op, plan.fn)(*args, **kwargs)
         res = res if isinstance(res, (tuple, list)) else (res,)
         # NOTE: ORT's gradients of 0-d values can come as [1] (its gradient builders broadcast
         # them against [1] constants): same elements, the output's shape.
@@ -496,6 +512,12 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
                     other = runs[1][i] if runs[1] is not None and i < len(runs[1]) else None
                     same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
                     dims = [a if same and a == b else None for a, b in zip(r.shape, other.shape if same else r.shape)]
+                    if r.dtype not in ONNX_TYPES:
+                        raise NotImplementedError(
+                            f"ATen op {op} makes a {r.dtype} tensor, which ONNX Runtime cannot hold (the TorchScript "
+                            "exporter keeps complex values; the dynamo exporter writes them as real [..., 2] "
+                            "tensors: use exporter='dynamo')"
+                        )
                     elem = ONNX_TYPES[r.dtype]
                     model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))
                     progress = True

@@ -43,7 +43,12 @@ from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_stat
 from .aten_fallback import fallback_translations
 from .context import capture_context
 from .dynamo_translate import dynamo_to_onnx
-from .translations import TRAINING_ATEN_OPS, training_decompositions, training_translations
+from .translations import (
+    TRAINING_ATEN_OPS,
+    number_operands_as_tensors,
+    training_decompositions,
+    training_translations,
+)
 
 _log = logging.getLogger("ortwrap")
 
@@ -199,6 +204,7 @@ def capture_dynamo(
         module.train(was_training)
     _refuse_complex_outputs(program, type(module).__name__)
     _refuse_read_batch_statistics(program, type(module).__name__)
+    number_operands_as_tensors(program)
     return DynamoCapture(
         program,
         adapter,

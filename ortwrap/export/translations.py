@@ -44,7 +44,15 @@ promotion)                                              a float64 scalar loses i
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
                                                         (and bias of 0).
+``aten.unsqueeze`` of a complex tensor                  none (DeepSeek-V2's rotary table). ortwrap
+                                                        unsqueezes torchlib's real ``[..., 2]`` form.
+``aten.scalar_tensor`` of a complex dtype               a complex ONNX constant, where torchlib's
+                                                        complex values are real ``[..., 2]``.
+                                                        ortwrap writes ``[value, 0]``.
 ======================================================  ===========================================
+
+Before translation, :func:`number_operands_as_tensors` gives an op a 0-d tensor where the capture
+recorded a Python number as its first operand (``torch.add(0.3333, mask)``) or beside a complex one.
 
 Some ops run as ATen nodes instead (:data:`TRAINING_ATEN_OPS`: PyTorch's kernel forward, PyTorch's
 autograd for the gradient, ``export/aten_fallback.py``), where torchlib's form trains wrong:
@@ -60,6 +68,10 @@ autograd for the gradient, ``export/aten_fallback.py``), where torchlib's form t
 (``return_indices=True``)                 indices), ORT 1.19.2's ``MaxPoolGrad`` crashed the
                                           process (SIGSEGV). A pool without indices is
                                           ``aten.max_pool2d``, left to ORT.
+``aten.exponential``, ``aten.uniform``    no translation: the exporter's decomposition left
+(``Tensor.exponential_``, ``uniform_``:   ``prims.uniform`` of a symbolic shape, which no node could
+PhiMoE's router)                          take. As ATen nodes they draw from PyTorch's generator, as
+                                          eager does (and as the TorchScript exporter's ATen nodes).
 ========================================  ===========================================================
 
 One op is decomposed before translation instead (:func:`training_decompositions`):
@@ -211,6 +223,12 @@ def _scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     from onnxscript import opset18 as op
 
     code = onnx.TensorProto.FLOAT if dtype is None or dtype == -1 else int(getattr(dtype, "value", dtype))
+    parts = {onnx.TensorProto.COMPLEX64: np.float32, onnx.TensorProto.COMPLEX128: np.float64}.get(code)
+    if parts is not None:  # torchlib's form of a complex value: (real, imaginary) in a trailing dim
+        if isinstance(s, (bool, int, float)):
+            return op.Constant(value=onnx.numpy_helper.from_array(np.array([s, 0.0], dtype=parts)))
+        real = op.Reshape(op.Cast(s, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(parts))), [1])
+        return op.Concat(real, op.Constant(value=onnx.numpy_helper.from_array(np.zeros(1, dtype=parts))), axis=0)
     if isinstance(s, (bool, int, float)) and code != onnx.TensorProto.BFLOAT16:
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(code)
         return op.Constant(value=onnx.numpy_helper.from_array(np.array(s, dtype=np_dtype)))
@@ -259,10 +277,21 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 
 
 def _cast_or_identity(x, dtype):
+    """``x`` (a real tensor: complex inputs go to torchlib's complex translations) cast to ``dtype``;
+    to a complex dtype, torchlib's form of complex values: ``[..., (x, 0)]`` (ONNX Runtime has no
+    complex tensors: a complex ``Cast`` failed the session)."""
+    import numpy as np
+    import onnx
     from onnxscript import opset18 as op
 
     if dtype is None or dtype == -1:
         return op.Identity(x)
+    code = int(getattr(dtype, "value", dtype))
+    parts = {onnx.TensorProto.COMPLEX64: onnx.TensorProto.FLOAT, onnx.TensorProto.COMPLEX128: onnx.TensorProto.DOUBLE}
+    if code in parts:
+        real = op.Unsqueeze(op.Cast(x, to=parts[code]), op.Constant(value_ints=[-1]))
+        zero = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(parts[code]))))
+        return op.Concat(real, op.Expand(zero, op.Shape(real)), axis=-1)
     return op.Cast(x, to=dtype)
 
 
@@ -393,6 +422,67 @@ def _instance_norm_updates_stats(node) -> bool:
     return args[3] is not None and args[4] is not None and args[5] is True
 
 
+def number_operands_as_tensors(program: torch.export.ExportedProgram) -> int:
+    """Give each op whose ``Tensor`` argument the capture recorded as a Python number a 0-d tensor there,
+    where the number is its first argument or its result is complex.
+
+    ``torch.add(0.3333, mask, alpha=0.6667)`` (PhiMoE's router) is captured as
+    ``aten.add.Tensor(0.3333, mask)``: the exporter's type promotion pass re-runs such a node and
+    finds no overload for a float ``self``. ``freqs_cis * 1.0`` (DeepSeek-V2's rotary table) is
+    ``aten.mul.Tensor(complex, 1.0)``, and torchlib's complex ``mul`` slices both operands into real
+    and imaginary parts: a number has none. The number becomes ``aten.scalar_tensor`` of the dtype
+    eager computes in (the node's result dtype; where the result is bool, the number's own kind at
+    full precision). Returns how many arguments were rewritten.
+    """
+    graph = program.graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not compat.is_op_overload(node.target):
+            continue
+        schema = compat.op_schema(node.target)
+        out = node.meta.get("val")
+        is_complex = isinstance(out, torch.Tensor) and out.is_complex()
+        for i, (arg, value) in enumerate(zip(schema.arguments, node.args)):
+            if str(arg.type) != "Tensor" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if i > 0 and not is_complex:
+                continue  # (the type promotion pass takes a number there)
+            if isinstance(out, torch.Tensor) and out.dtype != torch.bool:
+                dtype = out.dtype
+            else:
+                dtype = torch.int64 if isinstance(value, int) else torch.float64
+            with graph.inserting_before(node):
+                number = graph.call_function(torch.ops.aten.scalar_tensor.default, (value,), {"dtype": dtype})
+            fake_mode = getattr(out, "fake_mode", None)
+            if fake_mode is not None:  # (a node without it is run again by the type promotion pass)
+                with fake_mode:
+                    number.meta["val"] = torch.ops.aten.scalar_tensor.default(value, dtype=dtype)
+            node.update_arg(i, number)
+            count += 1
+    if count:
+        program.graph_module.recompile()
+    return count
+
+
+# Complex values: torchlib writes a complex tensor as a real one with a trailing dim of 2 (real,
+# imaginary), and dispatches a node with a complex input only to translations marked complex.
+# These are ops it has none for (DeepSeek-V2's rotary embedding: ``polar(...).unsqueeze(1)``).
+
+
+def _complex(fn):
+    fn.complex_values = True
+    return fn
+
+
+@_complex
+def _unsqueeze_complex(self, dim):
+    from onnxscript import opset18 as op
+
+    if dim < 0:
+        dim -= 1  # past the trailing (real, imaginary) dim
+    return op.Unsqueeze(self, op.Constant(value_ints=[dim]))
+
+
 #: ATen ops the dynamo path always writes as ATen nodes (the module docstring).
 TRAINING_ATEN_OPS: tuple[str, ...] = (
     "scatter_reduce",
@@ -401,6 +491,8 @@ TRAINING_ATEN_OPS: tuple[str, ...] = (
     "max_pool1d_with_indices",
     "max_pool2d_with_indices",
     "max_pool3d_with_indices",
+    "exponential",
+    "uniform",
 )
 
 
@@ -437,6 +529,7 @@ def training_translations() -> dict:
     for op in grouped_mm_ops():
         table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
+    table[aten.unsqueeze.default] = _unsqueeze_complex
     table[aten.softmax.int] = _softmax_in("Softmax")
     table[aten.log_softmax.int] = _softmax_in("LogSoftmax")
     return table

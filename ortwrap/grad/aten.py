@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import onnx
+import torch
 
 from .._compat import torch as compat
 from .._ort import C
@@ -167,6 +168,16 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
         if known is None:
             schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            if torch.Tag.nondeterministic_seeded in plan.fn.tags:
+                # NOTE: a vjp recomputes the op: a random op would draw again, and a gradient that
+                # depends on the draw (rrelu's slopes, a dropout mask) would be silently wrong. Ops
+                # whose result does not depend on their inputs' values take no gradient at all.
+                if op.rpartition("::")[2] not in _DRAWS_ONLY:
+                    raise RuntimeError(
+                        f"ATen op {op} is random: its gradient would recompute it with another draw than its "
+                        "forward's. Run it outside the wrapped module, or the module without ORTWrap"
+                    )
+                stop = set(range(n_in))
             # An ``out=`` overload (``div.out``: spectral_norm's power iteration, run under no_grad in
             # eager, which refuses out= with inputs that need grad): no gradient flows through it.
             if op in NO_GRADIENT_OPS or any(
@@ -184,6 +195,14 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
         keys.append(key)
     return keys
+
+
+#: Random ops whose results do not depend on their inputs' values (PyTorch gives them zero or no
+#: gradient): as ATen nodes they take no gradient, and are never recomputed.
+_DRAWS_ONLY = frozenset(
+    {"exponential", "uniform", "bernoulli", "random", "cauchy", "log_normal", "geometric", "rand_like",
+     "randn_like", "randint_like"}
+)  # fmt: skip
 
 
 def _float_flags(grads_out) -> str:
