@@ -188,6 +188,15 @@ def compile_program(
     Raises:
         ExportError, PassError, GradientBuildError, SessionError: from the stage that failed.
     """
+    for path, leaf in zip(input_paths, leaves):
+        if leaf.is_complex():
+            # NOTE: ORT holds no complex values (DLPack refuses them at the first run): refused before
+            # the capture, so the signature falls back with this reason (or the split capture's
+            # fragment runs in PyTorch), not with the runtime's "Unsupported code 5".
+            raise ExportError(
+                f"forward() argument `{path}` is a {leaf.dtype} tensor, and ONNX Runtime holds no complex values: "
+                f"pass torch.view_as_real({path}) and call torch.view_as_complex inside the module"
+            )
     request = BuildRequest(module, leaves, in_spec, input_paths, training, with_backward, device, options, autocast)
     records: list[StageRecord] = []
     debug = {
