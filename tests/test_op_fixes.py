@@ -216,3 +216,52 @@ def test_module_returning_its_input(exporter):
     dynamo, and the Identity that copies the output failed type inference."""
     check(lambda x: x.contiguous(), [randn(3, 4)], exporter)
     check(lambda x: torch.positive(x), [randn(5)], exporter)
+
+
+# --- session 24: the OpInfo groups (refused before; each must now train with eager's numbers) ---
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.linalg.svdvals,  # _linalg_svd: only S is used, U and Vh get no gradient
+        lambda x: torch.linalg.eigvalsh(x @ x.mT),  # _linalg_eigh: eigenvectors unused
+        lambda x: torch.linalg.lu(x)[1],  # linalg_lu: P and U unused
+    ],
+    ids=["svdvals", "eigvalsh", "lu_L"],
+)
+def test_vjp_of_partly_used_outputs(exporter, fn):
+    """An ATen node whose outputs are partly used: ORT's gradient graph has no gradient for the unused
+    ones, which the vjp node read (the session refused: "Node input ..._grad is not a graph input")."""
+    check(fn, [randn(4, 4)], exporter, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.amax(x.sum()),  # torchlib's amax requires dim (0-d input, dim=[])
+        lambda x: torch.cumprod(x, 0),  # decomposed into prims.prod, which torchlib cannot translate
+        lambda x: torch.special.i0e(x),  # prims.bessel_i0e
+        lambda x: torch.fft.fftshift(x),  # roll with symbolic shifts (size // 2)
+        lambda x: torch.diff(x, n=0, dim=0),  # ortwrap's diff translation: n=1 only
+    ],
+    ids=["amax_0d", "cumprod", "i0e", "fftshift", "diff_n0"],
+)
+def test_failed_translation_runs_as_aten_node(exporter, fn):
+    check(fn, [randn(3, 4)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.linalg.inv,
+        lambda x: torch.linalg.solve(x, x.sum(-1)),
+        lambda x: torch.linalg.cholesky(x @ x.mT + 4 * torch.eye(4)),
+    ],
+    ids=["inv", "solve", "cholesky"],
+)
+def test_linalg_error_checks(exporter, fn):
+    """dynamo: torch.export wraps ``_linalg_check_errors`` in ``with_effects``, which the exporter
+    could not translate; ortwrap drops the check (and its effect tokens)."""
+    x = (torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 4 * torch.eye(4)).requires_grad_()
+    check(fn, [x], exporter, atol=1e-4)

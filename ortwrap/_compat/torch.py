@@ -227,6 +227,8 @@ _PROMOTE_INTERPRETER = _declare(f"{_PROMOTE}._TypePromotionInterpreter")
 _PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
 _PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
+#: replaces ``with_effects(token, op, ...)`` by ``op(...)`` and drops the tokens (the exporter cannot translate it)
+_REMOVE_EFFECT_TOKENS = _declare("torch.export._remove_effect_tokens_pass._remove_effect_tokens")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
@@ -616,6 +618,11 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
 # ------------------------------------------------------------------------------- the dynamo exporter
 
 _torchlib_registries: dict[int, Any] = {}
+
+
+def remove_effect_tokens(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` with its ``with_effects`` calls made plain calls and its effect tokens dropped (in place)."""
+    return _resolve(_REMOVE_EFFECT_TOKENS)(program)
 
 
 def _dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:
