@@ -265,3 +265,20 @@ def test_linalg_error_checks(exporter, fn):
     could not translate; ortwrap drops the check (and its effect tokens)."""
     x = (torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 4 * torch.eye(4)).requires_grad_()
     check(fn, [x], exporter, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.split(x, 2),  # SplitToSequence(split=2) read at constant indices
+        lambda x: torch.unbind(x, 1),  # SplitToSequence(keepdims=0)
+        lambda x: torch.hstack([x, 2 * x]),  # atleast_1d of a list (dynamo: SequenceMap with an If)
+        lambda x: torch.dstack([x[0], 2 * x[1]]),  # atleast_3d of 1-D tensors: (1, n, 1)
+    ],
+    ids=["split", "unbind", "hstack", "dstack"],
+)
+def test_static_sequences(exporter, fn, request):
+    """Sequences whose elements are known where they are read train as Slice/Concat (passes/sequence_ops.py)."""
+    if exporter == "torchscript" and request.node.callspec.id.endswith(("dstack", "hstack")):
+        pytest.skip("TorchScript: an ATen node of a tensor list / an If on the rank (refused at build)")
+    check(fn, [randn(5, 3)], exporter)

@@ -555,6 +555,41 @@ def _ts_argument(value) -> object:
     return None
 
 
+def _split(default: Callable) -> Callable:
+    """``split(x, size)`` (and ``unsafe_split``) along a dimension the export left dynamic: torch's
+    symbolic takes the dimension to be ``size * outputs`` and writes ``Split`` with that many equal
+    sizes, which ORT rejects where the last chunk is shorter ("Sum of sizes in 'split' ... was 6"
+    for 5 rows in chunks of 2). Each chunk is a ``Slice`` instead (the last one to the end)."""
+
+    def symbolic(g, self, split_size_or_sizes, dim, _outputs=None):
+        try:
+            size, d = compat.ts_constant(split_size_or_sizes, "i"), compat.ts_constant(dim, "i")
+        except Exception:  # a list of sizes
+            size, d = None, None
+        sizes = compat.ts_sizes(self)
+        if isinstance(d, int) and d < 0 and sizes is not None:
+            d += len(sizes)
+        if (
+            _outputs is None
+            or not isinstance(size, int)
+            or not isinstance(d, int)
+            or sizes is None
+            or sizes[d] is not None
+        ):
+            return default(g, self, split_size_or_sizes, dim, _outputs)
+
+        def const(v: int):
+            return g.op("Constant", value_t=torch.tensor([v], dtype=torch.int64))
+
+        last = torch.iinfo(torch.int64).max
+        return [
+            g.op("Slice", self, const(i * size), const((i + 1) * size if i + 1 < _outputs else last), const(d))
+            for i in range(_outputs)
+        ]
+
+    return symbolic
+
+
 @contextlib.contextmanager
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward: bool = True) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons.
@@ -581,6 +616,8 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::native_layer_norm": _native_layer_norm,
         "aten::sort": _stable_sort,
         "aten::argsort": _stable_sort,
+        "aten::split": _split,
+        "aten::unsafe_split": _split,
     }
     for name, wrap in wrappers.items():
         default = compat.ts_symbolic(name, opset)
