@@ -297,3 +297,13 @@ def test_clip_tensor_bound_gradient(exporter, fn):
     """``Clip`` with a bound that needs a gradient: ORT's gradient has none for it (the build failed:
     "failed to find NodeArg by name: ..._grad"); the general rule runs it as ``clip.Tensor``."""
     check(fn, [randn(4, 5), randn(5, seed=1)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.mT, lambda x: torch.einsum("...ij,...jk->...ik", x, x.mT), lambda x: torch.einsum("...ij", x)],
+    ids=["mT", "batched_matmul", "implicit_output"],
+)
+def test_einsum_ellipsis(exporter, fn):
+    """Einsum with ``...`` (dynamo writes ``mT`` as one): spelled out from the input ranks."""
+    check(fn, [randn(2, 3, 4, 5)], exporter)
