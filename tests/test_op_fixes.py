@@ -307,3 +307,17 @@ def test_clip_tensor_bound_gradient(exporter, fn):
 def test_einsum_ellipsis(exporter, fn):
     """Einsum with ``...`` (dynamo writes ``mT`` as one): spelled out from the input ranks."""
     check(fn, [randn(2, 3, 4, 5)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.permute(0, -2, -1, 1),
+        lambda x: torch.movedim(x, (-1, 0), (0, -2)),
+        lambda x: x[0, 0, 0, 0].sum(0) + x[0, 0, 0, 1].mean(-1) + torch.logsumexp(x[0, 0, 1, 1], 0),
+    ],
+    ids=["permute", "movedim", "reduce_0d"],
+)
+def test_negative_dims_and_0d_reductions(exporter, fn):
+    """TorchScript wrote negative dims into Transpose's perm and a Reduce axis on a 0-d input (refused)."""
+    check(fn, [randn(2, 3, 4, 5)], exporter)

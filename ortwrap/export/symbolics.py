@@ -590,6 +590,57 @@ def _split(default: Callable) -> Callable:
     return symbolic
 
 
+def _permute(default: Callable) -> Callable:
+    """``permute`` with negative dims: torch's symbolic writes them into ``Transpose``'s ``perm``,
+    which ONNX refuses ("Invalid attribute perm {0, -2, -1, 1}"). They are made non-negative."""
+
+    def symbolic(g, self, dims):
+        d, rank = compat.ts_constant(dims, "is"), compat.ts_rank(self)
+        if isinstance(d, list) and rank is not None:
+            dims = [v + rank if v < 0 else v for v in d]
+        return default(g, self, dims)
+
+    return symbolic
+
+
+def _movedim(default: Callable) -> Callable:
+    """``movedim`` with negative dims: torch's symbolic builds the permutation from them as given
+    (``perm {-3, 0, -1, -2}``). They are made non-negative."""
+
+    def symbolic(g, self, source, destination):
+        rank = compat.ts_rank(self)
+        if rank is not None:
+            source, destination = (
+                torch.as_tensor(compat.ts_constant(v, "v") if not isinstance(v, torch.Tensor) else v)
+                for v in (source, destination)
+            )
+            if isinstance(source, torch.Tensor) and isinstance(destination, torch.Tensor):
+                source, destination = source % rank, destination % rank
+        return default(g, self, source, destination)
+
+    return symbolic
+
+
+def _reduce_of_zero_d(default: Callable) -> Callable:
+    """``sum``/``mean``/``logsumexp`` of a 0-d tensor over ``dim=0`` or ``-1`` (which torch allows):
+    torch's symbolic writes a ``Reduce*`` with that axis, which ONNX refuses on a rank-0 input
+    ("axis must be in [-rank, rank-1]. input rank was 0"). Reducing one value is the value."""
+
+    def symbolic(g, self, *args):
+        dims = args[0] if len(args) >= 2 else None  # (not the dtype of the overload without dims)
+        dtype = args[2] if len(args) > 2 else None
+        if (
+            compat.ts_rank(self) == 0
+            and dims is not None
+            and not compat.ts_is_none(dims)
+            and (dtype is None or compat.ts_is_none(dtype))
+        ):
+            return g.op("Identity", self)
+        return default(g, self, *args)
+
+    return symbolic
+
+
 @contextlib.contextmanager
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward: bool = True) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons.
@@ -618,6 +669,11 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::argsort": _stable_sort,
         "aten::split": _split,
         "aten::unsafe_split": _split,
+        "aten::permute": _permute,
+        "aten::movedim": _movedim,
+        "aten::sum": _reduce_of_zero_d,
+        "aten::mean": _reduce_of_zero_d,
+        "aten::logsumexp": _reduce_of_zero_d,
     }
     for name, wrap in wrappers.items():
         default = compat.ts_symbolic(name, opset)
