@@ -321,3 +321,14 @@ def test_einsum_ellipsis(exporter, fn):
 def test_negative_dims_and_0d_reductions(exporter, fn):
     """TorchScript wrote negative dims into Transpose's perm and a Reduce axis on a 0-d input (refused)."""
     check(fn, [randn(2, 3, 4, 5)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: torch.quantile(x, 0.3, dim=1), lambda x: torch.linalg.pinv(x)],
+    ids=["quantile_scalar_q", "pinv"],
+)
+def test_aten_node_overload_from_arguments(exporter, fn):
+    """TorchScript's ATen fallback nodes without an overload: a traced number picks ``quantile.scalar``
+    (``quantile``'s float64 ``q`` tensor failed), ``linalg_pinv`` without atol/rtol its keyword form."""
+    check(fn, [randn(4, 5)], exporter, atol=1e-4)
