@@ -274,13 +274,13 @@ def test_linalg_error_checks(exporter, fn):
         lambda x: torch.unbind(x, 1),  # SplitToSequence(keepdims=0)
         lambda x: torch.hstack([x, 2 * x]),  # atleast_1d of a list (dynamo: SequenceMap with an If)
         lambda x: torch.dstack([x[0], 2 * x[1]]),  # atleast_3d of 1-D tensors: (1, n, 1)
+        lambda x: torch.column_stack([x[:, 0], 2 * x]),  # 1-D and 2-D: columns
     ],
-    ids=["split", "unbind", "hstack", "dstack"],
+    ids=["split", "unbind", "hstack", "dstack", "column_stack"],
 )
-def test_static_sequences(exporter, fn, request):
-    """Sequences whose elements are known where they are read train as Slice/Concat (passes/sequence_ops.py)."""
-    if exporter == "torchscript" and request.node.callspec.id.endswith(("dstack", "hstack")):
-        pytest.skip("TorchScript: an ATen node of a tensor list / an If on the rank (refused at build)")
+def test_static_sequences(exporter, fn):
+    """Sequences whose elements are known where they are read train as Slice/Concat (passes/sequence_ops.py);
+    TorchScript's hstack/dstack/column_stack are concatenated by rank (symbolics.py)."""
     check(fn, [randn(5, 3)], exporter)
 
 

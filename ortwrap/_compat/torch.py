@@ -556,6 +556,12 @@ def ts_rank(value: Any) -> int | None:
     return _ts_helper()._get_tensor_rank(value)
 
 
+def ts_unpack_list(value: Any) -> list[Any] | None:
+    """The values of a symbolic ``Tensor[]`` argument built in the graph (``prim::ListConstruct``), or None."""
+    helper = _ts_helper()
+    return helper._unpack_list(value) if helper._is_value(value) and helper._is_packed_list(value) else None
+
+
 def ts_sizes(value: Any) -> list[int | None] | None:
     """The sizes of a symbolic argument (None for a dynamic dim), if its rank is known."""
     return _ts_helper()._get_tensor_sizes(value)

@@ -641,6 +641,39 @@ def _reduce_of_zero_d(default: Callable) -> Callable:
     return symbolic
 
 
+def _stack_by_rank(name: str, default: Callable) -> Callable:
+    """``hstack``/``dstack``/``column_stack`` of a list of tensors of known ranks: torch's symbolics
+    write a sequence and an ``If`` on the first tensor's rank (hstack), or an ATen node of the list
+    (dstack, column_stack), neither of which ORT 1.19.2 can differentiate. The ranks are known:
+    each tensor is reshaped as torch does and the list concatenated."""
+
+    def symbolic(g, tensor_list):
+        tensors = compat.ts_unpack_list(tensor_list)
+        ranks = [compat.ts_rank(t) for t in tensors] if tensors else None
+        if not tensors or any(r is None for r in ranks):
+            return default(g, tensor_list)
+
+        def unsqueeze(t, axes):
+            return g.op("Unsqueeze", t, g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)))
+
+        if name == "hstack":
+            parts = [unsqueeze(t, [0]) if r == 0 else t for t, r in zip(tensors, ranks)]
+            axis = 0 if max(ranks[0], 1) == 1 else 1
+        elif name == "dstack":
+            axes = {0: [0, 1, 2], 1: [0, 2], 2: [2]}
+            parts = [unsqueeze(t, axes[r]) if r < 3 else t for t, r in zip(tensors, ranks)]
+            axis = 2
+        else:  # column_stack: a 0-d or 1-D tensor becomes a column
+            parts = [
+                g.op("Reshape", t, g.op("Constant", value_t=torch.tensor([-1, 1], dtype=torch.int64))) if r <= 1 else t
+                for t, r in zip(tensors, ranks)
+            ]
+            axis = 1
+        return g.op("Concat", *parts, axis_i=axis)
+
+    return symbolic
+
+
 @contextlib.contextmanager
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward: bool = True) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons.
@@ -679,6 +712,9 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         default = compat.ts_symbolic(name, opset)
         if default is not None:
             symbolics[name] = wrap(default)
+    for name in ("hstack", "dstack", "column_stack"):
+        default = compat.ts_symbolic(f"aten::{name}", opset)
+        symbolics[f"aten::{name}"] = _stack_by_rank(name, default or _aten_symbolic(name))
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)
