@@ -332,3 +332,10 @@ def test_aten_node_overload_from_arguments(exporter, fn):
     """TorchScript's ATen fallback nodes without an overload: a traced number picks ``quantile.scalar``
     (``quantile``'s float64 ``q`` tensor failed), ``linalg_pinv`` without atol/rtol its keyword form."""
     check(fn, [randn(4, 5)], exporter, atol=1e-4)
+
+
+def test_if_on_static_rank_folded(exporter):
+    """TorchScript writes ``scatter_reduce`` of 0-d tensors behind ``If(Size(Shape(x)) == 0)``; the
+    rank is known, so the If is replaced by its branch (passes/control_flow.py) instead of refused."""
+    index = torch.tensor(0)
+    check(lambda x, s: torch.scatter_reduce(x, 0, index, s, "sum"), [randn(), randn(seed=1)], exporter)
