@@ -338,4 +338,8 @@ def test_if_on_static_rank_folded(exporter):
     """TorchScript writes ``scatter_reduce`` of 0-d tensors behind ``If(Size(Shape(x)) == 0)``; the
     rank is known, so the If is replaced by its branch (passes/control_flow.py) instead of refused."""
     index = torch.tensor(0)
-    check(lambda x, s: torch.scatter_reduce(x, 0, index, s, "sum"), [randn(), randn(seed=1)], exporter)
+    check(
+        lambda x, s: torch.scatter_reduce(x, 0, index, s, "sum"),
+        [torch.tensor(0.7, requires_grad=True), torch.tensor(-1.3, requires_grad=True)],
+        exporter,
+    )
