@@ -74,8 +74,19 @@ def _static(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx"):
         return None
-    if node.op_type == "Size" and _is_shape_of_known_rank(node.inputs[0]):
-        return np.array(len(node.inputs[0].producer().inputs[0].shape), dtype=np.int64)
+    if node.op_type == "Size":
+        if _is_shape_of_known_rank(node.inputs[0]):
+            return np.array(len(node.inputs[0].producer().inputs[0].shape), dtype=np.int64)
+        shape = node.inputs[0].shape
+        if shape is not None and all(isinstance(d, int) for d in shape):
+            return np.array(int(np.prod(list(shape), dtype=np.int64)), dtype=np.int64)
+        a = _static(node.inputs[0], depth + 1)
+        return None if a is None else np.array(a.size, dtype=np.int64)
+    if node.op_type in ("Add", "Sub", "Mul") and len(node.inputs) == 2:
+        a, b = _static(node.inputs[0], depth + 1), _static(node.inputs[1], depth + 1)
+        if a is None or b is None:
+            return None
+        return {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}[node.op_type](a, b)
     if node.op_type == "Shape" and not node.attributes:
         shape = node.inputs[0].shape
         if shape is not None and all(isinstance(d, int) for d in shape):
@@ -104,7 +115,7 @@ def _is_shape_of_known_rank(value: ir.Value | None) -> bool:
 def fold_static_ifs(graph: ir.Graph) -> bool:
     """Replace each ``If`` of ``graph`` whose condition :func:`_static` knows by its branch's nodes;
     True if any changed."""
-    changed = False
+    changed = again = False
     for node in list(graph):
         if node.op_type != "If" or node.domain not in ("", "ai.onnx"):
             continue
@@ -119,4 +130,7 @@ def fold_static_ifs(graph: ir.Graph) -> bool:
         b = NodeBuilder(node.name or "If")
         b.replace(graph, node, [b.op("Identity", v) for v in branch.outputs])
         changed = True
+        again = again or any(n.op_type == "If" for n in inner)
+    if again:  # Ifs the branch held
+        fold_static_ifs(graph)
     return changed
