@@ -234,6 +234,8 @@ _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
 _GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
+#: linalg's error check (raises on a singular input), which torch.export wraps in ``with_effects``
+_LINALG_CHECK_ERRORS = _declare("torch.ops.aten._linalg_check_errors")
 # AOTAutograd (the onnxruntime engine, ortwrap/engines/onnxruntime/) ----------------------------
 #: the joint forward/backward trace of a module with its parameters and buffers lifted to inputs,
 #: partitioned by ``partition_fn`` into a forward and a backward graph, run by AOTAutograd's own
@@ -624,6 +626,11 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
 # ------------------------------------------------------------------------------- the dynamo exporter
 
 _torchlib_registries: dict[int, Any] = {}
+
+
+def is_linalg_check_errors(target: Any) -> bool:
+    """Whether an FX node's target is ``aten._linalg_check_errors`` (any overload)."""
+    return getattr(target, "overloadpacket", None) is _resolve(_LINALG_CHECK_ERRORS)
 
 
 def remove_effect_tokens(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -41,7 +41,7 @@ def drop_error_checks(program: torch.export.ExportedProgram) -> None:
         if not isinstance(module, torch.fx.GraphModule):
             continue
         for node in list(module.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten._linalg_check_errors.default:
+            if node.op == "call_function" and compat.is_linalg_check_errors(node.target):
                 if not node.users:
                     module.graph.erase_node(node)
         module.recompile()
