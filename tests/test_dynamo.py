@@ -204,8 +204,18 @@ def _ir(model: onnx.ModelProto) -> ir.Model:
 
 
 def test_sequence_ops_on_the_gradient_path_are_refused():
+    from onnx import TensorProto, helper
+
+    # read at an index the graph computes: the elements are not known, the sequence stays (refused)
+    model = _sequence_model()
+    model.graph.node[2].input[1] = "k"
+    model.graph.input.append(helper.make_tensor_value_info("k", TensorProto.INT64, []))
     with pytest.raises(PassError, match=r"'split_seq' is a SplitToSequence on the gradient path"):
-        run_pass(RefuseSequenceOpsPass(), _ir(_sequence_model()))
+        run_pass(RefuseSequenceOpsPass(), _ir(model))
+    # read at a constant index: lowered to a Slice (whose gradient ORT has), nothing refused
+    lowered = run_pass(RefuseSequenceOpsPass(), _ir(_sequence_model())).model
+    ops = [n.op_type for n in lowered.graph]
+    assert "SplitToSequence" not in ops and "Slice" in ops, ops
     model = _sequence_model()
     del model.graph.node[:3]
     del model.graph.output[0]

@@ -242,3 +242,130 @@ def test_module_returning_its_input(exporter):
     dynamo, and the Identity that copies the output failed type inference."""
     check(lambda x: x.contiguous(), [randn(3, 4)], exporter)
     check(lambda x: torch.positive(x), [randn(5)], exporter)
+
+
+# --- session 24: the OpInfo groups (refused before; each must now train with eager's numbers) ---
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.linalg.svdvals,  # _linalg_svd: only S is used, U and Vh get no gradient
+        lambda x: torch.linalg.eigvalsh(x @ x.mT),  # _linalg_eigh: eigenvectors unused
+        lambda x: torch.linalg.lu(x)[1],  # linalg_lu: P and U unused
+    ],
+    ids=["svdvals", "eigvalsh", "lu_L"],
+)
+def test_vjp_of_partly_used_outputs(exporter, fn):
+    """An ATen node whose outputs are partly used: ORT's gradient graph has no gradient for the unused
+    ones, which the vjp node read (the session refused: "Node input ..._grad is not a graph input")."""
+    check(fn, [randn(4, 4)], exporter, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.amax(x.sum()),  # torchlib's amax requires dim (0-d input, dim=[])
+        lambda x: torch.cumprod(x, 0),  # decomposed into prims.prod, which torchlib cannot translate
+        lambda x: torch.special.i0e(x),  # prims.bessel_i0e
+        lambda x: torch.fft.fftshift(x),  # roll with symbolic shifts (size // 2)
+        lambda x: torch.diff(x, n=0, dim=0),  # ortwrap's diff translation: n=1 only
+    ],
+    ids=["amax_0d", "cumprod", "i0e", "fftshift", "diff_n0"],
+)
+def test_failed_translation_runs_as_aten_node(exporter, fn):
+    check(fn, [randn(3, 4)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.linalg.inv,
+        lambda x: torch.linalg.solve(x, x.sum(-1)),
+        lambda x: torch.linalg.cholesky(x @ x.mT + 4 * torch.eye(4)),
+    ],
+    ids=["inv", "solve", "cholesky"],
+)
+def test_linalg_error_checks(exporter, fn):
+    """dynamo: torch.export wraps ``_linalg_check_errors`` in ``with_effects``, which the exporter
+    could not translate; ortwrap drops the check (and its effect tokens)."""
+    x = (torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) + 4 * torch.eye(4)).requires_grad_()
+    check(fn, [x], exporter, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.split(x, 2),  # SplitToSequence(split=2) read at constant indices
+        lambda x: torch.unbind(x, 1),  # SplitToSequence(keepdims=0)
+        lambda x: torch.hstack([x, 2 * x]),  # atleast_1d of a list (dynamo: SequenceMap with an If)
+        lambda x: torch.dstack([x[0], 2 * x[1]]),  # atleast_3d of 1-D tensors: (1, n, 1)
+        lambda x: torch.column_stack([x[:, 0], 2 * x]),  # 1-D and 2-D: columns
+    ],
+    ids=["split", "unbind", "hstack", "dstack", "column_stack"],
+)
+def test_static_sequences(exporter, fn):
+    """Sequences whose elements are known where they are read train as Slice/Concat (passes/sequence_ops.py);
+    TorchScript's hstack/dstack/column_stack are concatenated by rank (symbolics.py)."""
+    check(fn, [randn(5, 3)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, lo: torch.clamp_min(x, lo),
+        lambda x, hi: torch.clamp_max(x, hi),
+        lambda x, lo: torch.clamp(x, lo, 2 * lo),
+    ],
+    ids=["clamp_min", "clamp_max", "clamp"],
+)
+def test_clip_tensor_bound_gradient(exporter, fn):
+    """``Clip`` with a bound that needs a gradient: ORT's gradient has none for it (the build failed:
+    "failed to find NodeArg by name: ..._grad"); the general rule runs it as ``clip.Tensor``."""
+    check(fn, [randn(4, 5), randn(5, seed=1)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.mT, lambda x: torch.einsum("...ij,...jk->...ik", x, x.mT), lambda x: torch.einsum("...ij", x)],
+    ids=["mT", "batched_matmul", "implicit_output"],
+)
+def test_einsum_ellipsis(exporter, fn):
+    """Einsum with ``...`` (dynamo writes ``mT`` as one): spelled out from the input ranks."""
+    check(fn, [randn(2, 3, 4, 5)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.permute(0, -2, -1, 1),
+        lambda x: torch.movedim(x, (-1, 0), (0, -2)),
+        lambda x: x[0, 0, 0, 0].sum(0) + x[0, 0, 0, 1].mean(-1) + torch.logsumexp(x[0, 0, 1, 1], 0),
+    ],
+    ids=["permute", "movedim", "reduce_0d"],
+)
+def test_negative_dims_and_0d_reductions(exporter, fn):
+    """TorchScript wrote negative dims into Transpose's perm and a Reduce axis on a 0-d input (refused)."""
+    check(fn, [randn(2, 3, 4, 5)], exporter)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: torch.quantile(x, 0.3, dim=1), lambda x: torch.linalg.pinv(x)],
+    ids=["quantile_scalar_q", "pinv"],
+)
+def test_aten_node_overload_from_arguments(exporter, fn):
+    """TorchScript's ATen fallback nodes without an overload: a traced number picks ``quantile.scalar``
+    (``quantile``'s float64 ``q`` tensor failed), ``linalg_pinv`` without atol/rtol its keyword form."""
+    check(fn, [randn(4, 5)], exporter, atol=1e-4)
+
+
+def test_if_on_static_rank_folded(exporter):
+    """TorchScript writes ``scatter_reduce`` of 0-d tensors behind ``If(Size(Shape(x)) == 0)``; the
+    rank is known, so the If is replaced by its branch (passes/control_flow.py) instead of refused."""
+    index = torch.tensor(0)
+    check(
+        lambda x, s: torch.scatter_reduce(x, 0, index, s, "sum"),
+        [torch.tensor(0.7, requires_grad=True), torch.tensor(-1.3, requires_grad=True)],
+        exporter,
+    )

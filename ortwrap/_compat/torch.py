@@ -231,11 +231,15 @@ _PROMOTE_INTERPRETER = _declare(f"{_PROMOTE}._TypePromotionInterpreter")
 _PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
 _PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
+#: replaces ``with_effects(token, op, ...)`` by ``op(...)`` and drops the tokens (the exporter cannot translate it)
+_REMOVE_EFFECT_TOKENS = _declare("torch.export._remove_effect_tokens_pass._remove_effect_tokens")
 # Operators --------------------------------------------------------------------------------------
 _declare("OpOverload._schema")
 _BN_FUNCTIONAL = _declare("torch.ops.aten._native_batch_norm_legit_functional")
 _GROUPED_MM = _declare("torch.ops.aten._grouped_mm")
 _ASSERT_METADATA = _declare("torch.ops.aten._assert_tensor_metadata")
+#: linalg's error check (raises on a singular input), which torch.export wraps in ``with_effects``
+_LINALG_CHECK_ERRORS = _declare("torch.ops.aten._linalg_check_errors")
 # AOTAutograd (the onnxruntime engine, ortwrap/engines/onnxruntime/) ----------------------------
 #: the joint forward/backward trace of a module with its parameters and buffers lifted to inputs,
 #: partitioned by ``partition_fn`` into a forward and a backward graph, run by AOTAutograd's own
@@ -545,6 +549,12 @@ def ts_rank(value: Any) -> int | None:
     return _ts_helper()._get_tensor_rank(value)
 
 
+def ts_unpack_list(value: Any) -> list[Any] | None:
+    """The values of a symbolic ``Tensor[]`` argument built in the graph (``prim::ListConstruct``), or None."""
+    helper = _ts_helper()
+    return helper._unpack_list(value) if helper._is_value(value) and helper._is_packed_list(value) else None
+
+
 def ts_sizes(value: Any) -> list[int | None] | None:
     """The sizes of a symbolic argument (None for a dynamic dim), if its rank is known."""
     return _ts_helper()._get_tensor_sizes(value)
@@ -607,6 +617,16 @@ def ts_inline_block(g: Any, node: Any, tensor_args: list[Any]) -> list[Any]:
 # ------------------------------------------------------------------------------- the dynamo exporter
 
 _torchlib_registries: dict[int, Any] = {}
+
+
+def is_linalg_check_errors(target: Any) -> bool:
+    """Whether an FX node's target is ``aten._linalg_check_errors`` (any overload)."""
+    return getattr(target, "overloadpacket", None) is _resolve(_LINALG_CHECK_ERRORS)
+
+
+def remove_effect_tokens(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program`` with its ``with_effects`` calls made plain calls and its effect tokens dropped (in place)."""
+    return _resolve(_REMOVE_EFFECT_TOKENS)(program)
 
 
 def dynamo_registry(opset: int, table: dict[Any, Callable[..., Any]]) -> Any:

@@ -21,6 +21,7 @@ torch's ScalarType codes.
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,9 +153,29 @@ def _make_translation(target: Any, records: collections.deque, scope: Any) -> Ca
         for i, ((a, fx_value), (_, onnx_value)) in enumerate(zip(raw, bound_onnx)):
             kind = _kind(a.type)
             where = f"aten.{name}.{overload or 'default'} argument {a.name!r}"
+            if fx_value is False and re.fullmatch(r"compute_\w*grad", a.name):
+                # (torch_nn::_linear_cross_entropy_batch_chunked: its backward returns what its forward
+                # computed where told; the capture runs without autograd, so it was told not to)
+                raise NotImplementedError(
+                    f"{where} is False: the op computes its gradients in its forward only where its inputs require "
+                    "grad at the capture (which runs without autograd); as an ATen node its gradient would be wrong"
+                )
             if fx_value is None:
                 absent.append(i)
                 inputs.append(None)
+            elif kind in ("list:IntType", "list:SymIntType") and any(map(_is_fx_node, fx_value)):
+                # symbolic sizes (``roll``'s shifts of ``fftshift``: size // 2): one 1-D tensor
+                inputs.append(
+                    op.Concat(
+                        *[
+                            op.Reshape(v, op.Constant(value_ints=[1]))
+                            if _is_fx_node(f)
+                            else op.Constant(value_ints=[f])
+                            for f, v in zip(fx_value, onnx_value)
+                        ],
+                        axis=0,
+                    )
+                )
             elif kind == "TensorType" or _is_fx_node(fx_value):
                 if isinstance(fx_value, (list, tuple)):
                     raise NotImplementedError(f"{where}: a list of tensors cannot be passed to an ATen node")

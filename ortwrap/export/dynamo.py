@@ -30,6 +30,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import onnx
 import onnx_ir as ir
@@ -43,6 +44,7 @@ from .adapter import Adapter, finish_export, no_ambient_autocast, preserved_stat
 from .aten_fallback import fallback_translations
 from .context import capture_context
 from .dynamo_translate import dynamo_to_onnx
+from .retry import drop_error_checks, failed_call, retry_plan
 from .translations import (
     TRAINING_ATEN_OPS,
     number_operands_as_tensors,
@@ -276,6 +278,16 @@ def _export_error(step: str, module_name: str, e: BaseException) -> ExportError:
             f"the dynamo exporter has no ONNX translation for {missing}, used by {module_name}. "
             "Use exporter='torchscript' (which can run such ops as ATen nodes), or run the module without ORTWrap"
         )
+    failed = failed_call(e)
+    if failed is not None:  # the translation of one call raised: name the op and the first error
+        root = e
+        while root.__cause__ is not None:
+            root = root.__cause__
+        first = " ".join(str(root).split())[:400]
+        return ExportError(
+            f"{step} failed for {module_name}: translating {failed[0]}.{failed[1]} failed, also as an ATen node: "
+            f"{type(root).__name__}: {first}"
+        )
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
     if len(text) > 700:
         text = text[:700] + " ... (full message in the chained exception)"
@@ -294,26 +306,40 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     """
     program, adapter, bridge = capture.program, capture.adapter, capture.bridge
     input_names, input_paths = capture.input_names, capture.input_paths
-    try:
-        # The exporter's decompositions retrace the graph, running each Function's forward again on
-        # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
-        with bridge_dynamo.translating(bridge), _quiet_exporter(), capture_context():
-            ir_model, _decomposed = dynamo_to_onnx(
-                program,
-                table={**training_translations(), **bridge.translation_table()},
-                opset=capture.opset,
-                decompose=False,
-                decompositions=training_decompositions(),
-                extra=lambda prog, is_registered, allow_missing: fallback_translations(
-                    prog,
-                    is_registered,
-                    aten_ops=(*capture.aten_ops, *TRAINING_ATEN_OPS),
-                    scope=bridge,
-                    allow_missing=allow_missing,
-                ),
-            )
-    except Exception as e:
-        raise _export_error("torch.onnx.export (dynamo)", capture.module_name, e) from e
+    # A call whose translation fails runs as an ATen node instead (export/retry.py).
+    retry_ops: list[str] = []
+    keep_ops = False
+
+    def extra(prog: torch.export.ExportedProgram, is_registered: Any, allow_missing: bool) -> Any:
+        drop_error_checks(prog)  # (the decomposed program too: the decompositions trace them again)
+        return fallback_translations(
+            prog,
+            is_registered,
+            aten_ops=(*capture.aten_ops, *TRAINING_ATEN_OPS, *retry_ops),
+            scope=bridge,
+            allow_missing=allow_missing or keep_ops,
+        )
+
+    while True:
+        try:
+            # The exporter's decompositions retrace the graph, running each Function's forward again on
+            # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
+            with bridge_dynamo.translating(bridge), _quiet_exporter(), capture_context():
+                ir_model, _decomposed = dynamo_to_onnx(
+                    program,
+                    table={**training_translations(), **bridge.translation_table()},
+                    opset=capture.opset,
+                    decompose=False,
+                    decompositions=training_decompositions(),
+                    extra=extra,
+                )
+            break
+        except Exception as e:
+            plan = retry_plan(e, retry_ops, keep_ops)
+            if plan is None:
+                raise _export_error("torch.onnx.export (dynamo)", capture.module_name, e) from e
+            _log.debug("dynamo: translating again with ATen nodes (%s: %s)", type(e).__name__, e)
+            retry_ops, keep_ops = plan
     flat_inputs = input_names
     graph = ir_model.graph
     if len(graph.inputs) != len(flat_inputs):

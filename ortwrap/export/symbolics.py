@@ -553,6 +553,125 @@ def _ts_argument(value) -> object:
     return None
 
 
+def _split(default: Callable) -> Callable:
+    """``split(x, size)`` (and ``unsafe_split``) along a dimension the export left dynamic: torch's
+    symbolic takes the dimension to be ``size * outputs`` and writes ``Split`` with that many equal
+    sizes, which ORT rejects where the last chunk is shorter ("Sum of sizes in 'split' ... was 6"
+    for 5 rows in chunks of 2). Each chunk is a ``Slice`` instead (the last one to the end)."""
+
+    def symbolic(g, self, split_size_or_sizes, dim, _outputs=None):
+        try:
+            size, d = compat.ts_constant(split_size_or_sizes, "i"), compat.ts_constant(dim, "i")
+        except Exception:  # a list of sizes
+            size, d = None, None
+        sizes = compat.ts_sizes(self)
+        if isinstance(d, int) and d < 0 and sizes is not None:
+            d += len(sizes)
+        if (
+            _outputs is None
+            or not isinstance(size, int)
+            or not isinstance(d, int)
+            or sizes is None
+            or sizes[d] is not None
+        ):
+            return default(g, self, split_size_or_sizes, dim, _outputs)
+
+        def const(v: int):
+            return g.op("Constant", value_t=torch.tensor([v], dtype=torch.int64))
+
+        last = torch.iinfo(torch.int64).max
+        return [
+            g.op("Slice", self, const(i * size), const((i + 1) * size if i + 1 < _outputs else last), const(d))
+            for i in range(_outputs)
+        ]
+
+    return symbolic
+
+
+def _permute(default: Callable) -> Callable:
+    """``permute`` with negative dims: torch's symbolic writes them into ``Transpose``'s ``perm``,
+    which ONNX refuses ("Invalid attribute perm {0, -2, -1, 1}"). They are made non-negative."""
+
+    def symbolic(g, self, dims):
+        d, rank = compat.ts_constant(dims, "is"), compat.ts_rank(self)
+        if isinstance(d, list) and rank is not None:
+            dims = [v + rank if v < 0 else v for v in d]
+        return default(g, self, dims)
+
+    return symbolic
+
+
+def _movedim(default: Callable) -> Callable:
+    """``movedim`` with negative dims: torch's symbolic builds the permutation from them as given
+    (``perm {-3, 0, -1, -2}``). They are made non-negative."""
+
+    def symbolic(g, self, source, destination):
+        rank = compat.ts_rank(self)
+        if rank is not None:
+            source, destination = (
+                torch.as_tensor(compat.ts_constant(v, "v") if not isinstance(v, torch.Tensor) else v)
+                for v in (source, destination)
+            )
+            if isinstance(source, torch.Tensor) and isinstance(destination, torch.Tensor):
+                source, destination = source % rank, destination % rank
+        return default(g, self, source, destination)
+
+    return symbolic
+
+
+def _reduce_of_zero_d(default: Callable) -> Callable:
+    """``sum``/``mean``/``logsumexp`` of a 0-d tensor over ``dim=0`` or ``-1`` (which torch allows):
+    torch's symbolic writes a ``Reduce*`` with that axis, which ONNX refuses on a rank-0 input
+    ("axis must be in [-rank, rank-1]. input rank was 0"). Reducing one value is the value."""
+
+    def symbolic(g, self, *args):
+        dims = args[0] if len(args) >= 2 else None  # (not the dtype of the overload without dims)
+        dtype = args[2] if len(args) > 2 else None
+        if (
+            compat.ts_rank(self) == 0
+            and dims is not None
+            and not compat.ts_is_none(dims)
+            and (dtype is None or compat.ts_is_none(dtype))
+        ):
+            return g.op("Identity", self)
+        return default(g, self, *args)
+
+    return symbolic
+
+
+def _stack_by_rank(name: str, default: Callable) -> Callable:
+    """``hstack``/``dstack``/``column_stack`` of a list of tensors of known ranks: torch's symbolics
+    write a sequence and an ``If`` on the first tensor's rank (hstack), or an ATen node of the list
+    (dstack, column_stack), neither of which ORT 1.19.2 can differentiate. The ranks are known:
+    each tensor is reshaped as torch does and the list concatenated."""
+
+    def symbolic(g, tensor_list):
+        tensors = compat.ts_unpack_list(tensor_list)
+        ranks = [compat.ts_rank(t) for t in tensors] if tensors else None
+        if not tensors or any(r is None for r in ranks):
+            return default(g, tensor_list)
+
+        def unsqueeze(t, axes):
+            return g.op("Unsqueeze", t, g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)))
+
+        if name == "hstack":
+            parts = [unsqueeze(t, [0]) if r == 0 else t for t, r in zip(tensors, ranks)]
+            axis = 0 if max(ranks[0], 1) == 1 else 1
+        elif name == "dstack":
+            axes = {0: [0, 1, 2], 1: [0, 2], 2: [2]}
+            parts = [unsqueeze(t, axes[r]) if r < 3 else t for t, r in zip(tensors, ranks)]
+            axis = 2
+        else:  # column_stack: a 0-d or 1-D tensor becomes a column
+            parts = [
+                g.op("Reshape", t, g.op("Constant", value_t=torch.tensor([-1, 1], dtype=torch.int64))) if r <= 1 else t
+                for t, r in zip(tensors, ranks)
+            ]
+            axis = 1
+        return g.op("Concat", *parts, axis_i=axis)
+
+    return symbolic
+
+
 @contextlib.contextmanager
 def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward: bool = True) -> Iterator[list[str]]:
     """Install ortwrap's symbolics for one export; yields the list that collects static-shape reasons.
@@ -579,11 +698,21 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         "aten::native_layer_norm": _native_layer_norm,
         "aten::sort": _stable_sort,
         "aten::argsort": _stable_sort,
+        "aten::split": _split,
+        "aten::unsafe_split": _split,
+        "aten::permute": _permute,
+        "aten::movedim": _movedim,
+        "aten::sum": _reduce_of_zero_d,
+        "aten::mean": _reduce_of_zero_d,
+        "aten::logsumexp": _reduce_of_zero_d,
     }
     for name, wrap in wrappers.items():
         default = compat.ts_symbolic(name, opset)
         if default is not None:
             symbolics[name] = wrap(default)
+    for name in ("hstack", "dstack", "column_stack"):
+        default = compat.ts_symbolic(f"aten::{name}", opset)
+        symbolics[f"aten::{name}"] = _stack_by_rank(name, default or _aten_symbolic(name))
     default_squeeze = compat.ts_symbolic("aten::squeeze", opset)
     if default_squeeze is not None and with_backward:
         symbolics["aten::squeeze"] = _squeeze(default_squeeze)

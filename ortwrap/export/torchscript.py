@@ -354,13 +354,42 @@ def aten_ops_as_aten_nodes(model: onnx.ModelProto) -> list[str]:
     return rewritten
 
 
-def _overload_by_arity(name: str, computed: list[bool]) -> str | None:
+def _overload_by_arity(
+    name: str, computed: list[bool], scalars: list[bool] | None = None, absent: list[bool] | None = None
+) -> str | None:
     """The one overload of ``aten::<name>`` (no ``out=``, no named dims) with as many arguments as
     the node has inputs, a tensor argument for each ``computed`` one (not a constant: ``trapezoid``'s
-    ``x`` overload, not ``dx``); None if there is none or several."""
+    ``x`` overload, not ``dx``); None if there is none or several. Among several, a 0-d constant
+    (``scalars``: a Python number in the trace) picks the overload taking a number there
+    (``quantile.scalar``, not ``quantile``'s float64 ``q`` tensor), and overloads that differ only in
+    arguments the node leaves ``absent`` are the same call (``linalg_pinv``'s ``atol_rtol_float``
+    and ``atol_rtol_tensor`` without atol and rtol): the first is taken."""
     packet = getattr(torch.ops.aten, name, None)
     if packet is None:
         return None
+    found = _overloads_by_arity(packet, computed)
+    if len(found) > 1 and scalars is not None:
+        numeric = [
+            o
+            for o in found
+            if all(
+                "Tensor" not in str(a.type)
+                for a, k in zip(compat.op_schema(getattr(packet, o)).arguments, scalars)
+                if k
+            )
+        ]
+        found = numeric or found
+    if len(found) > 1 and absent is not None:
+        kinds = {
+            tuple(str(a.type) for a, gone in zip(compat.op_schema(getattr(packet, o)).arguments, absent) if not gone)
+            for o in found
+        }
+        if len(kinds) == 1:
+            return found[0]
+    return found[0] if len(found) == 1 else None
+
+
+def _overloads_by_arity(packet, computed: list[bool]) -> list[str]:
     found = []
     for overload in packet.overloads():
         arguments = compat.op_schema(getattr(packet, overload)).arguments
@@ -371,7 +400,13 @@ def _overload_by_arity(name: str, computed: list[bool]) -> str | None:
         if any(c and "Tensor" not in str(a.type) for a, c in zip(arguments, computed)):
             continue
         found.append(overload)
-    return found[0] if len(found) == 1 else None
+    return found
+
+
+#: the element types of a traced Python number (a 0-d constant)
+_NUMBER_TYPES = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64, onnx.TensorProto.BOOL}
+)
 
 
 def name_aten_overloads(model: onnx.ModelProto) -> None:
@@ -382,6 +417,14 @@ def name_aten_overloads(model: onnx.ModelProto) -> None:
     from ..bridge.aten import ATEN_DOMAIN
 
     constants = {o for n in model.graph.node if n.op_type == "Constant" and n.domain == "" for o in n.output}
+    scalar_constants = {
+        o
+        for n in model.graph.node
+        if n.op_type == "Constant"
+        and n.domain == ""
+        and any(a.name == "value" and len(a.t.dims) == 0 and a.t.data_type in _NUMBER_TYPES for a in n.attribute)
+        for o in n.output
+    }
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
             continue
@@ -392,11 +435,16 @@ def name_aten_overloads(model: onnx.ModelProto) -> None:
         packet = getattr(torch.ops.aten, name, None)
         if packet is None or "::" in name:
             continue
+        scalars = [i in scalar_constants for i in node.input]
         default = getattr(packet, "default", None)
         if default is not None and len(compat.op_schema(default).arguments) == len(node.input):
-            continue
-        overload = _overload_by_arity(name, [bool(i) and i not in constants for i in node.input])
-        if overload is None:
+            arguments = compat.op_schema(default).arguments
+            if not any(k and "Tensor" in str(a.type) for a, k in zip(arguments, scalars)):
+                continue  # (a number where ``default`` takes a tensor: an overload taking one is looked for)
+        overload = _overload_by_arity(
+            name, [bool(i) and i not in constants for i in node.input], scalars, [not i for i in node.input]
+        )
+        if overload is None or overload == "default":
             continue
         if "overload_name" in attrs:
             attrs["overload_name"].s = overload.encode()

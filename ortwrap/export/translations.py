@@ -40,6 +40,9 @@ that are module inputs)                                 writes the same as for t
 ``aten.scalar_tensor`` (Python scalars, after type      a float32 constant cast to the scalar's dtype:
 promotion)                                              a float64 scalar loses its digits. ortwrap
                                                         writes a constant of the dtype itself.
+``aten.atleast_{1,2,3}d.Sequence``                      a ``SequenceMap`` with an ``If`` on the rank
+                                                        (ORT cannot differentiate either). ortwrap
+                                                        reshapes each tensor by its static rank.
 ``aten.native_layer_norm`` without weight               ``LayerNormalization`` without its scale
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
@@ -483,6 +486,28 @@ def _unsqueeze_complex(self, dim):
     return op.Unsqueeze(self, op.Constant(value_ints=[dim]))
 
 
+#: the axes ``atleast_{1,2,3}d`` adds to a tensor of each lower rank (torch's: 1-D ``(n,)`` -> ``(1, n)``
+#: in 2-D, ``(1, n, 1)`` in 3-D; 2-D ``(m, n)`` -> ``(m, n, 1)``)
+_ATLEAST_AXES = {1: {0: [0]}, 2: {0: [0, 1], 1: [0]}, 3: {0: [0, 1, 2], 1: [0, 2], 2: [2]}}
+
+
+def _atleast_sequence(n: int):
+    """``aten.atleast_{n}d.Sequence``: one value per tensor, by its static rank. torchlib writes a
+    ``SequenceMap`` over a ``SequenceConstruct`` with an ``If`` on the rank inside, which ORT 1.19.2
+    cannot differentiate (refused: hstack, vstack, dstack, column_stack)."""
+
+    def translate(tensors):
+        from onnxscript import opset18 as op
+
+        out = []
+        for t in tensors:
+            axes = _ATLEAST_AXES[n].get(len(t.shape))
+            out.append(op.Identity(t) if axes is None else op.Unsqueeze(t, op.Constant(value_ints=axes)))
+        return tuple(out)
+
+    return translate
+
+
 #: ATen ops the dynamo path always writes as ATen nodes (the module docstring).
 TRAINING_ATEN_OPS: tuple[str, ...] = (
     "scatter_reduce",
@@ -530,6 +555,9 @@ def training_translations() -> dict:
         table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
     table[aten.unsqueeze.default] = _unsqueeze_complex
+    table[aten.atleast_1d.Sequence] = _atleast_sequence(1)
+    table[aten.atleast_2d.Sequence] = _atleast_sequence(2)
+    table[aten.atleast_3d.Sequence] = _atleast_sequence(3)
     table[aten.softmax.int] = _softmax_in("Softmax")
     table[aten.log_softmax.int] = _softmax_in("LogSoftmax")
     return table

@@ -249,8 +249,9 @@ def mark_used_outputs(model: onnx.ModelProto) -> bool:
 
 
 def drop_missing_gradients(model: onnx.ModelProto) -> bool:
-    """Make absent the inputs of ``ops.OPTIONAL_GRADIENT_OPS`` nodes that nothing produces (an
-    output gradient the built graph lacks: no gradient reaches that output); True if any changed."""
+    """Make absent the inputs of ``ops.OPTIONAL_GRADIENT_OPS`` nodes and of vjp nodes that nothing
+    produces (an output gradient the built graph lacks: no gradient reaches that output, as for the U
+    and Vh of ``_linalg_svd`` under ``svdvals``; ``_vjp`` skips an absent one); True if any changed."""
     from ..ops import OPTIONAL_GRADIENT_OPS
 
     graph = model.graph
@@ -259,7 +260,10 @@ def drop_missing_gradients(model: onnx.ModelProto) -> bool:
         for n in graph.node
         if n.domain == ATEN_DOMAIN
         and n.op_type == "ATen"
-        and any(a.name == "operator" and a.s.decode() in OPTIONAL_GRADIENT_OPS for a in n.attribute)
+        and any(
+            a.name == "operator" and (a.s.decode() in OPTIONAL_GRADIENT_OPS or a.s.decode().startswith(VJP_PREFIX))
+            for a in n.attribute
+        )
     ]
     if not nodes:
         return False

@@ -84,7 +84,13 @@ UNKNOWN = "its input types or ranks are unknown, so ortwrap cannot ask ONNX Runt
 
 
 def probe_node(
-    node: ir.Node, opsets: dict[str, int], *, with_backward: bool, constant_value, as_float: bool = False
+    node: ir.Node,
+    opsets: dict[str, int],
+    *,
+    with_backward: bool,
+    constant_value,
+    as_float: bool = False,
+    every_gradient: bool = False,
 ) -> str | None:
     """Why ORT's CPU provider cannot run ``node`` (forward, and with ``with_backward`` its gradient),
     or None if it can; :data:`UNKNOWN` where the node cannot be probed alone.
@@ -95,16 +101,19 @@ def probe_node(
         with_backward: probe its gradient too.
         constant_value: ``constant_value(value)`` -> the value's constant array, or None.
         as_float: probe the node with its float64 values made float32.
+        every_gradient: the gradient of every float input that is not a constant must build (by
+            default an input ORT gives no gradient, such as BatchNorm's running statistics, is
+            left out; ``Clip``'s tensor bounds are such inputs, which PyTorch differentiates).
     """
     built = probe_model(node, opsets, constant_value, as_float)
     if built is None:
         return UNKNOWN
     model, grads = built
-    return _probe(model.SerializeToString(), tuple(grads), with_backward)
+    return _probe(model.SerializeToString(), tuple(grads), with_backward, every_gradient)
 
 
 @functools.lru_cache(maxsize=4096)
-def _probe(model_bytes: bytes, grads: tuple[str, ...], with_backward: bool) -> str | None:
+def _probe(model_bytes: bytes, grads: tuple[str, ...], with_backward: bool, every_gradient: bool = False) -> str | None:
     import re
 
     import onnxruntime as ort
@@ -128,7 +137,7 @@ def _probe(model_bytes: bytes, grads: tuple[str, ...], with_backward: bool) -> s
             except Exception as e:
                 # An input the op has no gradient for (BatchNorm's running statistics): ask without it.
                 undifferentiable = re.search(r"failed to find NodeArg by name: (\S+)_grad", str(e))
-                if undifferentiable is None or undifferentiable.group(1) not in wanted:
+                if every_gradient or undifferentiable is None or undifferentiable.group(1) not in wanted:
                     raise
                 wanted.remove(undifferentiable.group(1))
         options = ort.SessionOptions()

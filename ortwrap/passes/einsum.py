@@ -16,7 +16,8 @@ then ``ReduceSum`` what the output lacks and ``Transpose`` to the output order. 
 only use 0 (copy) and -1, so symbolic batch/sequence dimensions work. A MatMul with no batch dim
 gets a unit one: ORT lowers a 2-D MatMul's gradient to Gemm, and its GemmTransposeFusion fails
 ("GEMM: Dimension mismatch") when a dimension is symbolic. A single operand is only reduced and
-transposed. Unsupported: ellipsis (``...``) and a label repeated within one operand (diagonals).
+transposed. An ellipsis (``...``) is spelled out in unused letters from the input ranks. Unsupported: a
+label repeated within one operand (diagonals).
 """
 
 from __future__ import annotations
@@ -34,12 +35,40 @@ from ._build import NodeBuilder
 _Slot = str | tuple[str, ...] | None
 
 
+def _expand_ellipsis(node: ir.Node, eq: str, where: str) -> str:
+    """``eq`` with each ``...`` spelled out in letters the equation does not use, from the ranks of
+    the inputs (right-aligned, as einsum broadcasts them: ``...ij->...ji`` of a rank-4 input is
+    ``ABij->ABji``); PassError where a rank is unknown."""
+    lhs, arrow, out = eq.partition("->")
+    operands = lhs.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widths = []
+    for x, labels in zip(node.inputs, operands):
+        if "..." not in labels:
+            widths.append(0)
+            continue
+        if x is None or x.shape is None:
+            raise PassError(f"{where}: ellipsis ('...') of an input of unknown rank")
+        widths.append(len(x.shape) - len(labels.replace("...", "")))
+    width = max(widths, default=0)
+    if width > len(free) or any(w < 0 for w in widths):
+        raise PassError(f"{where}: ellipsis ('...') the rewrite cannot spell out")
+    letters = "".join(free[:width])
+    operands = [labels.replace("...", letters[width - w :]) for labels, w in zip(operands, widths)]
+    if arrow:
+        out = out.replace("...", letters)
+    elif "..." in lhs:  # implicit output: the broadcast dims first, then the labels used once
+        counts = Counter("".join(operands))
+        out = letters + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in letters))
+    return ",".join(operands) + "->" + out
+
+
 def _parse(node: ir.Node, equation: str) -> tuple[list[str], str]:
     """Operand labels and output labels of ``equation``; raise PassError for unsupported forms."""
     eq = equation.replace(" ", "")
     where = f"node {node.name!r}: Einsum equation {equation!r}"
     if "." in eq:
-        raise PassError(f"{where}: ellipsis ('...') is not supported by the Einsum rewrite")
+        eq = _expand_ellipsis(node, eq, where)
     lhs, arrow, out = eq.partition("->")
     operands = lhs.split(",")
     if len(operands) != len(node.inputs):
@@ -130,7 +159,7 @@ class _Rewriter:
 
 
 class EinsumToMatMulPass(ir.passes.InPlacePass):
-    """Replace ``Einsum`` (no ellipsis, no repeated label within an operand) by MatMuls."""
+    """Replace ``Einsum`` (no repeated label within an operand) by MatMuls."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph

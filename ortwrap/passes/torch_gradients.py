@@ -150,6 +150,12 @@ def _snake(op_type: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", op_type).lower()
 
 
+def _is_tensor_argument(a) -> bool:
+    """A ``Tensor`` or ``Tensor?`` argument (``clip.Tensor``'s bounds)."""
+    kind = a.type.kind()
+    return kind == "TensorType" or (kind == "OptionalType" and a.type.getElementType().kind() == "TensorType")
+
+
 @functools.cache
 def _same_named_op(op_type: str, n_inputs: int, n_outputs: int) -> str | None:
     """The PyTorch op (``name.overload``) named like the ONNX op that takes exactly its ``n_inputs``
@@ -166,7 +172,7 @@ def _same_named_op(op_type: str, n_inputs: int, n_outputs: int) -> str | None:
         args = list(schema.arguments)
         if any(a.kwarg_only or a.alias_info is not None for a in args):
             continue  # out= and in-place overloads
-        tensors = [a for a in args[:n_inputs] if a.type.kind() == "TensorType"]
+        tensors = [a for a in args[:n_inputs] if _is_tensor_argument(a)]
         rest = args[n_inputs:]
         if len(tensors) != n_inputs or not all(a.has_default_value() for a in rest):
             continue
@@ -189,7 +195,7 @@ def _ort_lacks_gradient(node: ir.Node, opsets: dict[str, int]) -> bool:
         tuple(constant_value(v) is not None for v in node.inputs),
     )
     if key not in _ORT_GRADIENT:
-        why = probe_node(node, opsets, with_backward=True, constant_value=constant_value)
+        why = probe_node(node, opsets, with_backward=True, constant_value=constant_value, every_gradient=True)
         _ORT_GRADIENT[key] = why is None or why == UNKNOWN
     return not _ORT_GRADIENT[key]
 
@@ -202,14 +208,18 @@ def same_named_entry(node: ir.Node, opsets: dict[str, int]) -> OnnxViaTorch | No
     if node.attributes or not node.outputs:
         return None
     op = _same_named_op(node.op_type, len(node.inputs), len(node.outputs))
-    if op is None or any(v is None for v in node.inputs) or not _ort_lacks_gradient(node, opsets):
+    if op is None or node.inputs[0] is None or not _ort_lacks_gradient(node, opsets):
+        return None
+    schema_args = compat.op_schema(getattr(getattr(torch.ops.aten, op.split(".")[0]), op.split(".")[1])).arguments
+    if any(v is None and schema_args[i].type.kind() != "OptionalType" for i, v in enumerate(node.inputs)):
         return None
 
     def args(n, value, b):
         first = n.inputs[0].dtype
         # ONNX ops such as Pow keep the first input's type; PyTorch's promote it with the others'.
+        # (an absent optional input, Clip's max, stays absent)
         return [
-            v if v.dtype is None or v.dtype == first or first is None else b.op("Cast", v, to=int(first))
+            v if v is None or v.dtype is None or v.dtype == first or first is None else b.op("Cast", v, to=int(first))
             for v in n.inputs
         ]
 
