@@ -277,7 +277,7 @@ def _mark(r: dict, path: str) -> str:
 
 def markdown(rows: list[dict], cpu: str, note: str) -> str:
     lines = [f"CPU: {cpu}. torch {torch.__version__}. {note}".rstrip(), ""]
-    for dtype, threads in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0])):
+    for dtype, threads in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0] != "fp32")):
         sel = [r for r in rows if r["dtype"] == dtype and r["threads"] == threads]
         clock = "CPU" if threads == 1 else "wall"
         lines += [
@@ -326,7 +326,7 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
         return False
-    configs = sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0]))
+    configs = sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0] != "fp32"))
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(configs), figsize=(4.2 * len(configs) + 1, 0.32 * len(models) + 1.6), sharey=True)
     axes = [axes] if len(configs) == 1 else list(axes)
@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench-zoo"))
     p.add_argument("--note", default="", help="a line for the table's head (the machine's load, say)")
+    p.add_argument("--render", default="", help="comma-separated zoo.json files: write their rows' table and plot")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child is not None:
@@ -386,6 +387,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             out = measure(case, warmup=job["warmup"], iters=job["iters"], **kw)
         print("ROW " + json.dumps(out), flush=True)
         return [out]
+    if a.render:
+        return render(a.render.split(","), a.out, a.note)
     a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 3)
     a.iters = a.iters if a.iters is not None else (10 if a.quick else 20)
     threads = [
@@ -419,13 +422,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     json.dump({"cpu": cpu, "torch": torch.__version__, "rows": rows}, f, indent=1)
     minutes = (time.perf_counter() - t_start) / 60
     note = f"{a.note + ' ' if a.note else ''}Run took {minutes:.1f} min{' (--quick)' * a.quick}."
-    with open(os.path.join(a.out, "zoo.md"), "w") as f:
+    write_report(rows, cpu, a.out, note)
+    return rows
+
+
+def write_report(rows: list[dict], cpu: str, out: str, note: str) -> None:
+    """zoo.md and zoo.png in ``out``; the geometric means, the last line the one over every row."""
+    with open(os.path.join(out, "zoo.md"), "w") as f:
         f.write(markdown(rows, cpu, note))
-    plotted = plot(rows, os.path.join(a.out, "zoo.png"), f"{cpu}; torch {torch.__version__}")
-    print(f"wrote {a.out}/zoo.json, zoo.md{', zoo.png' * plotted} ({minutes:.1f} min)")
-    for dtype, th in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0])):
+    plotted = plot(rows, os.path.join(out, "zoo.png"), f"{cpu}; torch {torch.__version__}")
+    print(f"wrote {out}/zoo.md{', zoo.png' * plotted}")
+    for dtype, th in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0] != "fp32")):
         print(geomean_line([r for r in rows if r["dtype"] == dtype and r["threads"] == th], f"{dtype}, {th} threads"))
     print(geomean_line(rows, "all configurations"), flush=True)
+
+
+def render(paths: list[str], out: str, note: str) -> list[dict]:
+    """The table and plot of earlier runs' zoo.json files (runs split by dtype or thread count, say)."""
+    rows, cpus = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        cpus.append(data["cpu"])
+    os.makedirs(out, exist_ok=True)
+    write_report(rows, " / ".join(dict.fromkeys(cpus)), out, note)
     return rows
 
 

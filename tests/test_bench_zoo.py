@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
-import bench_zoo  # noqa: E402
-from model_zoo import BY_NAME  # noqa: E402
+import bench_zoo
+from model_zoo import BY_NAME
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
