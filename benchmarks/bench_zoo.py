@@ -323,6 +323,7 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
         return False
@@ -333,11 +334,23 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
     for ax, (dtype, threads) in zip(axes, configs):
         by = {r["model"]: r for r in rows if r["dtype"] == dtype and r["threads"] == threads}
         ys = range(len(models))
-        for off, key, color in ((-0.2, "ortwrap_ratio", "tab:blue"), (0.2, "compile_ratio", "tab:orange")):
-            vals = [by.get(m, {}).get(key, float("nan")) for m in models]
-            ax.barh([y + off for y in ys], vals, height=0.4, color=color, label=key.replace("_ratio", "/eager"))
+        seen = [1.0]
+        for off, key, color, marker in (
+            (-0.15, "ortwrap_ratio", "tab:blue", "o"),
+            (0.15, "compile_ratio", "tab:orange", "s"),
+        ):
+            pts = [(y + off, by[m][key]) for y, m in zip(ys, models) if key in by.get(m, {})]
+            seen += [v for _, v in pts]
+            ax.hlines([y for y, _ in pts], 1.0, [v for _, v in pts], color=color, linewidth=2)  # from eager's 1.0
+            ax.scatter([v for _, v in pts], [y for y, _ in pts], color=color, marker=marker, s=18, zorder=3,
+                       label=key.replace("_ratio", "/eager"))  # fmt: skip
         ax.axvline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log")
+        ax.set_xlim(min(seen) / 1.3, max(seen) * 1.3)
+        ax.grid(axis="x", which="both", linewidth=0.3)
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FormatStrFormatter("%.2g"))
+        ax.tick_params(axis="x", which="both", labelsize=6)
         ax.set_title(f"{dtype}, {threads} thread{'s' * (threads > 1)}", fontsize=9)
         ax.set_xlabel("step time / eager (lower is faster)", fontsize=8)
         ax.set_yticks(list(ys))
