@@ -76,8 +76,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 # The model zoo: eager, torch.compile and ortwrap on every architecture of tests/model_zoo.py, fp32 and bf16,
-# 1 thread and all cores (long: hours on 2 cores); `make bench-zoo ZOO=--quick` runs 8 models at 1 thread
-# (~10 min; what `make bench` runs). Writes build/bench-zoo/zoo.{json,md,png} (docs/performance.md).
+# 1 thread and all cores (long: hours on 2 cores); `make bench-zoo ZOO=--quick` runs 6 models at 1 thread
+# (~10-15 min; what `make bench` runs). Writes build/bench-zoo/zoo.{json,md,png} (docs/performance.md).
 ZOO ?=
 bench-zoo: $(STAMP)
 	$(BENCH_DEPS)
