@@ -377,7 +377,7 @@ def models_for(a) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"models {','.join(QUICK)}; threads: all cores")
+    p.add_argument("--quick", action="store_true", help=f"models {','.join(QUICK)}; threads: 1")
     p.add_argument("--models", default="", help="comma-separated case names of tests/model_zoo.py")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--threads", default=None, help="comma-separated: 1 and/or 'all' (default 1,all; --quick: 1)")
