@@ -28,7 +28,7 @@ Per model and configuration (dtype x threads):
 Writes ``<out>/zoo.json`` (every row), ``<out>/zoo.md`` (the markdown table, with the CPU: lscpu's model
 name and the avx512_bf16 / amx flags) and ``<out>/zoo.png`` (per-model ratios, one panel per
 configuration; needs matplotlib: ``pip install -e '.[bench]'``). The models are the suite's tiny
-configurations (hidden sizes 16-64): their steps take milliseconds, so the ratios weigh each path's
+configurations (hidden sizes around 32): their steps take milliseconds, so the ratios weigh each path's
 fixed per-step cost (ortwrap's crossings, dynamo's guards) more than GEMM speed (bench_scale.py and
 bench_amp.py measure GPT-2-small-sized LMs).
 """
@@ -356,8 +356,8 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
         ax.set_xlabel("step time / eager (lower is faster)", fontsize=8)
         ax.set_yticks(list(ys))
         ax.set_yticklabels(models, fontsize=7)
-        ax.invert_yaxis()
-    axes[0].legend(fontsize=7, loc="lower right")
+    axes[0].invert_yaxis()  # the first model on top (the axes share y: once)
+    axes[0].legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
