@@ -27,7 +27,7 @@ PYTEST_ARGS ?= -m "not slow"
 endif
 STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
-.PHONY: demo test test-slow test-opinfo test-all test-wheel bench bench-scale lint clean
+.PHONY: demo test test-slow test-opinfo test-all test-wheel bench bench-zoo bench-scale lint clean
 
 $(STAMP): pyproject.toml setup.py Makefile
 	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
@@ -68,8 +68,20 @@ test-wheel: $(STAMP)
 	tests/installed/run.sh $(PYTHON) $(DIST)/ortwrap-*.whl $(ORT_EXTRA) $(TORCH)
 	tests/installed/run.sh $(PYTHON) $(DIST)/ortwrap-*.tar.gz $(ORT_EXTRA) $(TORCH)
 
+# the bench extra (matplotlib, for bench_zoo's plot), without touching torch
+BENCH_DEPS = $(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.5'
+
 bench: $(STAMP)
+	$(BENCH_DEPS)
 	$(PY) benchmarks/run_all.py
+
+# The model zoo: eager, torch.compile and ortwrap on every architecture of tests/model_zoo.py, fp32 and bf16,
+# 1 thread and all cores (long: hours on 2 cores); `make bench-zoo ZOO=--quick` runs 6 models at 1 thread
+# (~10-15 min; what `make bench` runs). Writes build/bench-zoo/zoo.{json,md,png} (docs/performance.md).
+ZOO ?=
+bench-zoo: $(STAMP)
+	$(BENCH_DEPS)
+	$(PY) benchmarks/bench_zoo.py $(ZOO)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/bench_scale.py

@@ -8,6 +8,7 @@ import bench_mlp
 import bench_overhead
 import bench_pythonop
 import bench_threads
+import bench_zoo
 import profile_lm
 import torch
 
@@ -20,3 +21,4 @@ if __name__ == "__main__":
     bench_pythonop.main()
     bench_threads.main()
     bench_cpu_fallback.main()
+    bench_zoo.main(["--quick"])
