@@ -9,40 +9,13 @@ import copy
 import pytest
 import torch
 from parity import assert_close
+from test_fallback_per_signature import EvalPathUnbuildable
 from torch import nn
 
 import ortwrap.integrations as integrations
 from ortwrap import FallbackWarning, ORTWrap
 from ortwrap.dispatch import GraphKey
 from ortwrap.errors import ExportError
-
-
-class _ReturnsInt(torch.autograd.Function):
-    """A Function with a non-tensor output: it cannot run inside ONNX Runtime."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2, 3
-
-    @staticmethod
-    def backward(ctx, g, _):
-        return g * 2
-
-
-class EvalPathUnbuildable(nn.Module):
-    """Trains on ORT; its eval-mode path cannot be built (test_fallback_per_signature.py's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if not self.training:
-            h, k = _ReturnsInt.apply(h)
-            h = h * k
-        return self.b(h)
 
 
 class _Recorder(integrations.Integration):
