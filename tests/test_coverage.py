@@ -517,3 +517,29 @@ def test_random_op_whose_gradient_depends_on_its_draw_is_refused():
     wrapped = ORTWrap(_RandomSlopes(), exporter="dynamo", fallback=False, build_cache=False)
     with pytest.raises(ORTWrapError, match=r"rrelu\w* is random: its gradient would recompute it"):
         wrapped(torch.randn(3, 4)).sum().backward()
+
+
+class _AttentionNoDropout(torch.nn.Module):
+    """3-D ``scaled_dot_product_attention`` with ``dropout_p=0`` (an ATen node under dynamo: torchlib
+    takes only 4-D) and ``rrelu`` outside training: random ops whose constant arguments rule the draw
+    out, so their vjp recomputes them exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+        return torch.nn.functional.rrelu(out, training=False)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_random_op_that_cannot_draw_here_trains(exporter):
+    """The random-op refusal reads the node's constant arguments: dropout_p=0 or training=False is
+    deterministic, and trains with eager's numbers (the refusal above still applies when it draws)."""
+
+    def inputs(b, g):
+        return (torch.randn(b, 5, 8, generator=g),), {}
+
+    check_parity(_AttentionNoDropout, inputs, wrap_options={"exporter": exporter})

@@ -8,6 +8,7 @@ the built graph (:func:`mark_used_outputs`, :func:`drop_missing_gradients`).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import onnx
 import torch
@@ -123,6 +124,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
 
     keys = []
     types = _types(model)
+    constants: dict[str, Any] | None = None  # (read when a random op needs them)
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
             continue
@@ -165,18 +167,24 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                 f"ATen op {op} has float outputs {_float_flags(known[2])} in one graph and {_float_flags(grads_out)} "
                 "in another; ORT allows one gradient definition per op (run the integer one as an ONNX op)"
             )
+        schema_args = compat.op_schema(plan.fn).arguments
+        draws_only = op.rpartition("::")[2] in _DRAWS_ONLY
+        if torch.Tag.nondeterministic_seeded in plan.fn.tags and not draws_only:
+            # NOTE: a vjp recomputes the op: a random op would draw again, and a gradient that
+            # depends on the draw (rrelu's slopes, a dropout mask) would be silently wrong. Checked on
+            # every node (the first node's definition stays for the process): one whose constant
+            # arguments make it deterministic here (dropout_p=0, train=False) is differentiated.
+            if constants is None:
+                constants = _constant_values(model)
+            if _draws(node, schema_args, constants):
+                raise RuntimeError(
+                    f"ATen op {op} is random: its gradient would recompute it with another draw than its "
+                    "forward's. Run it outside the wrapped module, or the module without ORTWrap"
+                )
         if known is None:
-            schema_args = compat.op_schema(plan.fn).arguments
             stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
-            if torch.Tag.nondeterministic_seeded in plan.fn.tags:
-                # NOTE: a vjp recomputes the op: a random op would draw again, and a gradient that
-                # depends on the draw (rrelu's slopes, a dropout mask) would be silently wrong. Ops
-                # whose result does not depend on their inputs' values take no gradient at all.
-                if op.rpartition("::")[2] not in _DRAWS_ONLY:
-                    raise RuntimeError(
-                        f"ATen op {op} is random: its gradient would recompute it with another draw than its "
-                        "forward's. Run it outside the wrapped module, or the module without ORTWrap"
-                    )
+            if draws_only:
+                # Ops whose result does not depend on their inputs' values take no gradient at all.
                 stop = set(range(n_in))
             # An ``out=`` overload (``div.out``: spectral_norm's power iteration, run under no_grad in
             # eager, which refuses out= with inputs that need grad): no gradient flows through it.
@@ -203,6 +211,35 @@ _DRAWS_ONLY = frozenset(
     {"exponential", "uniform", "bernoulli", "random", "cauchy", "log_normal", "geometric", "rand_like",
      "randn_like", "randint_like"}
 )  # fmt: skip
+
+
+#: Arguments whose constant value makes a random op deterministic: a drop probability of 0, or a
+#: training flag that is False.
+_NO_DRAW = {"dropout_p": 0.0, "p": 0.0, "train": False, "training": False}
+
+
+def _constant_values(model: onnx.ModelProto) -> dict[str, Any]:
+    """The values of the graph's constants (Constant nodes' and initializers'), by name."""
+    from onnx import numpy_helper
+
+    out: dict[str, Any] = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and not n.domain:
+            for a in n.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    out[n.output[0]] = numpy_helper.to_array(a.t)
+    return out
+
+
+def _draws(node: onnx.NodeProto, schema_args: Any, constants: dict[str, Any]) -> bool:
+    """Whether a random ATen node draws in this graph: False when a constant argument rules the draw
+    out (``dropout_p`` 0, ``train`` False); True when unknown."""
+    for i, arg in enumerate(schema_args):
+        if arg.name in _NO_DRAW and i < len(node.input) and node.input[i] in constants:
+            value = constants[node.input[i]]
+            if value.size == 1 and value.reshape(()).item() == _NO_DRAW[arg.name]:
+                return False
+    return True
 
 
 def _float_flags(grads_out) -> str:
