@@ -1,4 +1,4 @@
-"""The persistent build cache (``ortwrap/cache.py``): a second process loads the graph instead of
+"""The persistent build cache (``ortwrap/build/cache.py``): a second process loads the graph instead of
 building it, and no change to the model, its code, an option or the inputs is ever served a stale
 graph; corrupt entries are rebuilt with a warning, and a crash mid-write leaves no entry.
 (Edits to code the model calls, the signing of entries, the size cap: test_cache_soundness.py.)"""

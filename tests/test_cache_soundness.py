@@ -1,7 +1,7 @@
 """The build cache never serves a stale program (issue 23, section 2), keeps to its size cap, runs no
 code from files it did not sign, and ``python -m ortwrap env`` / ``cache info`` / ``cache clear``.
 
-The key is made from the capture (``ortwrap/cache.py``), so every edit below, each of which a key
+The key is made from the capture (``ortwrap/build/cache.py``), so every edit below, each of which a key
 made from the module's classes and source files missed, rebuilds: each test first shows the cache
 serving the unedited code, then edits, then trains next to eager on the edited code. The user's
 code lives in files written to ``tmp_path`` and imported from there; an edit rewrites a file and
