@@ -19,8 +19,8 @@ clock (the busy process's share of the machine is the point); each row its own p
 from __future__ import annotations
 
 import copy
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 
