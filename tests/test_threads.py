@@ -8,10 +8,13 @@ import copy
 
 import pytest
 import torch
-from parity import assert_close
+from parity import assert_close, no_exporter
 from torch import nn
 
 from ortwrap import ORTWrap
+from ortwrap.engines.onnxruntime import session as engine_session
+from ortwrap.options import Options
+from ortwrap.runtime import session as runtime_session
 
 pytestmark = pytest.mark.usefixtures("exporter")
 
@@ -69,3 +72,18 @@ def test_explicit_threads_and_spinning_options_win(exporter, torch_threads):
     for so in _session_options(w):
         assert so.intra_op_num_threads == 2
         assert [so.get_session_config_entry(k) for k in SPIN_KEYS] == ["1", "1"]
+
+
+@no_exporter
+@pytest.mark.parametrize(
+    "make", [runtime_session.session_options, engine_session.session_options], ids=["training", "engine"]
+)
+def test_both_engines_session_options_follow_the_rule(exporter, torch_threads, make):
+    """The same rule for the training engine's sessions and the onnxruntime engine's."""
+    torch.set_num_threads(3)
+    so = make(Options.resolve(intra_op_threads=0, allow_spinning=False))
+    assert (so.intra_op_num_threads, so.inter_op_num_threads) == (3, 1)
+    assert [so.get_session_config_entry(k) for k in SPIN_KEYS] == ["0", "0"]
+    so = make(Options.resolve(intra_op_threads=2, allow_spinning=True))
+    assert so.intra_op_num_threads == 2
+    assert [so.get_session_config_entry(k) for k in SPIN_KEYS] == ["1", "1"]
