@@ -88,7 +88,7 @@ def env(out=sys.stdout) -> None:
     from . import __version__
     from ._compat.torch import CHECKED_RELEASES, SUPPORTED_RANGE
     from .build.cache import entries_info
-    from .options import build_cache_dir, build_cache_max_bytes, cache_dir
+    from .options import Options, build_cache_dir, build_cache_max_bytes, cache_dir
 
     w = out.write
     w(f"ortwrap: {__version__} ({os.path.dirname(os.path.abspath(__file__))})\n")
@@ -110,6 +110,13 @@ def env(out=sys.stdout) -> None:
         import torch
 
         w(f"torch threads: {torch.get_num_threads()}, cuda: {torch.cuda.is_available()}\n")
+        o = Options.resolve()
+        w(
+            f"threads: ORT intra-op {o.intra_op_threads or torch.get_num_threads()} "
+            f"({'intra_op_threads' if o.intra_op_threads else 'torch.get_num_threads()'}), ORT spinning "
+            f"{'on' if o.allow_spinning else 'off'}; PyTorch's OpenMP: OMP_WAIT_POLICY="
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} (docs/performance.md, Threads)\n"
+        )
     except Exception as e:  # pragma: no cover
         w(f"torch: cannot import ({type(e).__name__}: {e})\n")
     for name, status in _native_status():

@@ -590,6 +590,8 @@ def test_python_m_ortwrap_env_and_cache_info_and_clear(user, tmp_path):
         "cpu flags: avx2 ",
         "avx512_bf16 ",
         "native kernels/_cpu.c",
+        "threads: ORT intra-op ",
+        "ORT spinning off; PyTorch's OpenMP: OMP_WAIT_POLICY=",
         f"build cache (ORTWRAP_BUILD_CACHE_DIR): {directory}: 1 entries",
     ):
         assert line in out, f"{line!r} missing from:\n{out}"
