@@ -235,3 +235,84 @@ def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
         backward = w._engine.last.graphs["backward"]
         saved[recompute] = sum(n.op == "placeholder" for n in backward.graph.nodes)
     assert saved["cheap"] < saved["none"], saved
+
+
+class DetachAndPadding(nn.Module):
+    """``detach()`` and an embedding's ``padding_idx``: ortwrap's translations mark both
+    ``ortwrap::StopGradient`` (for the training build's gradient builder), which an InferenceSession
+    does not know: the session failed to build (BERT, RoBERTa, ALBERT, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=0)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, ids):
+        h = self.fc(self.emb(ids))
+        return h * h.detach().tanh()
+
+
+def test_stop_gradient_markers_are_resolved():
+    check_parity(DetachAndPadding, lambda b, g: ((torch.randint(0, 10, (b, 5), generator=g),), {}),
+                 wrap_options=ORT, optimizer=adamw)  # fmt: skip
+
+
+class TwoLayerLSTM(nn.Module):
+    """With mkldnn on, torch's LSTM decomposition writes the first layer (its input needs no gradient)
+    as ``aten.mkldnn_rnn_layer``, which has no ONNX translation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def test_lstm_traced_without_mkldnn():
+    check_parity(TwoLayerLSTM, lambda b, g: ((torch.randn(b, 3 + b, 4, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw, atol=1e-4)  # fmt: skip
+
+
+class SkipsWhenNotTracing(nn.Module):
+    """transformers' masks: outside a trace, a data-dependent shortcut (``if mask.all(): no mask``);
+    traced (``torch.compiler.is_compiling()``), the mask is always applied. AOTAutograd's fake tensors
+    cannot take the shortcut's ``.all()`` (DataDependentOutputException: BERT, DistilBERT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if torch.compiler.is_compiling() or not bool(mask.all()):
+            h = h.masked_fill(~mask, 0.0)
+        return h.softmax(-1)
+
+
+def test_traced_as_torch_compile_traces():
+    def inputs(b, g):
+        mask = torch.ones(b, 5, dtype=torch.bool)
+        mask[1:, -2:] = False
+        return (torch.randn(b, 5, generator=g), mask), {}
+
+    check_parity(SkipsWhenNotTracing, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class ConstantInGraph(nn.Module):
+    """A tensor constant in the graph (transformers' ``torch.tensor([])`` caches, here an empty
+    tensor concatenated): the dynamo cleanup's constant folding read it inside AOTAutograd's fake
+    mode ("Please convert all Tensors to FakeTensors first": GPT-2, Llama)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([torch.tensor([]).view(h.shape[0], 0), h], -1).tanh()
+
+
+def test_graph_constants_translated_outside_the_fake_mode():
+    check_parity(ConstantInGraph, lambda b, g: ((torch.randn(b, 4, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw)  # fmt: skip

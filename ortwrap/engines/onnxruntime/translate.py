@@ -53,6 +53,7 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     from ...export.dynamo import _cleanup, _quiet_exporter
     from ...export.dynamo_translate import dynamo_to_onnx
     from ...export.translations import training_translations
+    from ...passes.stop_gradient import ResolveStopGradientPass
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -88,6 +89,9 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
             program = torch.export.export(module, example, strict=False)
             ir_model, _ = dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
+        # ortwrap's translations mark detach (and an embedding's padding row) ortwrap::StopGradient for
+        # ORT's gradient builder; AOTAutograd's graphs are differentiated already: the markers go.
+        ResolveStopGradientPass(with_backward=False)(ir_model)
         if fusions:
             import onnx_ir.passes.common as common
 
