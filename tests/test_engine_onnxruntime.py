@@ -221,6 +221,45 @@ def test_convolution_backward_decomposition(cin, cout, k, stride, pad, dil, grou
         assert_close(a, e, f"grad of {name}")
 
 
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,pad,outpad,dil,groups,size",
+    [(8, 4, 2, 2, 0, 0, 1, 1, 6), (4, 6, 3, 2, 1, 1, 1, 2, 7), (6, 6, 3, 1, 1, 0, 2, 3, 5)],
+    ids=["unet-up", "grouped-output-padding", "dilated-grouped"],
+)
+def test_transposed_convolution_backward_decomposition(cin, cout, k, stride, pad, outpad, dil, groups, size):
+    """A transposed convolution's backward (the UNet's ConvTranspose2d upsampling): was left whole,
+    which torchlib cannot translate."""
+    from ortwrap.engines.onnxruntime.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cin, size, size + 1, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(cin, cout // groups, k, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(cout, dtype=torch.float64, generator=g, requires_grad=True)
+    y = F.conv_transpose2d(x, w, b, stride, pad, outpad, groups, dil)
+    go = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad(y, (x, w, b), go)
+    got = convolution_backward(
+        go, x.detach(), w.detach(), [cout], [stride] * 2, [pad] * 2, [dil] * 2, True, [outpad] * 2, groups, [True] * 3
+    )
+    for name, a, e in zip(("input", "weight", "bias"), got, expected):
+        assert_close(a, e, f"grad of {name}")
+
+
+class Upsampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(F.relu(self.conv(x))).tanh()
+
+
+def test_conv_transpose_trains():
+    check_parity(Upsampler, lambda b, g: ((torch.randn(b, 3, 6 + b, 6, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw)  # fmt: skip
+
+
 @SLOW_BESIDE_TRAINING
 def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
     """recompute (default "cheap"): AOTAutograd's min-cut partitioner recomputes cheap ops in the

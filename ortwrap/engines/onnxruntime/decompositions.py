@@ -3,8 +3,9 @@ backward ops that stay whole there and that torchlib cannot translate to ONNX.
 
 ``aten.convolution_backward`` (core ATen keeps it; ONNX has no ConvGrad): the input's gradient is a
 transposed convolution of the output's gradient, the weight's gradient a convolution of the input
-(batch and channels swapped) with the output's gradient, group by group. Shapes are static here
-(the engine builds per shape signature), so the transposed convolution's output padding is a number.
+(batch and channels swapped) with the output's gradient, group by group; a transposed convolution's backward is the same with the roles of its
+input and its output's gradient swapped. Shapes are static here (the engine builds per shape
+signature), so the transposed convolution's output padding is a number.
 """
 
 from __future__ import annotations
@@ -17,28 +18,39 @@ aten = torch.ops.aten
 def convolution_backward(
     grad_out, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):
-    if transposed:
-        return NotImplemented  # (a transposed convolution's backward: not decomposed yet)
     nd = weight.dim() - 2
     stride, padding, dilation = (list(v) * nd if len(v) == 1 else list(v) for v in (stride, padding, dilation))
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        extra = [
-            input.shape[2 + i]
-            - ((grad_out.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[2 + i] - 1) + 1)
-            for i in range(nd)
-        ]
-        grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation, True, extra, groups)
+        if transposed:
+            # y = conv_transpose(x, w) is the input's gradient of a convolution by w: x's gradient is that
+            # convolution of y's gradient (its output size is x's; output_padding's extra rows are not read)
+            grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation, False, [0] * nd, groups)
+        else:
+            extra = [
+                input.shape[2 + i]
+                - (
+                    (grad_out.shape[2 + i] - 1) * stride[i]
+                    - 2 * padding[i]
+                    + dilation[i] * (weight.shape[2 + i] - 1)
+                    + 1
+                )
+                for i in range(nd)
+            ]
+            grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation, True, extra, groups)
     if output_mask[1]:
-        cin = input.shape[1] // groups
-        cout = grad_out.shape[1] // groups
+        # transposed: w is the weight of the convolution from y to x, so its gradient is that convolution's
+        # weight gradient with the roles of x and y's gradient swapped
+        x, go = (grad_out, input) if transposed else (input, grad_out)
+        cin = x.shape[1] // groups
+        cout = go.shape[1] // groups
         parts = []
         for g in range(groups):
-            x = input[:, g * cin : (g + 1) * cin] if groups > 1 else input
-            go = grad_out[:, g * cout : (g + 1) * cout] if groups > 1 else grad_out
+            xg = x[:, g * cin : (g + 1) * cin] if groups > 1 else x
+            gg = go[:, g * cout : (g + 1) * cout] if groups > 1 else go
             # [Cin, N, ...] * [Cout, N, ...] -> [Cin, Cout, ...]: the batch is the reduction
             w = aten.convolution(
-                x.transpose(0, 1), go.transpose(0, 1), None, dilation, padding, stride, False, [0] * nd, 1
+                xg.transpose(0, 1), gg.transpose(0, 1), None, dilation, padding, stride, False, [0] * nd, 1
             ).transpose(0, 1)
             for i in range(nd):
                 w = w.narrow(2 + i, 0, weight.shape[2 + i])
