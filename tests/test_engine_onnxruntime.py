@@ -355,3 +355,30 @@ class ConstantInGraph(nn.Module):
 def test_graph_constants_translated_outside_the_fake_mode():
     check_parity(ConstantInGraph, lambda b, g: ((torch.randn(b, 4, generator=g),), {}), wrap_options=ORT,
                  optimizer=adamw)  # fmt: skip
+
+
+class SetsAColumn(nn.Module):
+    """``out[:, 0] = 2``: functionalized to ``aten.copy`` of a 0-d constant into a slice (BART's and T5's
+    ``shift_tokens_right``), which torchlib translates without the broadcast. And a weight-normed
+    convolution (wav2vec2's positional embedding), whose backward op has no translation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(5, 5, 3, padding=1), dim=2)
+
+    def forward(self, x, ids):
+        h = self.fc(x)
+        out = h.clone()
+        out[:, 0] = 2
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1]
+        shifted[:, 0] = 5
+        return self.conv(out) * shifted[..., None], shifted
+
+
+def test_copy_into_a_slice_and_weight_norm():
+    def inputs(b, g):
+        return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
+
+    check_parity(SetsAColumn, inputs, wrap_options=ORT, optimizer=adamw)

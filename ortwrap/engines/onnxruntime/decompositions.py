@@ -62,17 +62,44 @@ def convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
+def copy(self, src, non_blocking=False):
+    """``aten.copy`` (a functionalized ``x[:, 0] = 2``: a 0-d constant copied into a slice) broadcasts
+    ``src`` to ``self``'s shape; torchlib's translation is ``CastLike(src, self)``, which does not (BART's
+    and T5's ``shift_tokens_right`` built a session that ORT refused, or a wrong shape)."""
+    out = src if src.dtype == self.dtype else aten._to_copy.default(src, dtype=self.dtype)
+    if tuple(out.shape) != tuple(self.shape):
+        out = aten.expand.default(out, list(self.shape))
+    return aten.clone.default(out)
+
+
+def weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """``aten._weight_norm_interface_backward`` (torch has no decomposition of it): ``w = v * g / |v|``
+    with the norm over every dim but ``dim``."""
+    dims = [d for d in range(saved_v.dim()) if d != dim % saved_v.dim()]
+    norms = saved_norms.reshape(saved_g.shape)
+    grad_g = (grad_w * saved_v).sum(dims, keepdim=True) / norms
+    grad_v = (saved_g / norms) * (grad_w - saved_v * (grad_g / norms))
+    return grad_v, grad_g
+
+
 def engine_decompositions() -> dict:
     """op -> decomposition, for the AOTAutograd trace (added to torch.export's defaults).
 
     Also torch's own decompositions of training-mode batch norm: translated whole, ONNX's
     BatchNormalization(training_mode=1) gives no saved mean and inverse deviation, and torchlib's
-    translation computed them wrong on onnxruntime (tests/test_engine_onnxruntime.py, the CNN).
+    translation computed them wrong on onnxruntime (tests/test_engine_onnxruntime.py, the CNN). And
+    weight norm's (``_weight_norm_interface``, wav2vec2's positional convolution) with its backward.
     """
     from ..._compat import torch as compat
 
     table = compat.decompositions_of(
         [aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
-         aten._native_batch_norm_legit.no_stats, aten.native_batch_norm.default]
+         aten._native_batch_norm_legit.no_stats, aten.native_batch_norm.default,
+         aten._weight_norm_interface.default]
     )  # fmt: skip
-    return {**table, aten.convolution_backward.default: convolution_backward}
+    return {
+        **table,
+        aten.convolution_backward.default: convolution_backward,
+        aten.copy.default: copy,
+        aten._weight_norm_interface_backward.default: weight_norm_backward,
+    }
