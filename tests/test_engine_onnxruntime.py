@@ -382,3 +382,27 @@ def test_copy_into_a_slice_and_weight_norm():
         return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
 
     check_parity(SetsAColumn, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class GroupedExperts(nn.Module):
+    """transformers' MoE experts: ``transformers::grouped_mm_fallback`` over rows sorted by expert.
+    AOTAutograd records its backward whole (``grouped_mm_fallback_backward``), which had no translation
+    (Mixtral, Qwen2-MoE). ``expert``: each row's expert, sorted; expert 2 gets no row in some batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.experts = nn.Parameter(torch.randn(3, 4, 5))
+
+    def forward(self, x, expert):
+        offs = (expert[None, :] <= torch.arange(3)[:, None]).sum(1).to(torch.int32)  # each expert's end
+        return torch.ops.transformers.grouped_mm_fallback(self.proj(x), self.experts, offs).tanh()
+
+
+def test_grouped_mm_backward_of_transformers_experts():
+    pytest.importorskip("transformers.integrations.moe")
+
+    def inputs(b, g):
+        return (torch.randn(2 * b, 4, generator=g), torch.randint(0, 2 + b % 2, (2 * b,), generator=g).sort()[0]), {}
+
+    check_parity(GroupedExperts, inputs, wrap_options=ORT, optimizer=adamw)

@@ -82,6 +82,12 @@ def weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     return grad_v, grad_g
 
 
+def empty_permuted(size, physical_layout, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten.empty_permuted`` (torch's ``empty_like`` decomposition writes it: Mixtral's and
+    Qwen2-MoE's routing) has no translation; the layout is only strides, which ONNX does not have."""
+    return aten.empty.memory_format(list(size), dtype=dtype, device=device)
+
+
 def engine_decompositions() -> dict:
     """op -> decomposition, for the AOTAutograd trace (added to torch.export's defaults).
 
@@ -101,5 +107,6 @@ def engine_decompositions() -> dict:
         **table,
         aten.convolution_backward.default: convolution_backward,
         aten.copy.default: copy,
+        aten.empty_permuted.default: empty_permuted,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
     }
