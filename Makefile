@@ -11,7 +11,7 @@ ORT_EXTRA ?= cpu
 ifneq ($(filter ort ort-gpu,$(ORT_EXTRA)),)
 ENGINE_VENV := -$(ORT_EXTRA)
 # (and the coverage suite's cases on the engine that are not slow there: test_coverage.ENGINE_FAST,
-# about 2.5 minutes; the rest of the zoo on the engine: `.venv-ort/bin/python -m pytest -m slow
+# about 2 minutes; the rest of the zoo on the engine: `.venv-ort/bin/python -m pytest -m slow
 # tests/test_coverage.py -k onnxruntime`)
 ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py \
 	tests/test_coverage.py::test_architecture_trains_like_eager

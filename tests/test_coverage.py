@@ -43,7 +43,7 @@ ENGINE_XFAIL: dict[str, str] = {
     "(docs/engines.md)",
 }
 #: The engine's cases in ``ORT_EXTRA=ort make test`` (not slow there; slow beside the training build,
-#: where this engine is the second one): one per fix and family, about 2.5 minutes (Makefile ENGINE_TESTS).
+#: where this engine is the second one): one per fix and family, about 2 minutes (Makefile ENGINE_TESTS).
 ENGINE_FAST = ("gpt2", "llama", "distilbert", "bart", "lstm_gru", "resnetish", "unet_convtranspose", "wav2vec2_encoder")
 
 
