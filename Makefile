@@ -10,7 +10,11 @@ TORCH ?= 2.13.0
 ORT_EXTRA ?= cpu
 ifneq ($(filter ort ort-gpu,$(ORT_EXTRA)),)
 ENGINE_VENV := -$(ORT_EXTRA)
-ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py
+# (and the coverage suite's cases on the engine that are not slow there: test_coverage.ENGINE_FAST,
+# about 2 minutes; the rest of the zoo on the engine: `.venv-ort/bin/python -m pytest -m slow
+# tests/test_coverage.py -k onnxruntime`)
+ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py \
+	tests/test_coverage.py::test_architecture_trains_like_eager
 endif
 ifeq ($(TORCH),2.13.0)
 VENV ?= .venv$(ENGINE_VENV)
@@ -19,9 +23,9 @@ VENV ?= .venv$(ENGINE_VENV)-$(TORCH)
 endif
 PY := $(VENV)/bin/python
 # `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those. In an
-# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests, all of them.
+# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests (none of them is slow there).
 ifdef ENGINE_TESTS
-PYTEST_ARGS ?= $(ENGINE_TESTS)
+PYTEST_ARGS ?= -m "not slow" $(ENGINE_TESTS)
 else
 PYTEST_ARGS ?= -m "not slow"
 endif

@@ -66,3 +66,21 @@ def exporter(request):
         yield request.param
     finally:
         parity.EXPORTER = saved
+
+
+@pytest.fixture(params=["training", "onnxruntime"])
+def engine(request):
+    """Run a test with each engine (``ORTWrap(engine=...)``, docs/engines.md): check_parity uses it.
+    Skipped where that engine's runtime is not installed (the training build in the
+    ``ORT_EXTRA=ort`` venv). A parametrization that names engines passes ``indirect=["engine"]``."""
+    import parity
+
+    reason = parity.engine_missing(request.param)
+    if reason:
+        pytest.skip(reason)
+    saved = parity.ENGINE
+    parity.ENGINE = request.param
+    try:
+        yield request.param
+    finally:
+        parity.ENGINE = saved

@@ -18,6 +18,18 @@ RTOL = 1e-4
 #: The exporter check_parity uses unless wrap_options names one; the ``exporter`` fixture
 #: (conftest.py) runs a test module with each.
 EXPORTER = "torchscript"
+#: The engine check_parity uses unless wrap_options names one (None: the option's default, "auto");
+#: the ``engine`` fixture (conftest.py) runs a test with each engine whose runtime is installed.
+ENGINE: str | None = None
+
+
+def engine_missing(engine: str) -> str | None:
+    """Why ``engine`` cannot run in this environment (its runtime is not installed), or None."""
+    from ortwrap.engines import is_onnxruntime_available, is_training_available
+
+    ok = {"training": is_training_available, "onnxruntime": is_onnxruntime_available}[engine]()
+    return None if ok else f"engine={engine!r}: its runtime is not installed in this environment"
+
 
 #: For a test in a module that runs each test with each exporter (``usefixtures("exporter")``) but
 #: that exports nothing (a pass on hand-written ONNX, a kernel, an option): it runs once, and the
@@ -115,7 +127,8 @@ def check_parity(
     torch.manual_seed(seed)
     eager = make_model().to(device)
     ours = copy.deepcopy(eager)
-    wrapped = ORTWrap(ours, **{"fallback": False, "exporter": EXPORTER, **(wrap_options or {})})
+    engine = {"engine": ENGINE} if ENGINE is not None else {}
+    wrapped = ORTWrap(ours, **{"fallback": False, "exporter": EXPORTER, **engine, **(wrap_options or {})})
     eager.train(train)
     wrapped.train(train)
     make_opt = optimizer or (lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9))

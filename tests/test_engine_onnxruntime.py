@@ -221,6 +221,45 @@ def test_convolution_backward_decomposition(cin, cout, k, stride, pad, dil, grou
         assert_close(a, e, f"grad of {name}")
 
 
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,pad,outpad,dil,groups,size",
+    [(8, 4, 2, 2, 0, 0, 1, 1, 6), (4, 6, 3, 2, 1, 1, 1, 2, 7), (6, 6, 3, 1, 1, 0, 2, 3, 5)],
+    ids=["unet-up", "grouped-output-padding", "dilated-grouped"],
+)
+def test_transposed_convolution_backward_decomposition(cin, cout, k, stride, pad, outpad, dil, groups, size):
+    """A transposed convolution's backward (the UNet's ConvTranspose2d upsampling): was left whole,
+    which torchlib cannot translate."""
+    from ortwrap.engines.onnxruntime.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cin, size, size + 1, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(cin, cout // groups, k, k, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(cout, dtype=torch.float64, generator=g, requires_grad=True)
+    y = F.conv_transpose2d(x, w, b, stride, pad, outpad, groups, dil)
+    go = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    expected = torch.autograd.grad(y, (x, w, b), go)
+    got = convolution_backward(
+        go, x.detach(), w.detach(), [cout], [stride] * 2, [pad] * 2, [dil] * 2, True, [outpad] * 2, groups, [True] * 3
+    )
+    for name, a, e in zip(("input", "weight", "bias"), got, expected):
+        assert_close(a, e, f"grad of {name}")
+
+
+class Upsampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(F.relu(self.conv(x))).tanh()
+
+
+def test_conv_transpose_trains():
+    check_parity(Upsampler, lambda b, g: ((torch.randn(b, 3, 6 + b, 6, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw)  # fmt: skip
+
+
 @SLOW_BESIDE_TRAINING
 def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
     """recompute (default "cheap"): AOTAutograd's min-cut partitioner recomputes cheap ops in the
@@ -235,3 +274,135 @@ def test_min_cut_partitioner_saves_fewer_values_than_recompute_none():
         backward = w._engine.last.graphs["backward"]
         saved[recompute] = sum(n.op == "placeholder" for n in backward.graph.nodes)
     assert saved["cheap"] < saved["none"], saved
+
+
+class DetachAndPadding(nn.Module):
+    """``detach()`` and an embedding's ``padding_idx``: ortwrap's translations mark both
+    ``ortwrap::StopGradient`` (for the training build's gradient builder), which an InferenceSession
+    does not know: the session failed to build (BERT, RoBERTa, ALBERT, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=0)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, ids):
+        h = self.fc(self.emb(ids))
+        return h * h.detach().tanh()
+
+
+def test_stop_gradient_markers_are_resolved():
+    check_parity(DetachAndPadding, lambda b, g: ((torch.randint(0, 10, (b, 5), generator=g),), {}),
+                 wrap_options=ORT, optimizer=adamw)  # fmt: skip
+
+
+class TwoLayerLSTM(nn.Module):
+    """With mkldnn on, torch's LSTM decomposition writes the first layer (its input needs no gradient)
+    as ``aten.mkldnn_rnn_layer``, which has no ONNX translation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, num_layers=2, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+def test_lstm_traced_without_mkldnn():
+    check_parity(TwoLayerLSTM, lambda b, g: ((torch.randn(b, 3 + b, 4, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw, atol=1e-4)  # fmt: skip
+
+
+class SkipsWhenNotTracing(nn.Module):
+    """transformers' masks: outside a trace, a data-dependent shortcut (``if mask.all(): no mask``);
+    traced (``torch.compiler.is_compiling()``), the mask is always applied. AOTAutograd's fake tensors
+    cannot take the shortcut's ``.all()`` (DataDependentOutputException: BERT, DistilBERT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x, mask):
+        h = self.fc(x)
+        if torch.compiler.is_compiling() or not bool(mask.all()):
+            h = h.masked_fill(~mask, 0.0)
+        return h.softmax(-1)
+
+
+def test_traced_as_torch_compile_traces():
+    def inputs(b, g):
+        mask = torch.ones(b, 5, dtype=torch.bool)
+        mask[1:, -2:] = False
+        return (torch.randn(b, 5, generator=g), mask), {}
+
+    check_parity(SkipsWhenNotTracing, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class ConstantInGraph(nn.Module):
+    """A tensor constant in the graph (transformers' ``torch.tensor([])`` caches, here an empty
+    tensor concatenated): the dynamo cleanup's constant folding read it inside AOTAutograd's fake
+    mode ("Please convert all Tensors to FakeTensors first": GPT-2, Llama)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cat([torch.tensor([]).view(h.shape[0], 0), h], -1).tanh()
+
+
+def test_graph_constants_translated_outside_the_fake_mode():
+    check_parity(ConstantInGraph, lambda b, g: ((torch.randn(b, 4, generator=g),), {}), wrap_options=ORT,
+                 optimizer=adamw)  # fmt: skip
+
+
+class SetsAColumn(nn.Module):
+    """``out[:, 0] = 2``: functionalized to ``aten.copy`` of a 0-d constant into a slice (BART's and T5's
+    ``shift_tokens_right``), which torchlib translates without the broadcast. And a weight-normed
+    convolution (wav2vec2's positional embedding), whose backward op has no translation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(5, 5, 3, padding=1), dim=2)
+
+    def forward(self, x, ids):
+        h = self.fc(x)
+        out = h.clone()
+        out[:, 0] = 2
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1]
+        shifted[:, 0] = 5
+        return self.conv(out) * shifted[..., None], shifted
+
+
+def test_copy_into_a_slice_and_weight_norm():
+    def inputs(b, g):
+        return (torch.randn(b, 5, 4, generator=g), torch.randint(0, 9, (b, 5), generator=g)), {}
+
+    check_parity(SetsAColumn, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class GroupedExperts(nn.Module):
+    """transformers' MoE experts: ``transformers::grouped_mm_fallback`` over rows sorted by expert.
+    AOTAutograd records its backward whole (``grouped_mm_fallback_backward``), which had no translation
+    (Mixtral, Qwen2-MoE). ``expert``: each row's expert, sorted; expert 2 gets no row in some batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.experts = nn.Parameter(torch.randn(3, 4, 5))
+
+    def forward(self, x, expert):
+        offs = (expert[None, :] <= torch.arange(3)[:, None]).sum(1).to(torch.int32)  # each expert's end
+        return torch.ops.transformers.grouped_mm_fallback(self.proj(x), self.experts, offs).tanh()
+
+
+def test_grouped_mm_backward_of_transformers_experts():
+    pytest.importorskip("transformers.integrations.moe")
+
+    def inputs(b, g):
+        return (torch.randn(2 * b, 4, generator=g), torch.randint(0, 2 + b % 2, (2 * b,), generator=g).sort()[0]), {}
+
+    check_parity(GroupedExperts, inputs, wrap_options=ORT, optimizer=adamw)

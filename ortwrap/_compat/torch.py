@@ -929,6 +929,23 @@ def aot_module(
 
 
 _declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
+_COMPILE_SESSION = _declare("torch.compiler._compile_session_context", ("2.13.0", "2.14.1"))
+_UNSET_FAKE = _declare("torch._subclasses.fake_tensor.unset_fake_temporarily", ("2.13.0", "2.14.1"))
+
+
+def compile_session() -> Any:
+    """The context ``torch.compile`` traces in: ``torch.compiler.is_compiling()`` is True, so library
+    code takes its trace-friendly branch (transformers skips its data-dependent ``mask.all()``
+    shortcut), as it does when AOTAutograd runs under ``torch.compile``."""
+    return _resolve(_COMPILE_SESSION)()
+
+
+def no_fake_mode() -> Any:
+    """Leave the active FakeTensorMode for the block: AOTAutograd calls its graph compilers inside
+    it, and a compiler that computes with real tensors (constant folding) must run outside."""
+    return _resolve(_UNSET_FAKE)()
+
+
 _GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions", ("2.13.0", "2.14.1"))
 
 

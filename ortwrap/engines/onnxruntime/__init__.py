@@ -26,7 +26,9 @@ work (docs/engines.md).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -161,7 +163,8 @@ class OnnxRuntimeEngine:
         def compiler(what: str):
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
                 compiled.graphs[what] = gm
-                graph = translate(gm, what, fusions=options.fusions and what != "backward")
+                with compat.no_fake_mode():  # (AOTAutograd calls compilers in its fake mode)
+                    graph = translate(gm, what, fusions=options.fusions and what != "backward")
                 runner = GraphRunner(graph, device, options, what)
                 compiled.runners[what] = runner
                 logger.info("onnxruntime engine: %s graph of %s translated", what, type(module).__name__)
@@ -172,8 +175,12 @@ class OnnxRuntimeEngine:
         flat = _Flat(module, in_spec)
         try:
             # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
-            # kernels' backward ops have no ONNX translation.
-            with sdpa_kernel([SDPBackend.MATH]):
+            # kernels' backward ops have no ONNX translation. mkldnn off while tracing: with it, torch's
+            # LSTM decomposition writes the first layer as ``aten.mkldnn_rnn_layer`` (no ONNX translation)
+            # instead of its per-step ops; the traced graph runs on ORT, so no mkldnn kernel is lost.
+            # compile_session: traced as torch.compile traces (is_compiling() is True), so library code
+            # takes its trace-friendly branches (transformers' masks skip their data-dependent shortcut).
+            with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session():
                 compiled.fn = compat.aot_module(
                     flat,
                     list(leaves),
@@ -202,6 +209,16 @@ class OnnxRuntimeEngine:
         self._compiled[key] = compiled
         self.last = compiled
         return compiled
+
+
+@contextlib.contextmanager
+def _mkldnn_off() -> Iterator[None]:
+    """mkldnn disabled for the block (only that flag: ``mkldnn.flags()`` resets the others too)."""
+    saved = torch.backends.mkldnn.set_flags(False, None, None, None)
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.set_flags(saved[0], None, None, None)
 
 
 def wrapper_warning() -> type:

@@ -46,13 +46,51 @@ def _meta(node: torch.fx.Node) -> torch.Tensor:
     return val
 
 
+def _grouped_mm_backward(mat_a, mat_b, offs, grad_out):
+    """onnxscript translation of ``transformers.grouped_mm_fallback_backward`` (the backward of the
+    experts' grouped matmul, which AOTAutograd records whole): per expert ``g`` and its rows,
+    ``grad_a = grad_out @ b[g].T`` and ``grad_b[g] = a.T @ grad_out``, as ``export/grouped_mm.py``
+    writes the forward (the number of experts static, rows sorted by expert, ``offs`` their ends)."""
+    from onnxscript import opset18 as op
+
+    groups = mat_b.shape[0] if mat_b.shape is not None else None
+    if not isinstance(groups, int):
+        raise RuntimeError("ortwrap: grouped_mm backward: the number of experts must be static")
+    ends = op.Cast(offs, to=7)
+    axes = op.Constant(value_ints=[0])
+    start = op.Constant(value_ints=[0])
+    grad_a, grad_b = [], []
+    for i in range(groups):
+        end = op.Slice(ends, op.Constant(value_ints=[i]), op.Constant(value_ints=[i + 1]), axes)
+        rows_go = op.Slice(grad_out, start, end, axes)
+        rows_a = op.Slice(mat_a, start, end, axes)
+        b_i = op.Gather(mat_b, op.Constant(value_int=i), axis=0)
+        grad_a.append(op.MatMul(rows_go, op.Transpose(b_i, perm=[1, 0])))
+        grad_b.append(op.Unsqueeze(op.MatMul(op.Transpose(rows_a, perm=[1, 0]), rows_go), axes))
+        start = end
+    return op.Concat(*grad_a, axis=0), op.Concat(*grad_b, axis=0)
+
+
+def _engine_translations() -> dict:
+    """ortwrap's translation table (the dynamo exporter's), and the backward ops AOTAutograd's
+    graphs hold that an exported forward graph never does."""
+    from ...export.translations import training_translations
+
+    table = training_translations()
+    try:
+        table[torch.ops.transformers.grouped_mm_fallback_backward.default] = _grouped_mm_backward
+    except (AttributeError, RuntimeError):
+        pass  # (transformers' MoE op not registered in this process)
+    return table
+
+
 def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
     """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
     GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
     intermediate values are graph outputs, saved for the backward, alone)."""
     from ...export.dynamo import _cleanup, _quiet_exporter
     from ...export.dynamo_translate import dynamo_to_onnx
-    from ...export.translations import training_translations
+    from ...passes.stop_gradient import ResolveStopGradientPass
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     (output,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -86,8 +124,11 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     try:
         with _quiet_exporter():
             program = torch.export.export(module, example, strict=False)
-            ir_model, _ = dynamo_to_onnx(program, table=training_translations(), opset=opset, decompose=False)
+            ir_model, _ = dynamo_to_onnx(program, table=_engine_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
+        # ortwrap's translations mark detach (and an embedding's padding row) ortwrap::StopGradient for
+        # ORT's gradient builder; AOTAutograd's graphs are differentiated already: the markers go.
+        ResolveStopGradientPass(with_backward=False)(ir_model)
         if fusions:
             import onnx_ir.passes.common as common
 
