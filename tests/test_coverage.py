@@ -563,3 +563,37 @@ def test_random_op_that_cannot_draw_here_trains(exporter):
         return (torch.randn(b, 5, 8, generator=g),), {}
 
     check_parity(_AttentionNoDropout, inputs, wrap_options={"exporter": exporter})
+
+
+class _AdaptivePools(torch.nn.Module):
+    """Adaptive average pools to sizes that do not divide the input (issue 24 §4: under dynamo the
+    decomposition wrote a slice-and-mean per output cell, a minute to translate and 3x eager's step;
+    they run as ATen nodes now), beside the (1, 1) pool that stays ONNX's GlobalAveragePool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = torch.nn.AdaptiveAvgPool2d((5, 7))
+        self.pool1 = torch.nn.AdaptiveAvgPool1d(3)
+        self.pool3 = torch.nn.AdaptiveAvgPool3d((2, 3, 2))
+
+    def forward(self, x):
+        h = self.conv(x)
+        a = self.pool(h).flatten(1)
+        b = self.pool1(h.flatten(2)).flatten(1)
+        c = self.pool3(h.unsqueeze(1)).flatten(1)
+        d = torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1)
+        return torch.cat([a, b, c, d], 1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_adaptive_average_pools_to_sizes_that_do_not_divide(exporter):
+    def inputs(b, g):
+        return (torch.randn(b, 3, 11 + b, 13, generator=g),), {}
+
+    wrapped = check_parity(_AdaptivePools, inputs, wrap_options={"exporter": exporter})
+    if exporter == "dynamo":  # PyTorch's kernels, not one slice-and-mean per output cell
+        graph = wrapped.last_artifacts.pre_grad.graph
+        aten = [a.s.decode() for n in graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "operator"]
+        assert {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"} <= {o.split("::")[-1] for o in aten}
+        assert sum(n.op_type == "ReduceMean" for n in graph.node) <= 2, "decomposed into per-cell means"

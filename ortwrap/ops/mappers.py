@@ -657,6 +657,16 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         )
         for norm in ("linalg_vector_norm", "linalg_norm")
     ),
+    *(
+        AtenViaTorch(
+            pool,
+            ("dynamo",),
+            "an adaptive average pool to any size but 1 has no torchlib translation: the decomposition writes a "
+            "slice-and-mean per output cell (a minute to translate, 3x eager's step); PyTorch's kernel runs it",
+            when=lambda c: len(c) > 1 and c[1] is not None and any(s != 1 for s in c[1]),
+        )
+        for pool in ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
+    ),
     AtenViaTorch(
         "index_fill",
         ("torchscript", "dynamo"),
