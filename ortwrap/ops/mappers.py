@@ -668,6 +668,17 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         for pool in ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d")
     ),
     AtenViaTorch(
+        "im2col",
+        ("dynamo",),
+        "torchlib writes im2col (F.unfold) as Gathers of index tensors: 18x eager's step at 4x3x64x64 (issue 24 §4)",
+    ),
+    AtenViaTorch(
+        "cdist",
+        ("dynamo",),
+        "above 25 points the decomposition is the matmul form, which torchlib writes with Gathers and Slices: 23x "
+        "eager's step at 4x64x64 (issue 24 §4); below, it is _cdist_forward, an ATen node already",
+    ),
+    AtenViaTorch(
         "index_fill",
         ("torchscript", "dynamo"),
         "the fill value's gradient through the ONNX Expand/ScatterElements form is wrong",
