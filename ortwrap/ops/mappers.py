@@ -670,13 +670,7 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
     AtenViaTorch(
         "im2col",
         ("dynamo",),
-        "torchlib writes im2col (F.unfold) as Gathers of index tensors: 18x eager's step at 4x3x64x64 (issue 24 §4)",
-    ),
-    AtenViaTorch(
-        "cdist",
-        ("dynamo",),
-        "above 25 points the decomposition is the matmul form, which torchlib writes with Gathers and Slices: 23x "
-        "eager's step at 4x64x64 (issue 24 §4); below, it is _cdist_forward, an ATen node already",
+        "torchlib writes im2col (F.unfold) as Gathers of index tensors: 7.7x eager's step at 4x3x64x64 (issue 24 §4)",
     ),
     AtenViaTorch(
         "index_fill",
