@@ -673,6 +673,12 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         "torchlib writes im2col (F.unfold) as Gathers of index tensors: 7.7x eager's step at 4x3x64x64 (issue 24 §4)",
     ),
     AtenViaTorch(
+        "unfold",
+        ("dynamo",),
+        "torchlib writes Tensor.unfold as Gathers of computed window indices: 4.2x eager's step at 4x3x64x64 "
+        "(issue 24 §4)",
+    ),
+    AtenViaTorch(
         "index_fill",
         ("torchscript", "dynamo"),
         "the fill value's gradient through the ONNX Expand/ScatterElements form is wrong",
