@@ -476,16 +476,11 @@ def test_state_filled_by_copy_trains(exporter):
     check_parity(_StateCopy, inputs, wrap_options={"exporter": exporter})
 
 
-class _ComplexRope(torch.nn.Module):
-    """DeepSeek-V2's rotary embedding: the table as ``torch.polar`` scaled by a number, broadcast by
-    ``unsqueeze``, the rotation as a complex product between ``view_as_complex`` and ``view_as_real``.
-    Under dynamo torchlib had no complex ``unsqueeze``, and its complex ``mul`` sliced the number."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.q = torch.nn.Linear(8, 16)
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+class _ComplexRope(_InterleavedRope):
+    """DeepSeek-V2's rotary embedding (the projection and frequency table of _InterleavedRope): the
+    table as ``torch.polar`` scaled by a number, broadcast by ``unsqueeze``, the rotation as a complex
+    product between ``view_as_complex`` and ``view_as_real``. Under dynamo torchlib had no complex
+    ``unsqueeze``, and its complex ``mul`` sliced the number."""
 
     def forward(self, x, pos):
         freqs = pos[..., None].float() * self.inv_freq
