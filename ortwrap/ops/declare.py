@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..graph.names import NATIVE_PREFIX
+
 __all__ = [
     "CPU_NAMESPACE",
     "OPS_NAMESPACE",
@@ -34,7 +36,7 @@ __all__ = [
 #: the namespace of ortwrap's PyTorch ops (``torch.ops.ortwrap_ops``; ``ops.torch_ops.define_ops``)
 OPS_NAMESPACE = "ortwrap_ops"
 #: the namespace of ortwrap's CPU kernels in ATen nodes' ``operator`` (``ortwrap_cpu::<name>``)
-CPU_NAMESPACE = "ortwrap_cpu"
+CPU_NAMESPACE = NATIVE_PREFIX.removesuffix("::")
 #: the namespace of ZeRO-3's per-layer parameter ops, ``fetch_<n>``, ``refetch_<n>`` and ``grads_<n>`` for n
 #: up to :data:`ZERO3_MAX_ARITY` (``integrations/zero3_layers.py`` defines them: their implementations read
 #: its layer table, and it registers each ``fetch_<n>``'s gradient, one ``grads_<n>`` node, itself)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
 from ..ops import KERNELS
 from .half_matmul import _heads_layout, _shapes_from_source
 

@@ -40,7 +40,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
+from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
 from ..ops import KERNELS, kernel
 from ._build import NodeBuilder, constant_value
 from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus
