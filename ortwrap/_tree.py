@@ -53,7 +53,8 @@ def flatten(
     """
     if isinstance(obj, torch.Tensor):
         if objects and obj.is_complex():
-            leaves.append(torch.view_as_real(obj))
+            # (resolve_conj: ``fft.ifft`` of a real tensor is a lazy conjugate, which has no real view)
+            leaves.append(torch.view_as_real(obj.resolve_conj()))
             return COMPLEX
         leaves.append(obj)
         return TENSOR

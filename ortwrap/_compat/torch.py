@@ -213,6 +213,7 @@ _TS_ONNX_BLOCK = _declare("torch._C._jit_pass_onnx_block")
 _DYN = "torch.onnx._internal.exporter"
 _DYN_REGISTRY = _declare(f"{_DYN}._registration.ONNXRegistry")
 _DYN_TRANSLATE = _declare(f"{_DYN}._core._exported_program_to_onnx_program")
+_DYN_DTYPES = _declare(f"{_DYN}._core._TORCH_DTYPE_TO_ONNX")
 _DYN_PREPARE = _declare(f"{_DYN}._core._prepare_exported_program_for_export")
 _DYN_PROMOTE = _declare(f"{_DYN}._fx_passes.insert_type_promotion_nodes")  # what tests compare ortwrap's with
 _DYN_NO_ASSERTS = _declare(f"{_DYN}._fx_passes.remove_assertion_nodes")
@@ -737,7 +738,9 @@ def with_extra_translations(registry: Any, extra: dict[Any, Callable[..., Any]])
     for op in extra:
         out.functions[op.name()] = list(registry.functions.get(op.name(), []))
     for op, fn in extra.items():
-        out.register_op(op, fn, is_complex=bool(getattr(fn, "complex_values", False)))
+        # ``value_kinds``: the calls a translation takes, by whether they have complex inputs
+        for is_complex in getattr(fn, "value_kinds", (bool(getattr(fn, "complex_values", False)),)):
+            out.register_op(op, fn, is_complex=is_complex)
     return out
 
 
@@ -752,8 +755,22 @@ def set_graph_module(program: torch.export.ExportedProgram, gm: torch.fx.GraphMo
 
 
 def translate_exported(program: torch.export.ExportedProgram, registry: Any) -> Any:
-    """The exporter's translation of ``program`` with ``registry`` (its ``ONNXProgram``)."""
-    return _resolve(_DYN_TRANSLATE)(program, registry=registry)
+    """The exporter's translation of ``program`` with ``registry`` (its ``ONNXProgram``).
+
+    The exporter types a complex value as its real ``[..., 2]`` form through its dtype table, which
+    has no complex32 (``Tensor.chalf()``: a KeyError). While it translates, complex32 reads as
+    complex64, whose real form the exporter takes from the dtype itself (float16)."""
+    import onnx_ir as ir
+
+    dtypes = _resolve(_DYN_DTYPES)
+    added = torch.complex32 not in dtypes
+    if added:
+        dtypes[torch.complex32] = ir.DataType.COMPLEX64
+    try:
+        return _resolve(_DYN_TRANSLATE)(program, registry=registry)
+    finally:
+        if added:
+            dtypes.pop(torch.complex32, None)
 
 
 def prepare_exported(program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram:

@@ -13,6 +13,11 @@ returns PyTorch's own vector-Jacobian product. Integer inputs (dims, flags) are 
 This module is the runner (and the type inference through ATen nodes); the graph fix-ups around the
 gradient build and the registration of gradient definitions are ``grad/aten.py``'s.
 
+Complex values (the dynamo exporter's ATen nodes: FFTs, ``ops.ATEN_OPS``): ORT holds none, and torchlib
+carries a complex tensor as a real one with a trailing dim of 2. An operator ``complex=0,2|op``
+(``COMPLEX_MARK``) views inputs 0 and 2 as complex for ``op`` and returns every complex result as
+its real view; its vjp recomputes through the same views (:func:`_complex_views`).
+
 Argument encoding (ORT's DLPack bridge carries neither strings nor bool):
 
 ==========================================  ================================================
@@ -37,7 +42,15 @@ import torch
 
 from .._compat import torch as compat
 from .._ort import C
-from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
+from ..graph.names import (
+    ATEN_BOOL_MARK,
+    ATEN_DOMAIN,
+    COMPLEX_MARK,
+    NATIVE_PREFIX,
+    OUTS_MARK,
+    USED_MARK,
+    VJP_PREFIX,
+)
 from . import state
 from ._native import load
 
@@ -107,11 +120,12 @@ def _decoder(arg):
 class _Plan:
     """How to call one ATen overload from the node's inputs."""
 
-    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "simple", "written")
+    __slots__ = ("fn", "kw", "n_args", "n_returns", "pos", "run", "simple", "written")
 
     def __init__(self, fn) -> None:
         schema = compat.op_schema(fn)
-        self.fn = fn
+        self.fn = fn  # the OpOverload (its schema and tags)
+        self.run = fn  # what runs it: ``fn``, or ``fn`` between complex views (:func:`_complex_views`)
         #: argument positions the op writes to (``Tensor(a!)``: BatchNorm's running statistics)
         self.written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
         self.written |= _UNANNOTATED_WRITES.get(schema.name, set())
@@ -161,6 +175,10 @@ def resolve(op: str, overload: str) -> _Plan:
     overload = overload.partition(ATEN_BOOL_MARK)[0]
     key = (op, overload)
     plan = _plans.get(key)
+    if plan is None and op.startswith(COMPLEX_MARK):
+        positions, _, name = op[len(COMPLEX_MARK) :].partition("|")
+        plan = _plans[key] = _Plan(resolve(name, overload).fn)
+        plan.run = _complex_views(plan.fn, tuple(int(i) for i in positions.split(",") if i))
     if plan is None:
         ns, _, name = op.rpartition("::")
         if ns == "ortwrap_ops":
@@ -170,6 +188,27 @@ def resolve(op: str, overload: str) -> _Plan:
         packet = getattr(getattr(torch.ops, ns or "aten"), name)
         plan = _plans[key] = _Plan(getattr(packet, overload or _default_overload(packet, op)))
     return plan
+
+
+def _as_complex(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(t if t.stride(-1) == 1 and t.storage_offset() % 2 == 0 else t.contiguous())
+
+
+def _complex_views(fn, positions: tuple[int, ...]):
+    """``fn`` on complex values carried in torchlib's real ``[..., 2]`` form (``COMPLEX_MARK``): the
+    positional arguments at ``positions`` viewed as complex, every complex result viewed as real.
+
+    NOTE: both views are differentiable, so a vjp that recomputes through this takes the gradient of
+    the real form directly: PyTorch's complex gradient ``dL/dRe + i dL/dIm`` is exactly ``view_as_real``'s
+    backward, the convention torchlib's complex translations (and ``_tree``'s complex outputs) use."""
+
+    def run(*args, **kwargs):
+        args = [_as_complex(a) if i in positions and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        result = fn(*args, **kwargs)
+        real = lambda r: torch.view_as_real(r) if isinstance(r, torch.Tensor) and r.is_complex() else r  # noqa: E731
+        return type(result)(map(real, result)) if isinstance(result, (tuple, list)) else real(result)
+
+    return run
 
 
 def _default_overload(packet, op: str) -> str:
@@ -282,7 +321,7 @@ def _vjp(op: str, overload: str, tensors: list, n_out: int, used: str | None = N
             leaves.append(i)
     with torch.enable_grad():
         args, kwargs = plan.decode(op, inputs)
-        res = _DIFFERENTIABLE_FORMS.get(op, plan.fn)(*args, **kwargs)
+        res = _DIFFERENTIABLE_FORMS.get(op, plan.run)(*args, **kwargs)
         res = res if isinstance(res, (tuple, list)) else (res,)
         # NOTE: ORT's gradients of 0-d values can come as [1] (its gradient builders broadcast
         # them against [1] constants): same elements, the output's shape.
@@ -322,11 +361,11 @@ def _execute(op: str, overload: str, capsules: tuple, n_out: int):
             plan = resolve(op, "")
             mask = torch.tensor([c == "1" for c in used])  # its last argument, output_mask
             args, kwargs = plan.decode(op, [*tensors, mask])
-            grads = plan.fn(*args, **kwargs)
+            grads = plan.run(*args, **kwargs)
             return _encode([g if used[i] == "1" else None for i, g in enumerate(grads)], n_out, op, tensors)
         plan = resolve(op, overload)
         args, kwargs = plan.decode(op, tensors)
-        return _encode(plan.fn(*args, **kwargs), n_out, op, tensors)
+        return _encode(plan.run(*args, **kwargs), n_out, op, tensors)
     except BaseException as e:
         e.add_note(f"(while ONNX Runtime ran ATen op {op}.{overload or 'default'} through ortwrap)")
         state.park(e)
@@ -456,7 +495,7 @@ def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
     plan = resolve(op, overload)
     args, kwargs = plan.decode(op, inputs)
     meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
-    result = plan.fn(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    result = plan.run(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
     return result if isinstance(result, (tuple, list)) else (result,)
 
 

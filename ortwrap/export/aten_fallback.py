@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .._compat import torch as compat
+from ..graph.names import COMPLEX_MARK
 
 #: torch dtype -> torch's ScalarType code (the ATen bridge's decoding, inverted).
 _SCALAR_TYPE_CODES = {
@@ -110,6 +111,15 @@ def _is_fx_node(value: Any) -> bool:
     return isinstance(value, torch.fx.Node)
 
 
+def _is_complex_value(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+def _is_complex(node: torch.fx.Node) -> bool:
+    """Whether an FX value is a complex tensor (torchlib writes it as a real ``[..., 2]`` one)."""
+    return _is_complex_value(node.meta.get("val"))
+
+
 def _runnable_op(qualified: str, overload: str) -> tuple[str, str]:
     """The (operator, overload) an ATen node runs for the op ``qualified`` (``ns::name``): aten ops by
     bare name, other namespaces kept. A ``prims`` op (left by a decomposition: ``erfinv`` becomes
@@ -146,7 +156,7 @@ def _make_translation(target: Any, records: collections.deque, scope: Any) -> Ca
 
         from ..bridge.dynamo import PLACEHOLDER_DOMAIN, new_call_id, placeholder_schema
 
-        raw = records.popleft()  # this node's FX arguments (the translated ones lose dtypes)
+        raw, complex_result = records.popleft()  # this node's FX arguments (the translated ones lose dtypes)
         bound_onnx = _bind(schema, args, kwargs)
         inputs: list[Any] = []
         absent: list[int] = []
@@ -187,11 +197,20 @@ def _make_translation(target: Any, records: collections.deque, scope: Any) -> Ca
         if any(_kind(r.type).startswith("list:") for r in schema.returns):
             raise NotImplementedError(f"aten.{name}: an op returning a list of tensors cannot run as an ATen node")
         operator, op_overload = _runnable_op(schema.name, overload)
+        complex_inputs = [str(i) for i, (a, v) in enumerate(raw) if _is_fx_node(v) and _is_complex(v)]
+        if complex_inputs or complex_result:
+            if any(raw[int(i)][0].kwarg_only for i in complex_inputs):
+                raise NotImplementedError(
+                    f"aten.{name}: a complex keyword-only argument cannot be passed to an ATen node"
+                )
+            # torchlib's complex values are real [..., 2] tensors: the runner views them (COMPLEX_MARK)
+            operator = f"{COMPLEX_MARK}{','.join(complex_inputs)}|{operator}"
         scope.aten_calls[call_id] = AtenCall(operator, op_overload, absent)
         placeholder = getattr(onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1), placeholder_schema(n_out))
         outs = placeholder(*[x for x in inputs if x is not None], call_id=call_id)
         return outs
 
+    translate.value_kinds = (False, True)  # real and complex calls alike (torchlib dispatches them apart)
     return translate
 
 
@@ -224,7 +243,11 @@ def fallback_translations(
             if op_name not in wanted and not allow_missing:
                 return None
             schema = compat.op_schema(target)
-            records.setdefault(target, collections.deque()).append(_bind(schema, node.args, node.kwargs))
+            vals = node.meta.get("val")
+            complex_result = any(_is_complex_value(v) for v in (vals if isinstance(vals, (list, tuple)) else [vals]))
+            records.setdefault(target, collections.deque()).append(
+                (_bind(schema, node.args, node.kwargs), complex_result)
+            )
     return {target: _make_translation(target, rec, scope) for target, rec in records.items()}
 
 

@@ -52,6 +52,8 @@ promotion)                                              a float64 scalar loses i
 ``aten.scalar_tensor`` of a complex dtype               a complex ONNX constant, where torchlib's
                                                         complex values are real ``[..., 2]``.
                                                         ortwrap writes ``[value, 0]``.
+``aten.chalf`` (complex32)                              ``_to_copy`` to complex32: KeyError. ortwrap
+                                                        writes ``[..., (x, 0)]`` in float16.
 ======================================================  ===========================================
 
 Before translation, :func:`number_operands_as_tensors` gives an op a 0-d tensor where the capture
@@ -296,6 +298,18 @@ def _cast_or_identity(x, dtype):
         zero = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(parts[code]))))
         return op.Concat(real, op.Expand(zero, op.Shape(real)), axis=-1)
     return op.Cast(x, to=dtype)
+
+
+def _chalf(self, memory_format=None):
+    """``aten.chalf`` (``Tensor.chalf()``) of a real tensor: torchlib has no complex32 (its ``_to_copy``
+    raised KeyError). torchlib's form of a complex32 value: ``[..., (x, 0)]`` in float16."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    real = op.Unsqueeze(op.Cast(self, to=onnx.TensorProto.FLOAT16), op.Constant(value_ints=[-1]))
+    zero = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((), np.float16)))
+    return op.Concat(real, op.Expand(zero, op.Shape(real)), axis=-1)
 
 
 def _to_dtype(self, dtype, non_blocking=False, copy=False, memory_format=None):
@@ -555,6 +569,7 @@ def training_translations() -> dict:
         table[op] = grouped_mm_translation
     table[aten.max.other] = _max_other
     table[aten.unsqueeze.default] = _unsqueeze_complex
+    table[aten.chalf.default] = _chalf
     table[aten.atleast_1d.Sequence] = _atleast_sequence(1)
     table[aten.atleast_2d.Sequence] = _atleast_sequence(2)
     table[aten.atleast_3d.Sequence] = _atleast_sequence(3)

@@ -12,6 +12,7 @@ __all__ = [
     "ATEN_BOOL_MARK",
     "ATEN_DOMAIN",
     "BUFFER_OUTPUT_PREFIX",
+    "COMPLEX_MARK",
     "CONTEXT_OUTPUT",
     "CONTEXT_OUTPUT_PREFIX",
     "INVENTED_PREFIX",
@@ -60,6 +61,10 @@ ATEN_BOOL_MARK = "@bool="
 PYTHONOP_BOOL_MARK = "|bool="
 #: ``ortwrap_vjp::outs=N|op``: the forward node has N outputs, fewer than ``op`` returns.
 OUTS_MARK = "outs="
+#: ``complex=0,2|op``: the ATen node's inputs 0 and 2 are complex values in torchlib's real ``[..., 2]``
+#: form (the dynamo exporter writes it; ``bridge/aten.py`` views them as complex for the op, and gives
+#: back every complex result as its real ``[..., 2]`` view). After ``outs=``/``used=`` in a vjp's name.
+COMPLEX_MARK = "complex="
 
 # ------------------------------------------------------------------------- value-name pieces
 

@@ -678,6 +678,23 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         "torchlib writes Tensor.unfold as Gathers of computed window indices: 4.2x eager's step at 4x3x64x64 "
         "(issue 24 §4)",
     ),
+    *(
+        AtenViaTorch(
+            fft,
+            ("dynamo",),
+            "ORT 1.19.2 has no gradient for DFT, its shape inference refuses torchlib's inverse one-sided DFT "
+            "(irfft, hfft), and the decompositions pad and conjugate complex values torchlib cannot translate: "
+            "PyTorch's kernel runs it, complex values in torchlib's real [..., 2] form (bridge/aten.py)",
+        )
+        for fft in (
+            *(
+                f"fft_{kind}{dims}"
+                for kind in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")
+                for dims in ("", "2", "n")
+            ),
+            *("stft", "istft", "_fft_r2c", "_fft_c2c", "_fft_c2r"),
+        )
+    ),
     AtenViaTorch(
         "index_fill",
         ("torchscript", "dynamo"),
