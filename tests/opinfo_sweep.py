@@ -123,7 +123,7 @@ def _weights(outs):
     import torch
 
     g = torch.Generator().manual_seed(1234)
-    return [torch.rand(torch.view_as_real(o).shape if o.is_complex() else o.shape, generator=g) + 0.5 for o in outs]
+    return [torch.rand(torch.view_as_real(o.resolve_conj()).shape if o.is_complex() else o.shape, generator=g) + 0.5 for o in outs]
 
 
 def _differentiable(o) -> bool:
@@ -140,7 +140,7 @@ def _run(module, tensors, weights=None):
     loss = None
     for o, w in zip(outs, weights):
         if _differentiable(o):
-            v = torch.view_as_real(o) if o.is_complex() else o
+            v = torch.view_as_real(o.resolve_conj()) if o.is_complex() else o
             term = (v * w.to(v.dtype)).sum()
             loss = term if loss is None else loss + term
     want = [t for t in tensors if t.requires_grad]
@@ -155,7 +155,7 @@ def _err(a, b):
 
     a, b = a.detach(), b.detach()
     if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b.to(a.dtype))
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.to(a.dtype).resolve_conj())
     a64, b64 = a.double(), b.double()
     both_nan = torch.isnan(a64) & torch.isnan(b64)
     same_inf = torch.isinf(a64) & (a64 == b64)
