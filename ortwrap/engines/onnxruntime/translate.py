@@ -13,6 +13,7 @@ an input that needs none) are dropped and put back by the runner.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -82,6 +83,16 @@ def _engine_translations() -> dict:
     except (AttributeError, RuntimeError):
         pass  # (transformers' MoE op not registered in this process)
     return table
+
+
+def engine_registry() -> Any:
+    """torchlib's registry with the engine's translations first (``is_registered(op)``: translatable)."""
+    from ..._compat import torch as compat
+
+    return compat.dynamo_registry(OPSET, _engine_translations())
+
+
+OPSET = 20
 
 
 def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
