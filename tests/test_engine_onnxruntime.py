@@ -137,6 +137,34 @@ def test_gpt_lm_with_the_loss_inside():
     check_parity(lm_model, lm_inputs, wrap_options=ORT, optimizer=adamw, loss_fn=lambda out: out[0])
 
 
+def test_translated_graphs_come_from_the_build_cache(tmp_path, monkeypatch):
+    """The translation (most of a graph's build) is cached on disk, keyed by the AOTAutograd graph with
+    its constants: a second wrapper (as a second process) loads both graphs, with eager's numbers."""
+    monkeypatch.setenv("ORTWRAP_BUILD_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 12)
+
+    def step(**options):
+        m = copy.deepcopy(model)
+        w = ORTWrap(m, engine="onnxruntime", fallback=False, **options)
+        out = w(x)
+        out.square().sum().backward()
+        return w, out.detach(), [p.grad for p in m.parameters()]
+
+    first, out1, grads1 = step()
+    assert not any(r.graph.from_cache for r in first._engine.last.runners.values())
+    assert len(list(tmp_path.iterdir())) == 2  # (forward, backward)
+    second, out2, grads2 = step()
+    assert all(r.graph.from_cache for r in second._engine.last.runners.values())
+    out_e = model(x)
+    out_e.square().sum().backward()
+    assert_close(out2, out_e.detach(), "output from the cache")
+    for g, p in zip(grads2, model.parameters()):
+        assert_close(g, p.grad, "gradient from the cache")
+    third, _, _ = step(build_cache=False)
+    assert not any(r.graph.from_cache for r in third._engine.last.runners.values())
+
+
 def test_no_grad_and_eval_calls_use_an_inference_graph():
     torch.manual_seed(0)
     model = lm_model()

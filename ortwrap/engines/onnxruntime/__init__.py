@@ -19,9 +19,10 @@ Shapes are static: a new shape signature builds again (``build_count``). Buffer 
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
-for the gradient). One that cannot be traced (``.item()``, numpy, data-dependent Python) is refused
-with an error naming it: running it as an ORT custom op, or splitting the graph at it, is future
-work (docs/engines.md).
+for the gradient). One whose forward cannot be traced (``.item()``, numpy, a C extension,
+data-dependent Python) is traced again as one opaque op in each graph (``functions.py``); those ops,
+and any op with no ONNX translation, run in PyTorch between ORT segments (``split.py``). Translated
+graphs go through the build cache (``translate.translate_cached``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, Unsup
 from .functions import FunctionTracer
 from .session import GraphRunner
 from .split import SplitRunner, untranslatable
-from .translate import translate
+from .translate import translate_cached
 
 __all__ = ["OnnxRuntimeEngine"]
 
@@ -107,6 +108,12 @@ class OnnxRuntimeEngine:
         self.last: _Compiled | None = None
         #: autograd.Functions AOTAutograd could not trace: opaque ops run in PyTorch (functions.py)
         self._opaque: set[type] = set()
+        if options.aggressive_cpu_fallback:
+            # (the host shape program moves shape computations out of the graph; static shapes leave none)
+            logger.info(
+                "onnxruntime engine: aggressive_cpu_fallback does not apply: each build has static shapes, so its "
+                "graphs compute no shapes (every Reshape/Expand/Slice shape is a constant)"
+            )
 
     def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
         # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
@@ -196,7 +203,8 @@ class OnnxRuntimeEngine:
                             what, type(module).__name__, len(runner.segments), ", ".join(runner.in_torch),
                         )  # fmt: skip
                     else:
-                        runner = GraphRunner(translate(gm, what, fusions=fusions), device, options, what)
+                        graph = translate_cached(gm, what, fusions, options.build_cache)
+                        runner = GraphRunner(graph, device, options, what)
                 compiled.runners[what] = runner
                 logger.info("onnxruntime engine: %s graph of %s translated", what, type(module).__name__)
                 return compat.boxed(runner)

@@ -22,7 +22,7 @@ from torch.fx.passes.split_module import split_module
 
 from .functions import FUNCTION_OPS
 from .session import GraphRunner
-from .translate import engine_registry, translate
+from .translate import engine_registry, translate_cached
 
 
 def untranslatable(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
@@ -88,7 +88,8 @@ class SplitRunner:
             name = f"submod_{i}"
             sub = getattr(module, name)
             (out,) = [n for n in sub.graph.nodes if n.op == "output"]
-            runner = GraphRunner(translate(sub, f"{what} segment {i}", fusions=fusions), device, options, what)
+            graph = translate_cached(sub, f"{what} segment {i}", fusions, options.build_cache)
+            runner = GraphRunner(graph, device, options, what)
             self.segments.append(runner)
             setattr(module, name, _Segment(runner, not isinstance(out.args[0], (tuple, list))))
         self.module = module
