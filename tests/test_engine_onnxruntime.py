@@ -272,6 +272,26 @@ def test_untraceable_function_without_grad_and_unbackpropagated():
     assert not functions._STATES
 
 
+class NumpyBackward(torch.autograd.Function):
+    """A traceable forward, an untraceable backward (numpy, a Python float from ``.item()``)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        return x.sin() * k
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        scale = 1.0 + float(g.abs().max().item())
+        return torch.from_numpy(np.cos(x.numpy()) * g.numpy() * scale), None
+
+
+def test_function_with_an_untraceable_backward_runs_in_pytorch():
+    w = check_parity(lambda: WithFunction(NumpyBackward), _inputs_with_grad, wrap_options=ORT, batch_sizes=(4, 7))
+    assert w._engine.last.runners["backward"].in_torch == ["ortwrap_engine.function_backward.default"]
+
+
 class ValueShaped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

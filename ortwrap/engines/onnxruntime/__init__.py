@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,6 +123,12 @@ class OnnxRuntimeEngine:
         # instead of its per-step ops; the traced graph runs on ORT, so no mkldnn kernel is lost.
         # compile_session: traced as torch.compile traces (is_compiling() is True), so library code
         # takes its trace-friendly branches (transformers' masks skip their data-dependent shortcut).
+        # (a backward that fails the trace: AOTAutograd's anomaly mode warns before the engine retries)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Error detected in", category=UserWarning)
+            return self._aot(flat, leaves, compiler, tracer)
+
+    def _aot(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
         with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session(), tracer.tracing():
             return compat.aot_module(
                 flat,

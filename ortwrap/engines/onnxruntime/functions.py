@@ -4,7 +4,8 @@ segments.
 
 Every trace routes Function calls through ``bridge/intercept.py`` (ortwrap's forward wrappers; ``apply``
 is untouched). :class:`FunctionTracer` runs a Function's forward as it is, so its ops are traced, and
-records the class of one that raises. The engine then traces again with that class opaque: its call
+records the class of one whose forward or backward (its node's backward borrowed for the trace,
+:class:`_RecordedBackward`) raises. The engine then traces again with that class opaque: its call
 becomes ``ortwrap_engine::function_forward(tensors, site)``, and its autograd node's backward (redirected
 for this one ctx, ``compat.backward_from``) becomes ``ortwrap_engine::function_backward(grads, token,
 site)``. Neither op has an ONNX translation.
@@ -162,6 +163,25 @@ class _OpaqueBackward(torch.autograd.Function):
         return tuple(per_tensor.get(i) for i in range(len(site.template)))
 
 
+class _RecordedBackward(torch.autograd.Function):
+    """The backward a traced (not opaque) call's node runs while AOTAutograd traces: the Function's own,
+    with a failure recorded, so that a Function whose backward alone cannot be traced is made opaque too."""
+
+    @staticmethod
+    def forward(ctx, *args):  # (never called: only its backward is borrowed)
+        raise AssertionError("ortwrap: _RecordedBackward.forward")
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cls, tracer = ctx.ortwrap_traced
+        try:
+            return cls.backward(ctx, *grads)
+        except Exception:
+            if cls not in tracer.failed:
+                tracer.failed.append(cls)
+            raise
+
+
 class FunctionTracer:
     """The intercept handler of one trace: opaque calls for the classes in ``opaque``, the forward
     as it is for the others; ``failed`` records the classes whose forward raised (innermost first)."""
@@ -179,11 +199,20 @@ class FunctionTracer:
         if cls in self.opaque:
             return self._opaque(cls, args, kwargs)
         try:
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
         except Exception:
             if cls not in self.failed:
                 self.failed.append(cls)
             raise
+        ctx = args[0] if args else None
+        if (
+            isinstance(ctx, torch.autograd.function.FunctionCtx)
+            and cls.vjp is torch.autograd.Function.vjp  # (a vjp-style Function keeps its own path)
+            and not getattr(cls, "boxed_grads_call", False)
+        ):
+            ctx.ortwrap_traced = (cls, self)
+            compat.backward_from(ctx, _RecordedBackward)
+        return out
 
     def _opaque(self, cls: type, args: tuple, kwargs: dict) -> Any:
         if not args or not isinstance(args[0], torch.autograd.function.FunctionCtx):
