@@ -18,6 +18,7 @@ from model_zoo import ResNetish, image_inputs
 from parity import assert_close, check_parity
 from tiny_gpt import GPTConfig, TinyGPT, batch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import ortwrap
 from ortwrap import Options, ORTWrap
@@ -315,6 +316,28 @@ def test_function_with_value_dependent_output_shape_is_named():
     w = ORTWrap(ValueShapedModel(), engine="onnxruntime", fallback=False)
     with pytest.raises(ortwrap.RuntimeRunError, match="ValueShaped returned"):
         w(torch.randn(3, 6))
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(checkpoint(lambda h: self.a(h).tanh(), x, use_reentrant=True))
+
+
+def test_function_reading_parameters_from_a_closure_is_refused_by_name():
+    """checkpoint(use_reentrant=True): untraceable, and its forward reads self.a's parameters, which it
+    is not passed, so it cannot be opaque either: refused naming it, or (fallback) run in PyTorch."""
+    w = ORTWrap(ReentrantCheckpoint(), engine="onnxruntime", fallback=False)
+    with pytest.raises(ortwrap.UnsupportedFunctionError, match=r"CheckpointFunction.*from a closure"):
+        w(torch.randn(3, 6, requires_grad=True))
+    fallback = ORTWrap(ReentrantCheckpoint(), engine="onnxruntime")
+    x = torch.randn(3, 6, requires_grad=True)
+    with pytest.warns(ortwrap.FallbackWarning, match="CheckpointFunction"):
+        out = fallback(x)
+    assert_close(out, fallback.module(x), "fallback output")
 
 
 @torch.library.custom_op("ortwrap_test_engine_ort::numpy_softsign", mutates_args=())

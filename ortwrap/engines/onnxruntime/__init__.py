@@ -239,12 +239,15 @@ class OnnxRuntimeEngine:
                     self._opaque.add(untraceable)
                     compiled.graphs.clear(), compiled.runners.clear()
                     continue
-                function = _function_in_traceback(sys.exc_info()[2])
+                opaque = next((c for c in tracer.failed if c in self._opaque), None)
+                function = qualified_name(opaque) if opaque is not None else _function_in_traceback(sys.exc_info()[2])
                 if function is not None:
                     raise UnsupportedFunctionError(
-                        f"AOTAutograd could not trace torch.autograd.Function {function} into the joint graph "
-                        f"({type(e).__name__}: {_first_line(e)}), nor run it as an opaque op between ORT "
-                        "segments; engine='training' runs any Function as a PythonOp"
+                        f"AOTAutograd could not trace torch.autograd.Function {function} into the joint graph, nor "
+                        f"run it as an opaque op between ORT segments ({type(e).__name__}: {_first_line(e)}). An "
+                        "opaque Function must take every tensor it reads as an argument (one that reads a module's "
+                        "parameters from a closure, such as checkpoint(use_reentrant=True), cannot); "
+                        "engine='training' runs any Function as a PythonOp"
                     ) from e
                 raise ExportError(
                     f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -237,8 +238,13 @@ class FunctionTracer:
             single=False,
         )
         # Probe: the Function on zeros of its inputs' shapes, seen by no trace and by no handler.
-        with compat.no_dispatch_modes(), intercept.passthrough(), torch.no_grad():
-            zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in in_meta]
+        # (its warnings are the real call's to give; its inputs require grad as the real ones do)
+        with compat.no_dispatch_modes(), intercept.passthrough(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zeros = [
+                torch.zeros(shape, dtype=dtype, device=device).requires_grad_(need)
+                for (shape, dtype, device), need in zip(in_meta, site.needs_grad)
+            ]
             raw = cls.apply(*site.arguments(zeros), **kwargs)
         site.single = isinstance(raw, torch.Tensor)
         site.out_meta = [(tuple(o.shape), o.dtype, o.device) for o in ((raw,) if site.single else raw)]
