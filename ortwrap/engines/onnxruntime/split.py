@@ -24,10 +24,19 @@ from .functions import FUNCTION_OPS
 from .session import GraphRunner
 from .translate import engine_registry, translate_cached
 
+#: op -> whether the engine's registry translates it (the registry takes ~0.1 s to build: asked once per op)
+_TRANSLATES: dict[Any, bool] = {}
+
+
+def _translates(target: Any) -> bool:
+    if target not in _TRANSLATES:
+        registry = engine_registry()
+        _TRANSLATES[target] = target not in FUNCTION_OPS and bool(registry.is_registered(target))
+    return _TRANSLATES[target]
+
 
 def untranslatable(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     """The nodes of ``gm`` that must run in PyTorch, with the op's name."""
-    registry = engine_registry()
     found: dict[torch.fx.Node, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -35,7 +44,7 @@ def untranslatable(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
         if node.target is operator.getitem:
             if node.args[0] in found:
                 found[node] = found[node.args[0]]
-        elif node.target in FUNCTION_OPS or not registry.is_registered(node.target):
+        elif not _translates(node.target):
             found[node] = str(node.target)
     return found
 
