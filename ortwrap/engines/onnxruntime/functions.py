@@ -185,7 +185,8 @@ class _RecordedBackward(torch.autograd.Function):
 
 class FunctionTracer:
     """The intercept handler of one trace: opaque calls for the classes in ``opaque``, the forward
-    as it is for the others; ``failed`` records the classes whose forward raised (innermost first)."""
+    as it is for the others; ``failed`` records the classes whose forward or backward raised (innermost
+    first)."""
 
     def __init__(self, opaque: set[type]) -> None:
         self.opaque = opaque
