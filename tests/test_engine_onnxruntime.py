@@ -8,7 +8,9 @@ venv), and the training build's InferenceSession in the default venv.
 from __future__ import annotations
 
 import copy
+import gc
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,12 +18,17 @@ from model_zoo import ResNetish, image_inputs
 from parity import assert_close, check_parity
 from tiny_gpt import GPTConfig, TinyGPT, batch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import ortwrap
 from ortwrap import Options, ORTWrap
 from ortwrap.engines import available_engines, is_onnxruntime_available, is_training_available, resolve
+from ortwrap.engines.onnxruntime import functions
+from ortwrap.engines.onnxruntime.session import GraphRunner
+from ortwrap.engines.onnxruntime.split import SplitRunner
 
-# (no exporter fixture: this engine takes its graphs from AOTAutograd, the exporter option does not apply)
+# (the exporter fixture only where the training engine's exporters handle a case differently, Functions:
+# this engine takes its graphs from AOTAutograd, the exporter option does not apply to it)
 pytestmark = pytest.mark.skipif(not is_onnxruntime_available(), reason="onnxruntime is not installed")
 
 ORT = {"engine": "onnxruntime"}
@@ -131,6 +138,36 @@ def test_gpt_lm_with_the_loss_inside():
     check_parity(lm_model, lm_inputs, wrap_options=ORT, optimizer=adamw, loss_fn=lambda out: out[0])
 
 
+def test_translated_graphs_come_from_the_build_cache(tmp_path, monkeypatch):
+    """The translation (most of a graph's build) is cached on disk, keyed by the AOTAutograd graph with
+    its constants: a second wrapper (as a second process) loads both graphs, with eager's numbers."""
+    monkeypatch.setenv("ORTWRAP_BUILD_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 12)
+
+    def step(**options):
+        m = copy.deepcopy(model)
+        w = ORTWrap(m, engine="onnxruntime", fallback=False, **options)
+        out = w(x)
+        out.square().sum().backward()
+        return w, out.detach(), [p.grad for p in m.parameters()]
+
+    first, out1, grads1 = step()
+    assert not any(r.graph.from_cache for r in first._engine.last.runners.values())
+    assert len(list(tmp_path.iterdir())) == 2  # (forward, backward)
+    second, out2, grads2 = step()
+    assert all(r.graph.from_cache for r in second._engine.last.runners.values())
+    out_e = model(x)
+    out_e.square().sum().backward()
+    assert_close(out2, out_e.detach(), "output from the cache")
+    assert_close(out1, out_e.detach(), "output")
+    for g1, g2, p in zip(grads1, grads2, model.parameters()):
+        assert_close(g2, p.grad, "gradient from the cache")
+        assert_close(g1, p.grad, "gradient")
+    third, _, _ = step(build_cache=False)
+    assert not any(r.graph.from_cache for r in third._engine.last.runners.values())
+
+
 def test_no_grad_and_eval_calls_use_an_inference_graph():
     torch.manual_seed(0)
     model = lm_model()
@@ -164,14 +201,20 @@ class Scale(torch.autograd.Function):
 
 
 class NotTraceable(torch.autograd.Function):
+    """Untraceable three ways: ``.item()`` into Python control flow, numpy, a non-tensor argument; its
+    backward is not the forward's derivative (x2) and reads ``ctx`` state set in the forward."""
+
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, k):
         scale = float(x.abs().max().item())  # data-dependent Python: no graph can hold it
-        return x * scale if scale > 0.5 else x
+        ctx.scale = scale if scale > 0.5 else 1.0
+        ctx.save_for_backward(x)
+        return torch.from_numpy(np.sin(x.detach().numpy())) * (k * ctx.scale)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x) * ctx.scale * 2, None
 
 
 class WithFunction(nn.Module):
@@ -179,24 +222,155 @@ class WithFunction(nn.Module):
         super().__init__()
         self.fc = nn.Linear(6, 6)
         self.fn = fn
+        self.head = nn.Linear(6, 3)
 
     def forward(self, x):
-        return self.fn.apply(self.fc(x)).sum(-1)
+        h = self.fc(x)
+        h = self.fn.apply(h) if self.fn is Scale else self.fn.apply(h, 1.5)
+        return self.head(h.tanh())
 
 
-def test_traceable_function_runs_its_own_backward():
-    check_parity(lambda: WithFunction(Scale), lambda b, g: ((torch.randn(b, 6, generator=g),), {}), wrap_options=ORT)
+def _inputs_with_grad(b, g):
+    return (torch.randn(b, 6, generator=g).requires_grad_(),), {}
 
 
-def test_untraceable_function_is_refused_by_name():
-    w = ORTWrap(WithFunction(NotTraceable), engine="onnxruntime", fallback=False)
-    with pytest.raises(ortwrap.UnsupportedFunctionError, match="NotTraceable"):
+def test_traceable_function_runs_its_own_backward(exporter):
+    """Traced into the joint graph (no op in PyTorch), under either exporter setting (the engine's
+    graphs come from AOTAutograd: ``exporter`` does not apply to it)."""
+    w = check_parity(lambda: WithFunction(Scale), _inputs_with_grad, wrap_options=ORT, batch_sizes=(4, 7))
+    assert isinstance(w._engine.last.runners["forward"], GraphRunner), "a traceable Function must be traced"
+
+
+def test_untraceable_function_runs_in_pytorch_between_ort_segments(exporter):
+    """Was refused (UnsupportedFunctionError). Now it is one opaque op in the forward graph and one in the
+    backward graph, run in PyTorch between ORT segments: its own forward and backward (with its ctx),
+    every gradient, the input's too, as eager; a build per batch size."""
+    # (SGD: with AdamW, head.bias[1]'s gradient at batch 7 is 0 up to rounding, which AdamW's step amplifies)
+    w = check_parity(lambda: WithFunction(NotTraceable), _inputs_with_grad, wrap_options=ORT)
+    assert w._engine.build_count == 3
+    forward, backward = w._engine.last.runners["forward"], w._engine.last.runners["backward"]
+    assert isinstance(forward, SplitRunner) and forward.in_torch == ["ortwrap_engine.function_forward.default"]
+    assert isinstance(backward, SplitRunner) and backward.in_torch == ["ortwrap_engine.function_backward.default"]
+    assert len(forward.segments) == 2 and backward.segments  # (the linear layers and tanh: on ORT)
+    assert not functions._STATES  # each forward's state went with its backward
+
+
+def test_untraceable_function_without_grad_and_unbackpropagated():
+    torch.manual_seed(0)
+    model = WithFunction(NotTraceable)
+    eager = copy.deepcopy(model)
+    w = ORTWrap(model, engine="onnxruntime", fallback=False)
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        assert_close(w(x), eager(x), "no_grad output")
+    assert set(w._engine.last.runners) == {"inference"}
+    assert w._engine.last.runners["inference"].in_torch == ["ortwrap_engine.function_forward.default"]
+    out = w(x)  # a forward whose backward never runs: its state goes with the graph
+    assert_close(out.detach(), eager(x).detach(), "output")
+    assert functions._STATES
+    del out
+    gc.collect()
+    assert not functions._STATES
+
+
+class NumpyBackward(torch.autograd.Function):
+    """A traceable forward, an untraceable backward (numpy, a Python float from ``.item()``)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.save_for_backward(x)
+        return x.sin() * k
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        scale = 1.0 + float(g.abs().max().item())
+        return torch.from_numpy(np.cos(x.numpy()) * g.numpy() * scale), None
+
+
+def test_function_with_an_untraceable_backward_runs_in_pytorch():
+    w = check_parity(lambda: WithFunction(NumpyBackward), _inputs_with_grad, wrap_options=ORT, batch_sizes=(4, 7))
+    assert w._engine.last.runners["backward"].in_torch == ["ortwrap_engine.function_backward.default"]
+
+
+class ValueShaped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x[x > 0].clone()  # (its output's shape depends on the values)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise AssertionError("not reached")
+
+
+class ValueShapedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return ValueShaped.apply(self.fc(x))
+
+
+def test_function_with_value_dependent_output_shape_is_named():
+    w = ORTWrap(ValueShapedModel(), engine="onnxruntime", fallback=False)
+    with pytest.raises(ortwrap.RuntimeRunError, match="ValueShaped returned"):
         w(torch.randn(3, 6))
-    fallback = ORTWrap(WithFunction(NotTraceable), engine="onnxruntime")
-    x = torch.randn(3, 6)
-    with pytest.warns(ortwrap.FallbackWarning, match="NotTraceable"):
+
+
+class ReentrantCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.b(checkpoint(lambda h: self.a(h).tanh(), x, use_reentrant=True))
+
+
+def test_function_reading_parameters_from_a_closure_is_refused_by_name():
+    """checkpoint(use_reentrant=True): untraceable, and its forward reads self.a's parameters, which it
+    is not passed, so it cannot be opaque either: refused naming it, or (fallback) run in PyTorch."""
+    w = ORTWrap(ReentrantCheckpoint(), engine="onnxruntime", fallback=False)
+    with pytest.raises(ortwrap.UnsupportedFunctionError, match=r"CheckpointFunction.*from a closure"):
+        w(torch.randn(3, 6, requires_grad=True))
+    fallback = ORTWrap(ReentrantCheckpoint(), engine="onnxruntime")
+    x = torch.randn(3, 6, requires_grad=True)
+    with pytest.warns(ortwrap.FallbackWarning, match="CheckpointFunction"):
         out = fallback(x)
     assert_close(out, fallback.module(x), "fallback output")
+
+
+@torch.library.custom_op("ortwrap_test_engine_ort::numpy_softsign", mutates_args=())
+def numpy_softsign(x: torch.Tensor) -> torch.Tensor:
+    a = x.detach().numpy()
+    return torch.from_numpy(a / (1 + np.abs(a)))
+
+
+numpy_softsign.register_fake(lambda x: torch.empty_like(x))
+numpy_softsign.register_autograd(
+    lambda ctx, g: g / (1 + ctx.saved_tensors[0].abs()) ** 2,
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]),
+)
+
+
+class WithCustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(numpy_softsign(self.fc1(x)) * 3)
+
+
+def test_op_without_onnx_translation_runs_in_pytorch():
+    """A user's torch.library op (numpy inside, no ONNX translation) failed the translation (fallback=
+    False raised ExportError); now it runs in PyTorch between the forward's ORT segments, and its
+    backward formula (ATen ops) in ORT."""
+    w = check_parity(WithCustomOp, _inputs_with_grad, wrap_options=ORT, batch_sizes=(4, 7))
+    runners = w._engine.last.runners
+    assert runners["forward"].in_torch == ["ortwrap_test_engine_ort.numpy_softsign.default"]
+    assert len(runners["forward"].segments) == 2
+    assert isinstance(runners["backward"], GraphRunner)
 
 
 @pytest.mark.parametrize(

@@ -948,6 +948,8 @@ def aot_module(
 _declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
 _COMPILE_SESSION = _declare("torch.compiler._compile_session_context", ("2.13.0", "2.14.1"))
 _UNSET_FAKE = _declare("torch._subclasses.fake_tensor.unset_fake_temporarily", ("2.13.0", "2.14.1"))
+_NO_DISPATCH_MODES = _declare("torch.utils._python_dispatch._disable_current_modes", ("2.13.0", "2.14.1"))
+_BACKWARD_C_FUNCTION = _declare("torch.autograd.function.BackwardCFunction", ("2.13.0", "2.14.1"))
 
 
 def compile_session() -> Any:
@@ -961,6 +963,22 @@ def no_fake_mode() -> Any:
     """Leave the active FakeTensorMode for the block: AOTAutograd calls its graph compilers inside
     it, and a compiler that computes with real tensors (constant folding) must run outside."""
     return _resolve(_UNSET_FAKE)()
+
+
+def no_dispatch_modes() -> Any:
+    """Leave every active TorchDispatchMode (AOTAutograd's proxy, functional and fake modes) for the
+    block: real computation inside a trace that must not be recorded (the onnxruntime engine's probe
+    of an untraceable autograd.Function's output shapes)."""
+    return _resolve(_NO_DISPATCH_MODES)()
+
+
+def backward_from(ctx: Any, function: type) -> None:
+    """The backward of the autograd node ``ctx`` (an ``autograd.Function``'s ctx, in its forward)
+    becomes ``function.backward``: ``BackwardCFunction`` looks up ``self._forward_cls`` when the node
+    runs, so an attribute of this one ctx redirects this one call, and no class changes."""
+    if not isinstance(ctx, _resolve(_BACKWARD_C_FUNCTION)) or not hasattr(type(ctx), "_forward_cls"):
+        raise _missing(_BACKWARD_C_FUNCTION)
+    ctx._forward_cls = function
 
 
 _GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions", ("2.13.0", "2.14.1"))

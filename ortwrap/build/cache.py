@@ -431,6 +431,19 @@ def build_key(module: nn.Module, schema: Any, options: Any, native: bool, *, exp
     return h.hexdigest()[:40]
 
 
+def fx_graph_key(kind: str, gm: torch.fx.GraphModule, *parts: Any) -> str:
+    """The cache key of a build made from the FX graph ``gm`` alone (every node, value and constant
+    tensor, as a capture's key reads them), ``parts`` and the versions: the onnxruntime engine's
+    translated AOTAutograd graphs. Raises Uncacheable as :func:`build_key`."""
+    nodes: list = []
+    _fx_graph(gm, nodes)
+    h = hashlib.sha256()
+    for part in (_versions(), kind, nodes, parts):
+        h.update(repr(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:40]
+
+
 def _cpu_flags() -> tuple:
     try:
         with open("/proc/cpuinfo") as f:

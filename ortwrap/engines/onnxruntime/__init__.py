@@ -19,15 +19,17 @@ Shapes are static: a new shape signature builds again (``build_count``). Buffer 
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
-for the gradient). One that cannot be traced (``.item()``, numpy, data-dependent Python) is refused
-with an error naming it: running it as an ORT custom op, or splitting the graph at it, is future
-work (docs/engines.md).
+for the gradient). One whose forward cannot be traced (``.item()``, numpy, a C extension,
+data-dependent Python) is traced again as one opaque op in each graph (``functions.py``); those ops,
+and any op with no ONNX translation, run in PyTorch between ORT segments (``split.py``). Translated
+graphs go through the build cache (``translate.translate_cached``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,9 +40,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ... import _tree, integrations
 from ..._compat import torch as compat
 from ..._logging import logger, warn_at_user_line
+from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
+from .functions import FunctionTracer
 from .session import GraphRunner
-from .translate import translate
+from .split import SplitRunner, untranslatable
+from .translate import translate_cached
 
 __all__ = ["OnnxRuntimeEngine"]
 
@@ -72,7 +77,7 @@ class _Compiled:
     def __init__(self) -> None:
         self.fn: Any = None
         self.out_spec: tuple | None = None
-        self.runners: dict[str, GraphRunner] = {}
+        self.runners: dict[str, GraphRunner | SplitRunner] = {}
         self.graphs: dict[str, torch.fx.GraphModule] = {}
 
 
@@ -102,6 +107,38 @@ class OnnxRuntimeEngine:
         #: builds so far (one per signature: shapes included)
         self.build_count = 0
         self.last: _Compiled | None = None
+        #: autograd.Functions AOTAutograd could not trace: opaque ops run in PyTorch (functions.py)
+        self._opaque: set[type] = set()
+        if options.aggressive_cpu_fallback:
+            # (the host shape program moves shape computations out of the graph; static shapes leave none)
+            logger.info(
+                "onnxruntime engine: aggressive_cpu_fallback does not apply: each build has static shapes, so its "
+                "graphs compute no shapes (every Reshape/Expand/Slice shape is a constant)"
+            )
+
+    def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
+        # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
+        # kernels' backward ops have no ONNX translation. mkldnn off while tracing: with it, torch's
+        # LSTM decomposition writes the first layer as ``aten.mkldnn_rnn_layer`` (no ONNX translation)
+        # instead of its per-step ops; the traced graph runs on ORT, so no mkldnn kernel is lost.
+        # compile_session: traced as torch.compile traces (is_compiling() is True), so library code
+        # takes its trace-friendly branches (transformers' masks skip their data-dependent shortcut).
+        # (a backward that fails the trace: AOTAutograd's anomaly mode warns before the engine retries)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Error detected in", category=UserWarning)
+            return self._aot(flat, leaves, compiler, tracer)
+
+    def _aot(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
+        with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session(), tracer.tracing():
+            return compat.aot_module(
+                flat,
+                list(leaves),
+                fw_compiler=compiler("forward"),
+                bw_compiler=compiler("backward"),
+                inference_compiler=compiler("inference"),
+                decompositions=_decompositions(),
+                recompute=self.options.recompute != "none",
+            )
 
     def clear(self) -> None:
         self._compiled.clear()
@@ -163,9 +200,18 @@ class OnnxRuntimeEngine:
         def compiler(what: str):
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
                 compiled.graphs[what] = gm
+                fusions = options.fusions and what != "backward"
                 with compat.no_fake_mode():  # (AOTAutograd calls compilers in its fake mode)
-                    graph = translate(gm, what, fusions=options.fusions and what != "backward")
-                runner = GraphRunner(graph, device, options, what)
+                    in_torch = untranslatable(gm)
+                    if in_torch:
+                        runner = SplitRunner(gm, what, device, options, fusions, in_torch)
+                        logger.info(
+                            "onnxruntime engine: the %s graph of %s runs in %d ORT segments, with %s in PyTorch",
+                            what, type(module).__name__, len(runner.segments), ", ".join(runner.in_torch),
+                        )  # fmt: skip
+                    else:
+                        graph = translate_cached(gm, what, fusions, options.build_cache)
+                        runner = GraphRunner(graph, device, options, what)
                 compiled.runners[what] = runner
                 logger.info("onnxruntime engine: %s graph of %s translated", what, type(module).__name__)
                 return compat.boxed(runner)
@@ -173,42 +219,49 @@ class OnnxRuntimeEngine:
             return compile_graph
 
         flat = _Flat(module, in_spec)
-        try:
-            # NOTE: SDPA as its math composite, decomposed before autograd records it: the fused CPU/CUDA
-            # kernels' backward ops have no ONNX translation. mkldnn off while tracing: with it, torch's
-            # LSTM decomposition writes the first layer as ``aten.mkldnn_rnn_layer`` (no ONNX translation)
-            # instead of its per-step ops; the traced graph runs on ORT, so no mkldnn kernel is lost.
-            # compile_session: traced as torch.compile traces (is_compiling() is True), so library code
-            # takes its trace-friendly branches (transformers' masks skip their data-dependent shortcut).
-            with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session():
-                compiled.fn = compat.aot_module(
-                    flat,
-                    list(leaves),
-                    fw_compiler=compiler("forward"),
-                    bw_compiler=compiler("backward"),
-                    inference_compiler=compiler("inference"),
-                    decompositions=_decompositions(),
-                    recompute=options.recompute != "none",
-                )
-        except ORTWrapError:
-            raise
-        except Exception as e:
-            function = _function_in_traceback(sys.exc_info()[2])
-            if function is not None:
-                raise UnsupportedFunctionError(
-                    f"AOTAutograd could not trace torch.autograd.Function {function} into the joint graph "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). The onnxruntime engine runs only "
-                    "traceable Functions so far (running them as ORT custom ops, or splitting the graph at them, "
-                    "is planned: docs/engines.md); engine='training' runs any Function as a PythonOp"
+        while True:
+            tracer = FunctionTracer(self._opaque)
+            try:
+                compiled.fn = self._trace(flat, leaves, compiler, tracer)
+                break
+            except ORTWrapError:
+                raise
+            except Exception as e:
+                untraceable = next((c for c in tracer.failed if c not in self._opaque), None)
+                if untraceable is not None:
+                    # NOTE: traced again with the Function as one opaque op (functions.py), run in
+                    # PyTorch between ORT segments (split.py); said once per Function class.
+                    logger.warning(
+                        "onnxruntime engine: torch.autograd.Function %s cannot be traced (%s: %s); it runs in "
+                        "PyTorch between ORT segments",
+                        qualified_name(untraceable), type(e).__name__, _first_line(e),
+                    )  # fmt: skip
+                    self._opaque.add(untraceable)
+                    compiled.graphs.clear(), compiled.runners.clear()
+                    continue
+                opaque = next((c for c in tracer.failed if c in self._opaque), None)
+                function = qualified_name(opaque) if opaque is not None else _function_in_traceback(sys.exc_info()[2])
+                if function is not None:
+                    raise UnsupportedFunctionError(
+                        f"AOTAutograd could not trace torch.autograd.Function {function} into the joint graph, nor "
+                        f"run it as an opaque op between ORT segments ({type(e).__name__}: {_first_line(e)}). An "
+                        "opaque Function must take every tensor it reads as an argument (one that reads a module's "
+                        "parameters from a closure, such as checkpoint(use_reentrant=True), cannot); "
+                        "engine='training' runs any Function as a PythonOp"
+                    ) from e
+                raise ExportError(
+                    f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
                 ) from e
-            raise ExportError(
-                f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
-            ) from e
         compiled.out_spec = flat.out_spec
         self.build_count += 1
         self._compiled[key] = compiled
         self.last = compiled
         return compiled
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 @contextlib.contextmanager

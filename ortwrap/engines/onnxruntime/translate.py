@@ -13,10 +13,12 @@ an input that needs none) are dropped and put back by the runner.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import onnx_ir as ir
 import torch
 
+from ..._logging import logger
 from ...errors import ExportError
 
 
@@ -30,6 +32,7 @@ class TranslatedGraph:
         output_names: ONNX output name per tensor output of the FX graph (None-outputs dropped).
         outputs: per FX output: its index among ``output_names``, or None (the output is None).
         output_meta: (shape, dtype) of each tensor output.
+        from_cache: loaded from the build cache, not translated by this process.
     """
 
     model: bytes
@@ -37,6 +40,8 @@ class TranslatedGraph:
     output_names: list[str]
     outputs: list[int | None]
     output_meta: list[tuple[tuple[int, ...], torch.dtype]]
+    #: loaded from the build cache (:func:`translate_cached`), not translated in this process
+    from_cache: bool = False
 
 
 def _meta(node: torch.fx.Node) -> torch.Tensor:
@@ -82,6 +87,16 @@ def _engine_translations() -> dict:
     except (AttributeError, RuntimeError):
         pass  # (transformers' MoE op not registered in this process)
     return table
+
+
+def engine_registry() -> Any:
+    """torchlib's registry with the engine's translations first (``is_registered(op)``: translatable)."""
+    from ..._compat import torch as compat
+
+    return compat.dynamo_registry(OPSET, _engine_translations())
+
+
+OPSET = 20
 
 
 def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
@@ -162,3 +177,32 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     return TranslatedGraph(
         ir.serde.serialize_model(ir_model).SerializeToString(), input_names, output_names, positions, output_meta
     )
+
+
+def translate_cached(gm: torch.fx.GraphModule, what: str, fusions: bool, use_cache: bool) -> TranslatedGraph:
+    """:func:`translate`, through the build cache (``Options.build_cache``, ``build/cache.py``: signed
+    entries keyed by the FX graph with its constants, the options that shape the ONNX and the
+    versions). A second process still traces with AOTAutograd, and skips the translation (its
+    ``torch.export``, torchlib and the cleanup: most of a graph's build time)."""
+    if not use_cache:
+        return translate(gm, what, fusions=fusions)
+    from ...build import cache
+    from ...options import build_cache_dir
+
+    try:
+        key = cache.fx_graph_key("engine=onnxruntime", gm, OPSET, fusions)
+    except cache.Uncacheable as e:
+        logger.info("build cache: the %s graph is not cached: %s", what, e)
+        return translate(gm, what, fusions=fusions)
+    entries = cache.load(build_cache_dir(), key)
+    if entries and isinstance(entries[0].graph, TranslatedGraph):
+        return dataclasses.replace(entries[0].graph, from_cache=True)
+    graph = translate(gm, what, fusions=fusions)
+    # (the training engine's entry type, with the translated graph in ``graph`` and nothing else)
+    entry = cache.CacheEntry(
+        model_bytes=b"", graph=graph, exported=b"", pre_grad=b"", user_input_names=[], output_names=[], out_spec=(),
+        state_names={}, buffer_outputs={}, static_reasons=[], static_spatial=False, shape_guards=None,
+        exporter="aot_autograd", exports=0,
+    )  # fmt: skip
+    cache.store(build_cache_dir(), key, [entry])
+    return graph
