@@ -75,16 +75,16 @@ def _import_timm():
 
         return timm
     except ModuleNotFoundError as e:
-        if e.name == "timm":
-            pytest.skip("timm is not installed (make test installs it: Makefile)", allow_module_level=True)
         if e.name != "torchvision":
-            raise
+            pytest.skip(f"timm cannot be imported: {e} (make test installs it: Makefile)", allow_module_level=True)
     for name in [n for n in sys.modules if n == "timm" or n.startswith("timm.")]:
         del sys.modules[name]
     finder = _TorchvisionStub()
     sys.meta_path.insert(0, finder)
     try:
         import timm
+    except ModuleNotFoundError as e:
+        pytest.skip(f"timm cannot be imported: {e} (make test installs it: Makefile)", allow_module_level=True)
     finally:
         sys.meta_path.remove(finder)
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
