@@ -33,11 +33,16 @@ STAMP := $(VENV)/.installed-$(ORT_EXTRA)-torch$(TORCH)
 
 .PHONY: demo test test-slow test-opinfo test-all test-wheel bench bench-zoo bench-scale lint clean
 
+# timm (tests/test_timm.py) goes in with --no-deps, pinned: it requires torchvision, which has no build
+# here that fits the pinned torch; the test stubs torchvision while timm imports (its models never use it).
+# Pillow (no dependencies of its own) is imported by timm's data package; huggingface_hub, safetensors
+# and pyyaml come with transformers.
 $(STAMP): pyproject.toml setup.py Makefile
 	@echo ">> creating $(VENV): torch==$(TORCH) first, then ortwrap[$(ORT_EXTRA),dev]"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[$(ORT_EXTRA),dev]'
+	$(PY) -m pip install -q --no-deps timm==1.0.31 'pillow>=9.1'
 	@$(PY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(TORCH)' else 'torch changed to ' + v)"
 	@touch $@
 
