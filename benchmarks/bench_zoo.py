@@ -21,7 +21,8 @@ Per model and configuration (dtype x threads):
 - **cold first step and peak RSS** (skipped with ``--no-cold``): each path again in a fresh process of
   its own, with a private, empty ``ORTWRAP_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` (ortwrap's first
   step includes compiling its C kernels, inductor's its C++ kernels), three steps; its first step
-  (wall seconds; the import of torch/transformers/ortwrap not included) and its peak RSS (VmHWM, MiB).
+  (wall seconds; the import of torch/transformers/ortwrap not included), its peak RSS (VmHWM, MiB) and,
+  after the steps, its anonymous (heap) RSS (RssAnon; file-backed library pages excluded).
   The steady-step process runs afterwards with those caches warm (it only needs them to start fast).
 - the loss each path reaches after the same number of steps (the paths must agree).
 
@@ -205,7 +206,13 @@ def cold(case, path: str, *, dtype: str, threads: int, batch: int, steps: int = 
     if path == "ortwrap":
         out.update(_ortwrap_notes(model))
     with open("/proc/self/status") as f:
-        out["peak_rss_mib"] = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:")) / 1024
+        status = {
+            ln.split(":")[0]: int(ln.split()[1]) / 1024 for ln in f if ln.startswith(("VmHWM:", "RssAnon:", "RssFile:"))
+        }
+    out["peak_rss_mib"] = status["VmHWM"]
+    # after the steps: the heap (anonymous) and the library pages mapped from files (shared between
+    # processes; ORT's and the exporters' code), see docs/performance.md "Peak memory"
+    out["anon_rss_mib"], out["file_rss_mib"] = status.get("RssAnon"), status.get("RssFile")
     return out
 
 
@@ -253,6 +260,7 @@ def run_config(name: str, dtype: str, threads: int, a) -> dict:
             continue
         row[f"{path}_cold_first_s"] = c["first_s"]
         row[f"{path}_peak_rss_mib"] = c["peak_rss_mib"]
+        row[f"{path}_anon_rss_mib"] = c.get("anon_rss_mib")
         if path == "ortwrap":  # the cold build made the choice (a build loaded from the cache keeps none)
             row.setdefault("ortwrap_gemm", c.get("gemm"))
             if c.get("fallback"):
@@ -276,6 +284,12 @@ def _mark(r: dict, path: str) -> str:
     return ""
 
 
+def _rss(r: dict, path: str) -> str:
+    """``peak (anon)``: the peak RSS and, after the steps, its anonymous part (MiB)."""
+    anon = r.get(f"{path}_anon_rss_mib")
+    return _f(r.get(f"{path}_peak_rss_mib"), ".0f") + (f" ({anon:.0f})" if anon is not None else "")
+
+
 def markdown(rows: list[dict], cpu: str, note: str) -> str:
     lines = [f"CPU: {cpu}. torch {torch.__version__}. {note}".rstrip(), ""]
     for dtype, threads in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0] != "fp32")):
@@ -283,7 +297,7 @@ def markdown(rows: list[dict], cpu: str, note: str) -> str:
         clock = "CPU" if threads == 1 else "wall"
         lines += [
             f"**{dtype}, {threads} thread{'s' * (threads > 1)}** (median step, {clock} ms; ratio to eager; "
-            "first step: cold, own process, s; peak RSS: own process, MiB)",
+            "first step: cold, own process, s; RSS: own process, peak MiB (anonymous after the steps))",
             "",
             "| model | eager ms | ortwrap ms | compile ms | ortwrap/eager | compile/eager | ortwrap 1st s | "
             "compile 1st s | RSS eager | RSS ortwrap | RSS compile | note |",
@@ -299,8 +313,8 @@ def markdown(rows: list[dict], cpu: str, note: str) -> str:
                 f"| {r['model']} | {_f(r.get('eager_ms'), '.2f')} | {_f(r.get('ortwrap_ms'), '.2f')} | "
                 f"{_f(r.get('compile_ms'), '.2f')} | {_f(r.get('ortwrap_ratio'), '.2f')} | "
                 f"{_f(r.get('compile_ratio'), '.2f')} | {_f(r.get('ortwrap_cold_first_s'), '.1f')} | "
-                f"{_f(r.get('compile_cold_first_s'), '.1f')} | {_f(r.get('eager_peak_rss_mib'), '.0f')} | "
-                f"{_f(r.get('ortwrap_peak_rss_mib'), '.0f')} | {_f(r.get('compile_peak_rss_mib'), '.0f')} | {note} |"
+                f"{_f(r.get('compile_cold_first_s'), '.1f')} | {_rss(r, 'eager')} | "
+                f"{_rss(r, 'ortwrap')} | {_rss(r, 'compile')} | {note} |"
             )
         lines += ["", geomean_line(sel, f"{dtype}, {threads} thread{'s' * (threads > 1)}"), ""]
     lines.append(geomean_line(rows, "all configurations"))
@@ -414,7 +428,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"== model zoo: {cpu}; torch {torch.__version__}; threads {threads}; {a.dtypes}", flush=True)
     print(
         f"{'model':<20} {'dtype':<5} {'thr':>3} {'eager ms':>9} {'ortwrap ms':>10} {'compile ms':>10} "
-        f"{'ort/eag':>7} {'cmp/eag':>7} {'ort 1st':>7} {'cmp 1st':>7} {'RSS e/o/c MiB':>16}  note",
+        f"{'ort/eag':>7} {'cmp/eag':>7} {'ort 1st':>7} {'cmp 1st':>7} {'RSS e/o/c MiB (anon)':>26}  note",
         flush=True,
     )
     rows, t_start = [], time.perf_counter()
@@ -424,12 +438,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 r = run_config(name, dtype, th, a)
                 rows.append(r)
                 rss = "/".join(_f(r.get(f"{p}_peak_rss_mib"), ".0f") for p in PATHS)
+                rss += " (" + "/".join(_f(r.get(f"{p}_anon_rss_mib"), ".0f") for p in PATHS) + ")"
                 note = "; ".join(f"{p} {m}" for p in PATHS if (m := _mark(r, p)))
                 print(
                     f"{name:<20} {dtype:<5} {th:>3} {_f(r.get('eager_ms'), '9.2f')} {_f(r.get('ortwrap_ms'), '10.2f')} "
                     f"{_f(r.get('compile_ms'), '10.2f')} {_f(r.get('ortwrap_ratio'), '7.2f')} "
                     f"{_f(r.get('compile_ratio'), '7.2f')} {_f(r.get('ortwrap_cold_first_s'), '7.1f')} "
-                    f"{_f(r.get('compile_cold_first_s'), '7.1f')} {rss:>16}  {note}",
+                    f"{_f(r.get('compile_cold_first_s'), '7.1f')} {rss:>26}  {note}",
                     flush=True,
                 )
                 with open(os.path.join(a.out, "zoo.json"), "w") as f:

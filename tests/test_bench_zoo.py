@@ -58,3 +58,16 @@ def test_geomean():
     ]
     line = bench_zoo.geomean_line(rows, "x")
     assert "2 rows" in line and "ortwrap/eager 1.000" in line and "compile/eager 2.000" in line
+
+
+def test_cold_child_reports_the_anonymous_part_of_its_rss():
+    """The cold child's memory: the peak (VmHWM) and, after the steps, the heap (RssAnon) and the
+    library pages (RssFile) apart; the table shows ``peak (anon)``."""
+    threads = torch.get_num_threads()
+    try:
+        out = bench_zoo.cold(BY_NAME["lstm_gru"], "eager", dtype="fp32", threads=1, batch=2, steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < out["anon_rss_mib"] < out["peak_rss_mib"] and 0 < out["file_rss_mib"] < out["peak_rss_mib"]
+    row = {"model": "lstm_gru", "dtype": "fp32", "threads": 1, "eager_peak_rss_mib": 400.4, "eager_anon_rss_mib": 280.6}
+    assert "| 400 (281) |" in bench_zoo.markdown([row], "test CPU", "")

@@ -744,6 +744,34 @@ def with_extra_translations(registry: Any, extra: dict[Any, Callable[..., Any]])
     return out
 
 
+_EXPORT_PROXY_MAP = _declare("torch.fx.experimental.proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT")
+_SHAPE_ENV = _declare("torch.fx.experimental.symbolic_shapes.ShapeEnv")
+
+
+def release_export_state() -> None:
+    """Drop what ``torch.export`` keeps of the last export once it has returned.
+
+    NOTE: non-strict export records, for its fake-tensor leak check, a module-level map from fake
+    tensor ids to the traced graph's nodes (proxy_tensor.py), and clears it only at the next trace:
+    until then it keeps the last export's fx graph, its fake tensors and its ShapeEnv alive (a
+    few MiB on a small transformer). ``ShapeEnv``'s methods are memoized with ``functools.lru_cache``
+    on the class (some through torch's ``_lru_cache``, which has the same ``cache_clear``), whose keys hold the last capture's ShapeEnv, with its tracked fake tensors and
+    their FakeTensorMode: those caches are emptied too (the next capture has a ShapeEnv of its own).
+    Only what is loaded is touched; a torch without these names is left alone (nothing to release)."""
+    import sys
+
+    module, _, attr = _EXPORT_PROXY_MAP.rpartition(".")
+    table = getattr(sys.modules.get(module), attr, None)
+    if isinstance(table, dict):
+        table.clear()
+    module, _, attr = _SHAPE_ENV.rpartition(".")
+    shape_env = getattr(sys.modules.get(module), attr, None)
+    for member in vars(shape_env).values() if isinstance(shape_env, type) else ():
+        clear = getattr(member, "cache_clear", None)  # functools.lru_cache, and torch's own wrapper of it
+        if callable(clear):
+            clear()
+
+
 def remove_assertion_nodes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The exporter's pass that drops assertion nodes (a new graph module, or ``gm``)."""
     return _resolve(_DYN_NO_ASSERTS)(gm)
