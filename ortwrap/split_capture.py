@@ -109,11 +109,12 @@ class _SizesFromShapes(nn.Module):
 def _fed(args: tuple, sizes: list[tuple[int, int] | None]) -> tuple:
     """A fragment's call arguments as its :class:`_SizesFromShapes` takes them."""
     fed = []
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)  # (ORTWrap takes one device)
     for a, source in zip(args, sizes):
         if source is None:
             fed.append(a)
         elif source == _LENGTH:
-            fed.append(torch.empty(int(a) + _OFFSET, dtype=torch.uint8) if a >= 0 else a)
+            fed.append(torch.empty(int(a) + _OFFSET, dtype=torch.uint8, device=device) if a >= 0 else a)
     return tuple(fed)
 
 
@@ -176,7 +177,7 @@ class _Fragment:
 
 class SplitCapture:
     """``module`` run by ``torch.compile`` with a backend that trains each graph fragment on ONNX
-    Runtime (the module's own parameters, train/eval mode and grad mode; one capture per shape)."""
+    Runtime (the module's own parameters, train/eval mode and grad mode; sizes dynamic)."""
 
     def __init__(
         self,
@@ -223,10 +224,10 @@ class SplitCapture:
         with warnings.catch_warnings():
             # (torch.compile's own warnings about the graph breaks are the summary's to say)
             warnings.filterwarnings("ignore", module=r"torch\._dynamo.*")
-            # NOTE: dynamo captures a frame once per shape and per module instance, and past its
-            # recompile limit (8 a code object) it runs the frame in PyTorch, said only in torch's log:
-            # a stack of layers shares one code object, and so do transformers' decorators across
-            # models (Mixtral after DBRX in one process: no fragment at all).
+            # NOTE: dynamo captures a frame again per module instance and per guard that fails, and
+            # past its recompile limit (8 a code object) it runs the frame in PyTorch, said only in
+            # torch's log: a stack of layers shares one code object, and so do transformers'
+            # decorators across models (Mixtral after DBRX in one process: no fragment at all).
             # NOTE: dynamic=True makes float attributes symbolic too (``self.scaling``, a dropout's
             # ``p``: 0-d tensors read with ``.item()`` in the fragment, on which torch.export cannot
             # decide): floats stay constants. Without duck sizing, a length of 8 and a head dim of 8
@@ -251,7 +252,8 @@ class SplitCapture:
         eager = [f for f in self.fragments if f.fallback_reason is not None]
         left = self.parameters_in_pytorch
         text = (
-            f"split capture of {type(self.module).__name__}: {len(on_ort)} fragments on ONNX Runtime, "
+            f"split capture of {type(self.module).__name__}: {len(on_ort)} fragments on ONNX Runtime "
+            f"({self.programs} programs), "
             f"{len(eager)} in PyTorch (build failed)"
         )
         if left:
