@@ -13,10 +13,13 @@ What runs where, said to the user (``ORTWrap.split_capture``, :meth:`SplitCaptur
   remaining code. Those ops are eager PyTorch's, so their numbers are eager's; the summary names
   the parameters that no fragment takes (their gradients come from PyTorch).
 
-Fragments are captured with static shapes (``dynamic=False``): dynamo captures a frame again for
-each new shape (and each new count of loop iterations), and each capture is its own fragment and
-program. Parameters reach the fragments as inputs (dynamo lifts them), so their gradients
-accumulate on the module's own parameters, and ``state_dict`` and the optimizer see one set.
+Fragments are captured with dynamic sizes (``torch.compile(dynamic=True)``, as the main dynamo
+path marks every dim ``Dim.AUTO``): one fragment program serves every sequence length and every
+count of tokens an expert gets. dynamo captures a frame again only where a guard it made fails (a
+size of 0 or 1, a Python value the code branched on). The ints dynamo passes for symbolic sizes are
+read from the inputs' shapes inside the fragment (:func:`_size_sources`). Parameters reach the
+fragments as inputs (dynamo lifts them), so their gradients accumulate on the module's own
+parameters, and ``state_dict`` and the optimizer see one set.
 """
 
 from __future__ import annotations
@@ -54,6 +57,67 @@ def is_data_dependent(error: BaseException) -> bool:
     return False
 
 
+#: a graph input that is an int dynamo made symbolic, fed to ORT as the length of a tensor, less
+#: _OFFSET (torch.export specializes sizes 0 and 1, and a zero-size input runs in PyTorch: dynamo
+#: leaves an int argument of 0, transformers' ``logits_to_keep``, symbolic)
+_LENGTH = (-1, 0)
+_OFFSET = 2
+
+
+def _size_sources(gm: torch.fx.GraphModule) -> list[tuple[int, int] | None]:
+    """For each graph input of a fragment dynamo captured with dynamic shapes: ``(k, d)`` where the
+    input is an int that is the size of dim ``d`` of tensor input ``k`` (the same symbol),
+    :data:`_LENGTH` for another int dynamo made symbolic, else None (fed as it is).
+
+    dynamo passes a symbolic size a frame reads as a Python int (``batch_size, seq_len = x.shape``,
+    an int argument) as a graph input of its own. Fed to ORTWrap as an int, each value would be a
+    constant of its own graph (a build per length). Read from a tensor input's shape inside the
+    graph, it is a symbolic dim of one program; an int that is no input's dim (``batch_size`` where
+    the input is ``[batch * seq, hidden]``) is fed as the length (less 2) of a 1-D uint8 tensor,
+    whose dim is symbolic in the export as well; a negative one is fed as an int."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dims: dict[str, tuple[int, int]] = {}
+    values = [n.meta.get("example_value") for n in placeholders]
+    for k, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(str(size), (k, d))
+    return [dims.get(str(v), _LENGTH) if isinstance(v, torch.SymInt) else None for v in values]
+
+
+class _SizesFromShapes(nn.Module):
+    """A fragment whose symbolic int inputs are read from shapes (:func:`_size_sources`): it takes
+    the other inputs, in order, an int fed as a length as a tensor of that length."""
+
+    def __init__(self, gm: torch.fx.GraphModule, sizes: list[tuple[int, int] | None]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.sizes = sizes
+
+    def forward(self, *passed: Any) -> Any:
+        given = iter(passed)
+        args = [next(given) if source is None or source == _LENGTH else None for source in self.sizes]
+        for i, source in enumerate(self.sizes):
+            if source == _LENGTH:
+                args[i] = args[i].shape[0] - _OFFSET if isinstance(args[i], torch.Tensor) else args[i]
+            elif source is not None:
+                args[i] = args[source[0]].shape[source[1]]
+        return self.gm(*args)
+
+
+def _fed(args: tuple, sizes: list[tuple[int, int] | None]) -> tuple:
+    """A fragment's call arguments as its :class:`_SizesFromShapes` takes them."""
+    fed = []
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)  # (ORTWrap takes one device)
+    for a, source in zip(args, sizes):
+        if source is None:
+            fed.append(a)
+        elif source == _LENGTH:
+            fed.append(torch.empty(int(a) + _OFFSET, dtype=torch.uint8, device=device) if a >= 0 else a)
+    return tuple(fed)
+
+
 class _Fragment:
     """One graph fragment of a split capture: a wrapper that trains it on ONNX Runtime, or (its
     build failed) the fragment itself in PyTorch."""
@@ -76,8 +140,11 @@ class _Fragment:
             f"fragment {index} of {owner}'s split capture ({len(ops)} ops: {shown}{', ...' if len(ops) > 6 else ''})"
         )
         self.ops = len(ops)
-        gm.train(training)
-        self.wrapper = wrap(gm, **{**options, "exporter": "dynamo", "fallback": False})
+        #: per graph input: (input, dim) whose size it is (an int dynamo passes for a symbolic size), or None
+        self.sizes = _size_sources(gm)
+        self.module: nn.Module = _SizesFromShapes(gm, self.sizes) if any(self.sizes) else gm
+        self.module.train(training)
+        self.wrapper = wrap(self.module, **{**options, "exporter": "dynamo", "fallback": False})
         self.fallback = fallback
         self.fallback_reason: str | None = None
         #: ids of the parameters this fragment has taken as inputs (over all its calls)
@@ -92,8 +159,10 @@ class _Fragment:
         self.parameter_ids.update(id(a) for a in args if isinstance(a, nn.Parameter))
         if self.fallback_reason is not None:
             return self.gm(*args)
+        # (the sizes come from the inputs' shapes, inside the graph)
+        fed = _fed(args, self.sizes) if self.module is not self.gm else args
         try:
-            return self.wrapper(*args)
+            return self.wrapper(*fed)
         except ORTWrapError as e:
             if not self.fallback:
                 raise
@@ -108,7 +177,7 @@ class _Fragment:
 
 class SplitCapture:
     """``module`` run by ``torch.compile`` with a backend that trains each graph fragment on ONNX
-    Runtime (the module's own parameters, train/eval mode and grad mode; one capture per shape)."""
+    Runtime (the module's own parameters, train/eval mode and grad mode; sizes dynamic)."""
 
     def __init__(
         self,
@@ -126,7 +195,7 @@ class SplitCapture:
         self.fallback = options.fallback
         self.fragments: list[_Fragment] = []
         self.calls = 0
-        self._compiled = torch.compile(module, backend=self._backend, dynamic=False)
+        self._compiled = torch.compile(module, backend=self._backend, dynamic=True)
         logger.warning(
             "the capture of %s stops on a data-dependent guard: %s. It runs as a split capture: "
             "torch.compile keeps the data-dependent Python code in Python and each graph fragment trains on "
@@ -155,11 +224,15 @@ class SplitCapture:
         with warnings.catch_warnings():
             # (torch.compile's own warnings about the graph breaks are the summary's to say)
             warnings.filterwarnings("ignore", module=r"torch\._dynamo.*")
-            # NOTE: dynamo captures a frame once per shape and per module instance, and past its
-            # recompile limit (8 a code object) it runs the frame in PyTorch, said only in torch's log:
-            # a stack of layers shares one code object, and so do transformers' decorators across
-            # models (Mixtral after DBRX in one process: no fragment at all).
-            with compat.dynamo_recompile_limits(_PER_CODE, _TOTAL):
+            # NOTE: dynamo captures a frame again per module instance and per guard that fails, and
+            # past its recompile limit (8 a code object) it runs the frame in PyTorch, said only in
+            # torch's log: a stack of layers shares one code object, and so do transformers'
+            # decorators across models (Mixtral after DBRX in one process: no fragment at all).
+            # NOTE: dynamic=True makes float attributes symbolic too (``self.scaling``, a dropout's
+            # ``p``: 0-d tensors read with ``.item()`` in the fragment, on which torch.export cannot
+            # decide): floats stay constants. Without duck sizing, a length of 8 and a head dim of 8
+            # are not one symbol (the next length would capture the frame again).
+            with compat.dynamo_dynamic_capture(_PER_CODE, _TOTAL):
                 out = self._compiled(*args, **kwargs)
         if self.calls == 1 or len(self.fragments) != before:
             on_ort = sum(f.on_ort for f in self.fragments)
@@ -179,7 +252,8 @@ class SplitCapture:
         eager = [f for f in self.fragments if f.fallback_reason is not None]
         left = self.parameters_in_pytorch
         text = (
-            f"split capture of {type(self.module).__name__}: {len(on_ort)} fragments on ONNX Runtime, "
+            f"split capture of {type(self.module).__name__}: {len(on_ort)} fragments on ONNX Runtime "
+            f"({self.programs} programs), "
             f"{len(eager)} in PyTorch (build failed)"
         )
         if left:
@@ -188,6 +262,12 @@ class SplitCapture:
                 f"the parameters {', '.join(left[:8])}{', ...' if len(left) > 8 else ''}"
             )
         return text
+
+    @property
+    def programs(self) -> int:
+        """How many ONNX Runtime programs the fragments hold (one a fragment for every length it
+        was called with, unless a capture fixed a size: then one per size)."""
+        return sum(len(f.wrapper.programs()) for f in self.fragments)
 
     @property
     def parameters_in_pytorch(self) -> list[str]:

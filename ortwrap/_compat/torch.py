@@ -482,6 +482,22 @@ def dynamo_recompile_limits(per_code: int, total: int) -> contextlib.AbstractCon
     return _resolve(_DYNAMO_CONFIG).patch(recompile_limit=per_code, accumulated_recompile_limit=total)
 
 
+_SPECIALIZE_FLOAT = _declare("torch._dynamo.config.specialize_float")
+_DUCK_SHAPE = _declare("torch.fx.experimental._config.use_duck_shape")
+
+
+def dynamo_dynamic_capture(per_code: int, total: int) -> contextlib.AbstractContextManager:
+    """:func:`dynamo_recompile_limits`, for a ``torch.compile(dynamic=True)`` whose sizes are what
+    changes: float values stay constants (``specialize_float``), and two sizes equal in one call
+    are not assumed equal (``use_duck_shape``: a length of 8 and a head dim of 8)."""
+    _resolve(_SPECIALIZE_FLOAT), _resolve(_DUCK_SHAPE)  # (each raises naming itself where torch lacks it)
+    stack = contextlib.ExitStack()
+    stack.enter_context(dynamo_recompile_limits(per_code, total))
+    stack.enter_context(_resolve(_DYNAMO_CONFIG).patch(specialize_float=True))
+    stack.enter_context(_resolve(_DUCK_SHAPE.rsplit(".", 1)[0]).patch(use_duck_shape=False))
+    return stack
+
+
 def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     """The mutable set of the module's buffer names left out of ``state_dict``."""
     return module.__dict__["_non_persistent_buffers_set"]
