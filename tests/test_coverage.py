@@ -72,6 +72,10 @@ def _family_params():
             if exporter in case.xfail:
                 marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
             yield pytest.param(case, exporter, "training", id=f"{case.name}-{exporter}", marks=marks)
+        marks = [pytest.mark.slow]
+        if case.name in ENGINE_XFAIL:
+            marks.append(pytest.mark.xfail(strict=False, reason=ENGINE_XFAIL[case.name]))
+        yield pytest.param(case, None, "onnxruntime", id=f"{case.name}-onnxruntime", marks=marks)
 
 
 @pytest.mark.parametrize("case, exporter, engine", [*_params(), *_family_params()], indirect=["engine"])
