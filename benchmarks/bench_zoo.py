@@ -6,6 +6,7 @@ all cores, with the geometric mean of the ratios on the last line.
     python benchmarks/bench_zoo.py --quick         # 6 models, fp32+bf16, 1 thread (~10-15 min on 2 idle cores)
     python benchmarks/bench_zoo.py --models gpt2,bert --dtypes fp32 --threads 1 --no-cold
     python benchmarks/bench_zoo.py --quick --engine onnxruntime   # ortwrap's path on engine="onnxruntime"
+    python benchmarks/bench_zoo.py --quick --paths eager,ortwrap  # without torch.compile
 
 Per model and configuration (dtype x threads):
 
@@ -244,13 +245,14 @@ def run_config(name: str, dtype: str, threads: int, a) -> dict:
         base = {"model": name, "dtype": dtype, "threads": threads, "batch": a.batch, "engine": a.engine}
         colds = {}
         if not a.no_cold:
-            for path in PATHS:
+            for path in a.paths:
                 try:
                     colds[path] = _child({**base, "kind": "cold", "path": path}, env, a.timeout)
                 except subprocess.TimeoutExpired:
                     colds[path] = {"error": f"timeout ({a.timeout} s)"}
         try:
-            row = _child({**base, "kind": "measure", "warmup": a.warmup, "iters": a.iters}, env, a.timeout)
+            job = {**base, "kind": "measure", "warmup": a.warmup, "iters": a.iters, "paths": a.paths}
+            row = _child(job, env, a.timeout)
         except subprocess.TimeoutExpired:
             row = {"error": f"timeout ({a.timeout} s)"}
     row = {**base, **row}
@@ -403,6 +405,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--warmup", type=int, default=None, help="rounds before timing (default 3; --quick 2)")
     p.add_argument("--iters", type=int, default=None, help="timed rounds (default 20; --quick 10)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of " + ",".join(PATHS))
     p.add_argument("--no-cold", action="store_true", help="skip the cold first step / peak RSS processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench-zoo"))
@@ -410,6 +413,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--render", default="", help="comma-separated zoo.json files: write their rows' table and plot")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.paths = [x for x in a.paths.split(",") if x]
     if a.child is not None:
         job = json.loads(a.child)
         case = _case(job["model"])
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if job["kind"] == "cold":
             out = cold(case, job["path"], options=options, **kw)
         else:
-            out = measure(case, warmup=job["warmup"], iters=job["iters"], options=options, **kw)
+            paths = job.get("paths", PATHS)
+            out = measure(case, warmup=job["warmup"], iters=job["iters"], paths=paths, options=options, **kw)
         print("ROW " + json.dumps(out), flush=True)
         return [out]
     if a.render:

@@ -625,3 +625,58 @@ def test_unfold_runs_as_a_kernel(exporter):
         aten = [a.s.decode() for n in graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "operator"]
         assert {"im2col", "unfold"} <= {o.split("::")[-1] for o in aten}
         assert not any(n.op_type in ("Gather", "GatherND") for n in graph.node)
+
+
+# ---- issue 28's families on engine="onnxruntime": a small test per cause fixed there
+
+
+class _NumberFirstAdd(torch.nn.Module):
+    """PhiMoE's sparsemixer: ``torch.add(0.3333, mask, alpha=0.6667)``, a Python number as ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        mask = (h > 0).to(h.dtype)
+        return h * torch.add(0.3333, mask, alpha=0.6667) + torch.mul(2.0, h)
+
+
+class _Bfloat16Buffer(torch.nn.Module):
+    """RecurrentGemma's ``normalizer``: a bfloat16 buffer cast to the activations' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.register_buffer("normalizer", torch.tensor(6**0.5, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.normalizer.to(x.dtype)
+
+
+def _engine_only():
+    from ortwrap.engines import is_onnxruntime_available
+
+    if not is_onnxruntime_available():
+        pytest.skip("engine='onnxruntime': onnxruntime is not installed")
+
+
+def test_number_first_add_trains_on_the_onnxruntime_engine():
+    _engine_only()
+    w = check_parity(
+        _NumberFirstAdd, lambda b, g: ((torch.randn(b, 6, generator=g),), {}), wrap_options={"engine": "onnxruntime"}
+    )
+    assert w.fallback_reason is None and w._engine.build_count == 3
+
+
+def test_bfloat16_buffer_binds_on_the_onnxruntime_engine():
+    _engine_only()
+    import onnxruntime
+
+    if tuple(int(x) for x in onnxruntime.__version__.split(".")[:2]) < (1, 20):
+        pytest.skip("onnxruntime < 1.20 (the training build): IOBinding takes numpy element types only")
+    w = check_parity(
+        _Bfloat16Buffer, lambda b, g: ((torch.randn(b, 6, generator=g),), {}), wrap_options={"engine": "onnxruntime"}
+    )
+    assert w.fallback_reason is None
