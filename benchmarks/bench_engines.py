@@ -1,10 +1,14 @@
 """Both engines side by side on the GPT-style LM of bench_lm.py (4 layers, d=256, T=128, batch 8,
-SGD, cross-entropy inside the module): eager, and ORTWrap with each engine installed here
+SGD, cross-entropy inside the module): eager, ``torch.compile`` (inductor, the default mode;
+``--no-compile`` leaves it out) and ORTWrap with each engine installed here
 (``ortwrap.available_engines()``: the training build in .venv, the maintained onnxruntime in
 .venv-ort; the ``"onnxruntime"`` engine also runs on the training build's InferenceSession).
 
-Prints the first step of each engine (build + first run) and the median step times from one
-interleaved run.
+Prints the first step of compile and of each engine (build + first run) and the median step times
+from one interleaved run (``--cpu-time``: CPU seconds of the process, steadier on a shared machine
+at 1 thread).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_engines.py --threads 1 --cpu-time
 """
 
 from __future__ import annotations
@@ -22,13 +26,23 @@ from ortwrap import ORTWrap
 from ortwrap.engines import onnxruntime_distribution
 
 
-def main(iters: int = 20, cpu_time: bool = False) -> None:
+def main(iters: int = 20, cpu_time: bool = False, compile: bool = True, threads: int | None = None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = GPTConfig(layers=4, d=256, heads=4, max_len=128)
     eager = TinyGPT(cfg)
     ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, {onnxruntime_distribution()}, {torch.get_num_threads()} threads")
     steps = {"eager": train_step(eager, torch.optim.SGD(eager.parameters(), lr=0.01), lambda m: m(ids, tgt)[0])}
+    if compile:
+        model = copy.deepcopy(eager)
+        compiled = torch.compile(model)
+        step = train_step(compiled, torch.optim.SGD(model.parameters(), lr=0.01), lambda m: m(ids, tgt)[0])
+        t0 = time.perf_counter()
+        step()
+        print(f"  torch.compile: first step (compile + run) {time.perf_counter() - t0:.2f} s")
+        steps["torch.compile"] = step
     for engine in ortwrap.available_engines():
         ours = ORTWrap(copy.deepcopy(eager), fallback=False, engine=engine)
         opt = torch.optim.SGD(ours.parameters(), lr=0.01)
@@ -45,5 +59,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--cpu-time", action="store_true", help="CPU seconds of the process instead of wall time")
+    parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (and the engines' ORT threads)"
+    )
     a = parser.parse_args()
-    main(a.iters, a.cpu_time)
+    main(a.iters, a.cpu_time, not a.no_compile, a.threads)

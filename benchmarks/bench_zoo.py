@@ -5,6 +5,8 @@ all cores, with the geometric mean of the ratios on the last line.
     python benchmarks/bench_zoo.py                 # the full run: every model, fp32+bf16, 1 thread + all cores
     python benchmarks/bench_zoo.py --quick         # 6 models, fp32+bf16, 1 thread (~10-15 min on 2 idle cores)
     python benchmarks/bench_zoo.py --models gpt2,bert --dtypes fp32 --threads 1 --no-cold
+    python benchmarks/bench_zoo.py --quick --engine onnxruntime   # ortwrap's path on engine="onnxruntime"
+    python benchmarks/bench_zoo.py --quick --paths eager,ortwrap  # without torch.compile
 
 Per model and configuration (dtype x threads):
 
@@ -17,7 +19,10 @@ Per model and configuration (dtype x threads):
   do not inflate, and wall seconds with more threads (where CPU seconds would count spinning pools).
   ``torch.compile`` is the default (inductor) on the module; the optimizer step runs eagerly on all
   three paths. ortwrap is ``ORTWrap(model)`` with its defaults (``gemm="auto"``, ``half_compute="auto"``,
-  fallback on: a refused graph runs eagerly and the row says ``fallback``).
+  fallback on: a refused graph runs eagerly and the row says ``fallback``), on ``--engine`` (default
+  ``auto``: the training build where it is installed, else ``onnxruntime``; docs/engines.md); the row and
+  the table name the engine that ran. One run per venv gives each engine's rows (``.venv``: training,
+  ``.venv-ort``: onnxruntime); ``--render`` of both zoo.json files puts them in one table.
 - **cold first step and peak RSS** (skipped with ``--no-cold``): each path again in a fresh process of
   its own, with a private, empty ``ORTWRAP_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` (ortwrap's first
   step includes compiling its C kernels, inductor's its C++ kernels), three steps; its first step
@@ -123,6 +128,9 @@ def make_step(case, model, args, kwargs, amp: bool):
 
 def _ortwrap_notes(model) -> dict:
     out = {}
+    engine = getattr(model, "_engine", False)
+    if engine is not False:  # (an ORTWrap: None is the training engine's own path)
+        out["engine"] = "training" if engine is None else engine.name
     reason = getattr(model, "fallback_reason", None)
     if reason is not None:
         out["fallback"] = str(reason).splitlines()[0][:200]
@@ -189,11 +197,11 @@ def measure(
     return row
 
 
-def cold(case, path: str, *, dtype: str, threads: int, batch: int, steps: int = 3) -> dict:
+def cold(case, path: str, *, dtype: str, threads: int, batch: int, steps: int = 3, options: dict | None = None) -> dict:
     """In a fresh process (its caches set by the parent): the first step and peak RSS of one path."""
     torch.set_num_threads(threads)
     args, kwargs = case.make_inputs(batch, torch.Generator().manual_seed(1))
-    model = build(case, path)
+    model = build(case, path, options=options)
     step = make_step(case, model, args, kwargs, dtype == "bf16")
     out: dict = {}
     with warnings.catch_warnings():
@@ -241,16 +249,17 @@ def run_config(name: str, dtype: str, threads: int, a) -> dict:
         env["ORTWRAP_CACHE_DIR"] = os.path.join(tmp, "ortwrap")
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
         env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        base = {"model": name, "dtype": dtype, "threads": threads, "batch": a.batch}
+        base = {"model": name, "dtype": dtype, "threads": threads, "batch": a.batch, "engine": a.engine}
         colds = {}
         if not a.no_cold:
-            for path in PATHS:
+            for path in a.paths:
                 try:
                     colds[path] = _child({**base, "kind": "cold", "path": path}, env, a.timeout)
                 except subprocess.TimeoutExpired:
                     colds[path] = {"error": f"timeout ({a.timeout} s)"}
         try:
-            row = _child({**base, "kind": "measure", "warmup": a.warmup, "iters": a.iters}, env, a.timeout)
+            job = {**base, "kind": "measure", "warmup": a.warmup, "iters": a.iters, "paths": a.paths}
+            row = _child(job, env, a.timeout)
         except subprocess.TimeoutExpired:
             row = {"error": f"timeout ({a.timeout} s)"}
     row = {**base, **row}
@@ -263,6 +272,7 @@ def run_config(name: str, dtype: str, threads: int, a) -> dict:
         row[f"{path}_anon_rss_mib"] = c.get("anon_rss_mib")
         if path == "ortwrap":  # the cold build made the choice (a build loaded from the cache keeps none)
             row.setdefault("ortwrap_gemm", c.get("gemm"))
+            row.setdefault("ortwrap_engine", c.get("engine"))
             if c.get("fallback"):
                 row.setdefault("ortwrap_fallback", c["fallback"])
     return row
@@ -299,9 +309,9 @@ def markdown(rows: list[dict], cpu: str, note: str) -> str:
             f"**{dtype}, {threads} thread{'s' * (threads > 1)}** (median step, {clock} ms; ratio to eager; "
             "first step: cold, own process, s; RSS: own process, peak MiB (anonymous after the steps))",
             "",
-            "| model | eager ms | ortwrap ms | compile ms | ortwrap/eager | compile/eager | ortwrap 1st s | "
+            "| model | engine | eager ms | ortwrap ms | compile ms | ortwrap/eager | compile/eager | ortwrap 1st s | "
             "compile 1st s | RSS eager | RSS ortwrap | RSS compile | note |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sel:
             note = "; ".join(
@@ -310,7 +320,7 @@ def markdown(rows: list[dict], cpu: str, note: str) -> str:
                 if (m := _mark(r, p))
             )
             lines.append(
-                f"| {r['model']} | {_f(r.get('eager_ms'), '.2f')} | {_f(r.get('ortwrap_ms'), '.2f')} | "
+                f"| {r['model']} | {_engine(r)} | {_f(r.get('eager_ms'), '.2f')} | {_f(r.get('ortwrap_ms'), '.2f')} | "
                 f"{_f(r.get('compile_ms'), '.2f')} | {_f(r.get('ortwrap_ratio'), '.2f')} | "
                 f"{_f(r.get('compile_ratio'), '.2f')} | {_f(r.get('ortwrap_cold_first_s'), '.1f')} | "
                 f"{_f(r.get('compile_cold_first_s'), '.1f')} | {_rss(r, 'eager')} | "
@@ -319,6 +329,11 @@ def markdown(rows: list[dict], cpu: str, note: str) -> str:
         lines += ["", geomean_line(sel, f"{dtype}, {threads} thread{'s' * (threads > 1)}"), ""]
     lines.append(geomean_line(rows, "all configurations"))
     return "\n".join(lines) + "\n"
+
+
+def _engine(r: dict) -> str:
+    """The engine ortwrap's path ran on (as resolved; the option's value if it never ran)."""
+    return r.get("ortwrap_engine") or r.get("engine") or "auto"
 
 
 def geomean_line(rows: list[dict], label: str) -> str:
@@ -396,8 +411,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--threads", default=None, help="comma-separated: 1 and/or 'all' (default 1,all; --quick: 1)")
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=("auto", "training", "onnxruntime"),
+        help="ORTWrap's engine on the ortwrap path (docs/engines.md)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="rounds before timing (default 3; --quick 2)")
     p.add_argument("--iters", type=int, default=None, help="timed rounds (default 20; --quick 10)")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of " + ",".join(PATHS))
     p.add_argument("--no-cold", action="store_true", help="skip the cold first step / peak RSS processes")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per child process")
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench-zoo"))
@@ -405,14 +427,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--render", default="", help="comma-separated zoo.json files: write their rows' table and plot")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.paths = [x for x in a.paths.split(",") if x]
     if a.child is not None:
         job = json.loads(a.child)
         case = _case(job["model"])
         kw = dict(dtype=job["dtype"], threads=job["threads"], batch=job["batch"])
+        options = {"engine": job.get("engine", "auto")}
         if job["kind"] == "cold":
-            out = cold(case, job["path"], **kw)
+            out = cold(case, job["path"], options=options, **kw)
         else:
-            out = measure(case, warmup=job["warmup"], iters=job["iters"], **kw)
+            paths = job.get("paths", PATHS)
+            out = measure(case, warmup=job["warmup"], iters=job["iters"], paths=paths, options=options, **kw)
         print("ROW " + json.dumps(out), flush=True)
         return [out]
     if a.render:
@@ -425,9 +450,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     threads = list(dict.fromkeys(threads))
     cpu = cpu_description()
     os.makedirs(a.out, exist_ok=True)
-    print(f"== model zoo: {cpu}; torch {torch.__version__}; threads {threads}; {a.dtypes}", flush=True)
     print(
-        f"{'model':<20} {'dtype':<5} {'thr':>3} {'eager ms':>9} {'ortwrap ms':>10} {'compile ms':>10} "
+        f"== model zoo: {cpu}; torch {torch.__version__}; threads {threads}; {a.dtypes}; engine {a.engine}", flush=True
+    )
+    print(
+        f"{'model':<20} {'engine':<11} {'dtype':<5} {'thr':>3} {'eager ms':>9} {'ortwrap ms':>10} {'compile ms':>10} "
         f"{'ort/eag':>7} {'cmp/eag':>7} {'ort 1st':>7} {'cmp 1st':>7} {'RSS e/o/c MiB (anon)':>26}  note",
         flush=True,
     )
@@ -441,7 +468,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rss += " (" + "/".join(_f(r.get(f"{p}_anon_rss_mib"), ".0f") for p in PATHS) + ")"
                 note = "; ".join(f"{p} {m}" for p in PATHS if (m := _mark(r, p)))
                 print(
-                    f"{name:<20} {dtype:<5} {th:>3} {_f(r.get('eager_ms'), '9.2f')} {_f(r.get('ortwrap_ms'), '10.2f')} "
+                    f"{name:<20} {_engine(r):<11} {dtype:<5} {th:>3} {_f(r.get('eager_ms'), '9.2f')} {_f(r.get('ortwrap_ms'), '10.2f')} "
                     f"{_f(r.get('compile_ms'), '10.2f')} {_f(r.get('ortwrap_ratio'), '7.2f')} "
                     f"{_f(r.get('compile_ratio'), '7.2f')} {_f(r.get('ortwrap_cold_first_s'), '7.1f')} "
                     f"{_f(r.get('compile_cold_first_s'), '7.1f')} {rss:>26}  {note}",

@@ -16,6 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_zoo
 from model_zoo import BY_NAME
 
+from ortwrap.engines import is_onnxruntime_available
+
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_zoo_row(exporter, dtype, monkeypatch, tmp_path):
@@ -71,3 +73,22 @@ def test_cold_child_reports_the_anonymous_part_of_its_rss():
     assert 0 < out["anon_rss_mib"] < out["peak_rss_mib"] and 0 < out["file_rss_mib"] < out["peak_rss_mib"]
     row = {"model": "lstm_gru", "dtype": "fp32", "threads": 1, "eager_peak_rss_mib": 400.4, "eager_anon_rss_mib": 280.6}
     assert "| 400 (281) |" in bench_zoo.markdown([row], "test CPU", "")
+
+
+@pytest.mark.skipif(not is_onnxruntime_available(), reason="onnxruntime is not installed")
+def test_zoo_row_on_the_onnxruntime_engine(monkeypatch, tmp_path):
+    # --engine onnxruntime: the ortwrap path runs on that engine, the row and the table say so, and the
+    # loss after the same steps equals eager's
+    monkeypatch.setenv("ORTWRAP_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        row = bench_zoo.measure(
+            BY_NAME["resnetish"], threads=1, paths=("eager", "ortwrap"), warmup=0, iters=2,
+            options={"engine": "onnxruntime"},
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert not any(k.endswith("error") for k in row), row
+    assert "ortwrap_fallback" not in row and row["ortwrap_engine"] == "onnxruntime", row
+    assert abs(row["ortwrap_loss"] - row["eager_loss"]) <= 1e-5 * max(1.0, abs(row["eager_loss"])), row
+    assert "| resnetish | onnxruntime |" in bench_zoo.markdown([row], "test CPU", "")

@@ -4,7 +4,9 @@ The stub tests run in this process (with a one-rank gloo group where a real coll
 The training tests launch real two-rank runs (``torchrun --nproc_per_node=2``, gloo, CPU) of the
 scripts in ``tests/dist/``; each rank writes what it saw to a JSON file and the tests here compare:
 ORTWrap against eager PyTorch (Functions, DDP) or against plain DeepSpeed (ZeRO 1/2/3), on data that
-differs between the ranks, so a collective that did not run would change the numbers.
+differs between the ranks, so a collective that did not run would change the numbers. The same
+workers run on ``engine="onnxruntime"`` (``ORTWRAP_ENGINE`` in the launch): DDP and ZeRO 1/2/3, in
+``ORT_EXTRA=ort make test`` (slow beside the training build, where that engine is the second one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from ortwrap import ExportError, FallbackWarning, ORTWrap, UnsupportedInputError
 from ortwrap.bridge.intercept import in_function
+from ortwrap.engines import is_onnxruntime_available, is_training_available
 from ortwrap.integrations.distributed import DoneWork, collective_stubs, stubs_active
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,6 +36,13 @@ ROOT = os.path.dirname(HERE)
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
+needs_training = pytest.mark.skipif(
+    not is_training_available(), reason="engine='training': onnxruntime-training is not installed here"
+)
+needs_engine = pytest.mark.skipif(not is_onnxruntime_available(), reason="engine='onnxruntime': no onnxruntime")
+#: engine="onnxruntime"'s two-rank runs: in ``ORT_EXTRA=ort make test``; slow where the training build
+#: is installed (this engine is the second one there).
+ENGINE_SLOW = pytest.mark.slow if is_training_available() else (lambda f: f)
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not importable (install the dev extra: DS_BUILD_OPS=0 pip install deepspeed==0.19.8)",
@@ -283,14 +293,20 @@ def test_zero3_gather_option_is_checked():
 
 
 def _launch(
-    script: str, cases: list[str], out_dir: str, timeout: int = 300, cache_dir: str | None = None
+    script: str,
+    cases: list[str],
+    out_dir: str,
+    timeout: int = 300,
+    cache_dir: str | None = None,
+    engine: str = "training",
 ) -> dict[str, list[dict]]:
     """Run ``tests/dist/<script>`` on 2 ranks with torchrun; return each case's per-rank results.
 
-    The build cache is off (these workers check what happens during an export: always export)
-    unless ``cache_dir`` names one."""
+    Every ORTWrap of the workers runs on ``engine`` (``ORTWRAP_ENGINE``). The build cache is off (these
+    workers check what happens during an export: always export) unless ``cache_dir`` names one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORTWRAP_")}
     env.update(
+        ORTWRAP_ENGINE=engine,
         ORTWRAP_DIST_OUT=out_dir,
         ORTWRAP_BUILD_CACHE="0" if cache_dir is None else "1",
         DS_ACCELERATOR="cpu",
@@ -325,6 +341,8 @@ def _ok(ranks: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
+    if not is_training_available():
+        pytest.skip("engine='training': onnxruntime-training is not installed here")
     return _launch("torch_worker.py", ["functions", "ddp", "logging"], str(tmp_path_factory.mktemp("torch_dist")))
 
 
@@ -334,7 +352,20 @@ def deepspeed_runs(tmp_path_factory):
     cases += ["zero3_evalfallback"]
     cases += ["deepspeed_comm", "zero3_leaf", "zero3_submodule", "zero3_submodule_dynamo"]
     cases += ["zero3_submodule_gpt"]
+    if not is_training_available():
+        pytest.skip("engine='training': onnxruntime-training is not installed here")
     return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("deepspeed_dist")))
+
+
+@pytest.fixture(scope="module")
+def engine_torch_runs(tmp_path_factory):
+    return _launch("torch_worker.py", ["ddp"], str(tmp_path_factory.mktemp("engine_dist")), engine="onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def engine_deepspeed_runs(tmp_path_factory):
+    cases = ["zero1", "zero2", "zero3", "zero3_submodule"]
+    return _launch("deepspeed_worker.py", cases, str(tmp_path_factory.mktemp("engine_ds")), engine="onnxruntime")
 
 
 @pytest.mark.slow
@@ -373,9 +404,10 @@ def test_ddp_of_ortwrap_matches_eager_ddp(torch_runs):
         assert r["allreduced_grad_differs_from_local"] == [True] * 4
 
 
-def _assert_deepspeed_parity(ranks: list[dict], stage: int, fallback: bool = False) -> None:
+def _assert_deepspeed_parity(ranks: list[dict], stage: int, fallback: bool = False, engine: str = "training") -> None:
     for r in _ok(ranks):
         plain, ours = r["plain"], r["ortwrap"]
+        assert ours["engine"] == engine
         if fallback:
             assert ours["fallback"] and "ScaleAndCount" in ours["fallback"], ours["fallback"]
         else:
@@ -538,3 +570,42 @@ def test_zero3_leaf_module_and_engine_inside_ortwrap_are_refused(deepspeed_runs)
         assert r["raised"] == UnsupportedInputError.__name__
         assert "ZeRO-3 leaf modules" in r["message"] and "norm" in r["message"]
         assert "deepspeed.initialize(model=ORTWrap(model)" in r["engine_inside"]
+
+
+# ------------------------------------------------------------------------------------ engine="onnxruntime"
+
+
+@ENGINE_SLOW
+@needs_gloo
+@needs_engine
+def test_ddp_of_ortwrap_on_the_onnxruntime_engine_matches_eager_ddp(engine_torch_runs):
+    # DDP's gradient hooks fire on the gradients AOTAutograd's backward hands to autograd: inside the
+    # run, outputs and every gradient equal eager DDP's at each of 4 steps, all-reduced over the ranks.
+    for r in _ok(engine_torch_runs["ddp"]):
+        assert r["engine"] == "onnxruntime" and r["fallback"] is None
+        assert r["export_count"] == 1  # (the engine's build count: one shape, one build)
+        assert r["params_equal_across_ranks"]
+        assert r["allreduced_grad_differs_from_local"] == [True] * 4
+
+
+@ENGINE_SLOW
+@needs_engine
+@needs_deepspeed
+@pytest.mark.parametrize("case,stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_deepspeed_zero_on_the_onnxruntime_engine_matches_plain_deepspeed(engine_deepspeed_runs, case, stage):
+    # ZeRO-3 with the whole-module gather (zero3_gather="module"): the integration gathers the wrapped
+    # module's parameters around the engine's call and partitions them after the backward, as for
+    # the training engine; AOTAutograd's graph reads the parameters whole.
+    _assert_deepspeed_parity(engine_deepspeed_runs[case], stage, engine="onnxruntime")
+
+
+@ENGINE_SLOW
+@needs_engine
+@needs_deepspeed
+def test_zero3_per_submodule_gather_is_refused_on_the_onnxruntime_engine(engine_deepspeed_runs):
+    # zero3_gather="submodule" is a rewrite of the training engine's ORT gradient graph: refused, naming
+    # the option and the engine that has it (plain DeepSpeed ran first, in the same case).
+    for r in engine_deepspeed_runs["zero3_submodule"]:
+        assert "plain" in r and len(r["plain"]["losses"]) == 4
+        assert "UnsupportedInputError" in r["error"], r["error"][-2000:]
+        assert "zero3_gather='submodule'" in r["error"] and "needs engine='training'" in r["error"]

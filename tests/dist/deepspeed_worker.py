@@ -2,7 +2,8 @@
 
 For each case, trains the same model with plain DeepSpeed and with ``deepspeed.initialize(model=
 ORTWrap(model))`` on per-rank data, and writes the losses, final parameters and ZeRO-3 observations
-of this rank to ``$ORTWRAP_DIST_OUT/<case>.rank<r>.json``; the test compares them.
+of this rank to ``$ORTWRAP_DIST_OUT/<case>.rank<r>.json``; the test compares them. ``ORTWRAP_ENGINE``
+(set by the test) picks the engine of every ORTWrap here; each result says which engine ran.
 """
 
 from __future__ import annotations
@@ -177,14 +178,20 @@ def train(model: nn.Module, stage: int, wrap: bool, accumulation: int = 1, **opt
     if wrap:
         # ortwrap hid DeepSpeed's hooks on the wrapped module's submodules while exporting: restored.
         result["deepspeed_hooks"] = [hooks_before, deepspeed_hooks(ortwrap.module)]
-        result["export_count"] = ortwrap.export_count  # one graph for every training step
         result["fallback"] = str(ortwrap.fallback_reason) if ortwrap.fallback_reason else None
-        result["program_runs"] = [p.runs for p in ortwrap.programs()]
-        artifacts = ortwrap.last_artifacts
-        result["exporter"] = artifacts.exporter if artifacts is not None else None
-        result["python_ops"] = (
-            sum(n.op_type == "PythonOp" for n in artifacts.pre_grad.graph.node) if artifacts is not None else None
-        )
+        if ortwrap._engine is not None:  # engine="onnxruntime": AOTAutograd's graphs, no export, no PythonOp
+            result["engine"] = ortwrap._engine.name
+            result["export_count"] = ortwrap._engine.build_count  # one build for every training step
+            result["python_ops"] = 0
+        else:
+            result["engine"] = "training"
+            result["export_count"] = ortwrap.export_count  # one graph for every training step
+            result["program_runs"] = [p.runs for p in ortwrap.programs()]
+            artifacts = ortwrap.last_artifacts
+            result["exporter"] = artifacts.exporter if artifacts is not None else None
+            result["python_ops"] = (
+                sum(n.op_type == "PythonOp" for n in artifacts.pre_grad.graph.node) if artifacts is not None else None
+            )
     if stage == 3:
         with torch.no_grad():  # an eval-style run: gathered for the forward, partitioned right after
             engine.eval()

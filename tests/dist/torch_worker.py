@@ -2,7 +2,8 @@
 gloo): Functions that call collectives, and DistributedDataParallel(ORTWrap(model)).
 
 Each case writes ``$ORTWRAP_DIST_OUT/<case>.rank<r>.json``: ``error`` (a traceback) if a check failed,
-and the observations the test asserts on.
+and the observations the test asserts on. ``ORTWRAP_ENGINE`` (set by the test) picks the engine of every
+ORTWrap here; each result says which engine ran and how many builds it made.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ from parity import assert_close, check_parity
 
 from ortwrap import ORTWrap
 from ortwrap.integrations.distributed import stubs_active
+
+
+def engine_of(wrapped: ORTWrap) -> tuple[str, int]:
+    """The engine that ran ``wrapped`` and its build count (exports for the training engine)."""
+    engine = wrapped._engine
+    return ("training", wrapped.export_count) if engine is None else (engine.name, engine.build_count)
+
 
 CALLS = {"gather_forward": 0, "reduce_backward": 0, "gather_during_export": 0}
 
@@ -139,8 +147,10 @@ def case_ddp(rank: int, world: int) -> dict:
     grads = [None] * world
     dist.all_gather_object(grads, [p.detach() for p in ours_model.parameters()])
     same_everywhere = all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    engine, builds = engine_of(wrapped)
     return {
-        "export_count": wrapped.export_count,
+        "engine": engine,
+        "export_count": builds,
         "fallback": str(wrapped.fallback_reason) if wrapped.fallback_reason else None,
         "params_equal_across_ranks": same_everywhere,
         "allreduced_grad_differs_from_local": local_grad_differs,

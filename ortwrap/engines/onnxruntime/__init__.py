@@ -106,6 +106,8 @@ class OnnxRuntimeEngine:
         self._failed: dict[tuple, str] = {}
         #: builds so far (one per signature: shapes included)
         self.build_count = 0
+        #: calls that ran in PyTorch (their signature fell back)
+        self.fallback_calls = 0
         self.last: _Compiled | None = None
         #: autograd.Functions AOTAutograd could not trace: opaque ops run in PyTorch (functions.py)
         self._opaque: set[type] = set()
@@ -145,15 +147,23 @@ class OnnxRuntimeEngine:
         self._failed.clear()
 
     def __call__(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
-        module = wrapper.module
         integration = integrations.step_integration(wrapper)
         if integration is not None:
-            # NOTE: an integration that takes calls over (DeepSpeed ZeRO-3's parameter gathering) is
-            # not wired to this engine yet: its partitioned parameters would be traced empty.
-            raise UnsupportedInputError(
-                f"ORTWrap(engine='onnxruntime') does not run under {type(integration).__name__} yet "
-                "(docs/engines.md); use engine='training', or run the module without ORTWrap"
-            )
+            # NOTE: an integration that takes calls over (DeepSpeed ZeRO-3: the wrapped module's
+            # parameters gathered around the call, partitioned after its backward) runs this engine's
+            # call as its step. zero3_gather="submodule" is a rewrite of the training engine's ORT
+            # gradient graph (gather nodes per layer): nothing of it exists on AOTAutograd's graphs.
+            if self.options.zero3_gather == "submodule":
+                raise UnsupportedInputError(
+                    "ORTWrap(engine='onnxruntime') gathers a ZeRO-3 module's parameters as a whole "
+                    "(zero3_gather='module'); zero3_gather='submodule' rewrites the training engine's "
+                    "gradient graph and needs engine='training' (docs/engines.md)"
+                )
+            return integration.step(wrapper, _Step(self, wrapper, args, kwargs))
+        return self._run(wrapper, args, kwargs)
+
+    def _run(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
+        module = wrapper.module
         leaves: list[torch.Tensor] = []
         in_spec = wrapper._dispatch.flatten_inputs(args, kwargs, leaves)
         state = [*module.parameters(), *module.buffers()]
@@ -170,12 +180,12 @@ class OnnxRuntimeEngine:
         )
         compiled = self._compiled.get(key)
         if compiled is None:
-            if key in self._failed:
-                return module(*args, **kwargs)
-            if any(t.numel() == 0 for t in leaves):
+            if key in self._failed or any(t.numel() == 0 for t in leaves):
+                self.fallback_calls += 1
                 return module(*args, **kwargs)
             try:
-                compiled = self._build(module, leaves, in_spec, key)
+                with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
+                    compiled = self._build(module, leaves, in_spec, key)
             except ORTWrapError as e:
                 if not self.options.fallback:
                     raise
@@ -186,6 +196,7 @@ class OnnxRuntimeEngine:
                     f"the {e.phase} phase failed: {sentence(e.detail)} Set fallback=False to raise instead.",
                     wrapper_warning(),
                 )
+                self.fallback_calls += 1
                 return module(*args, **kwargs)
         outputs = compiled.fn(*leaves)
         return _tree.unflatten(compiled.out_spec, list(outputs))
@@ -262,6 +273,32 @@ class OnnxRuntimeEngine:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else ""
+
+
+class _Step:
+    """A call an integration took over (``integrations.Step``), run by this engine."""
+
+    def __init__(self, engine: OnnxRuntimeEngine, wrapper: Any, args: tuple, kwargs: dict) -> None:
+        self._engine, self._wrapper, self.args, self.kwargs = engine, wrapper, args, kwargs
+
+    @property
+    def fell_back_before(self) -> bool:
+        return bool(self._engine._failed)
+
+    def run(self) -> integrations.StepOutcome:
+        before = self._engine.fallback_calls
+        output = self._engine._run(self._wrapper, self.args, self.kwargs)
+        return integrations.StepOutcome(output, self._engine.fallback_calls != before)
+
+    def fall_back(self, error: ORTWrapError) -> Any:
+        self._wrapper._dispatch.fallback_reason = error
+        self._engine.fallback_calls += 1
+        warn_at_user_line(
+            f"ORTWrap(engine='onnxruntime') runs this call of {type(self._wrapper.module).__name__} in PyTorch: "
+            f"{sentence(error.detail)}",
+            wrapper_warning(),
+        )
+        return self._wrapper.module(*self.args, **self.kwargs)
 
 
 @contextlib.contextmanager

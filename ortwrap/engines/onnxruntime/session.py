@@ -32,11 +32,19 @@ _NUMPY = {
 }
 
 
-def numpy_dtype(dtype: torch.dtype) -> type:
+def numpy_dtype(dtype: torch.dtype) -> type | int:
+    """The element type IOBinding takes for ``dtype``: a numpy type, or for bfloat16 (which numpy lacks)
+    the ONNX type number, which onnxruntime >= 1.20 accepts (1.19.2's IOBinding takes numpy types only)."""
     try:
         return _NUMPY[dtype]
     except KeyError:
+        if dtype == torch.bfloat16 and _BINDS_ONNX_TYPES:
+            return 16  # onnx.TensorProto.BFLOAT16 (a bfloat16 buffer: RecurrentGemma's normalizer)
         raise SessionError(f"the onnxruntime engine cannot bind {dtype} tensors yet") from None
+
+
+#: onnxruntime's IOBinding takes an ONNX type number as the element type (1.20 on; not the training build's 1.19.2)
+_BINDS_ONNX_TYPES = tuple(int(x) for x in ort.__version__.split(".")[:2]) >= (1, 20)
 
 
 def providers_for(device: torch.device) -> list:

@@ -99,6 +99,32 @@ def engine_registry() -> Any:
 OPSET = 20
 
 
+def _number_first(node: torch.fx.Node) -> bool:
+    """``aten.add.Tensor(0.3333, x, alpha=0.6667)`` (PhiMoE's ``torch.add(0.3333, mask, alpha=0.6667)``), or
+    ``aten.mul.Tensor(2.0, x)``: a Python number as ``self`` is legal in eager (a wrapped number), but the
+    ONNX exporter's type promotion cannot find an overload for it again."""
+    return (
+        node.op == "call_function"
+        and node.target in (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
+        and len(node.args) == 2
+        and isinstance(node.args[0], (int, float))
+        and not isinstance(node.args[0], bool)
+        and isinstance(node.args[1], torch.fx.Node)
+    )
+
+
+def _number_last(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Node:
+    """:func:`_number_first`'s node written with the tensor first: ``x * alpha + s``, ``x * s``
+    (the same type promotion: the number stays a wrapped number)."""
+    number, x = node.args[0], env[node.args[1]]
+    if node.target is torch.ops.aten.mul.Tensor:
+        return graph.call_function(torch.ops.aten.mul.Tensor, (x, number))
+    alpha = node.kwargs.get("alpha", 1)
+    if alpha != 1:
+        x = graph.call_function(torch.ops.aten.mul.Tensor, (x, alpha))
+    return graph.call_function(torch.ops.aten.add.Tensor, (x, number))
+
+
 def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
     """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
     GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
@@ -132,6 +158,8 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     for node in gm.graph.nodes:
         if node.op == "output":
             graph.output(tuple(env[n] for n in kept))
+        elif _number_first(node):
+            env[node] = _number_last(graph, node, env)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     module = torch.fx.GraphModule(gm, graph)
