@@ -47,6 +47,10 @@ promotion)                                              a float64 scalar loses i
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
                                                         (and bias of 0).
+``aten.native_layer_norm``'s mean and rstd outputs      differentiable outputs whose gradient no
+                                                        node reads: ORT's builder failed ("grad node
+                                                        arg should exist"). ortwrap stops their
+                                                        gradient, as eager's backward ignores it.
 ``aten.unsqueeze`` of a complex tensor                  none (DeepSeek-V2's rotary table). ortwrap
                                                         unsqueezes torchlib's real ``[..., 2]`` form.
 ``aten.scalar_tensor`` of a complex dtype               a complex ONNX constant, where torchlib's
@@ -266,7 +270,12 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     if bias is None:
         bias = op.Constant(value=onnx.numpy_helper.from_array(np.zeros(shape, dtype=np_dtype)))
     y, mean, rstd = op.LayerNormalization(input, weight, bias, axis=-len(shape), epsilon=eps, stash_type=1)
-    return y, mean, rstd
+    # The statistics carry no gradient in eager (native_layer_norm's backward reads only y's), and
+    # ORT's LayerNormalization gradient reads none for them either: as graph outputs, its builder
+    # found no gradient to yield for them and failed. Stop-gradient, as eager (a model's graph reads
+    # them nowhere, and the cleanup drops the markers).
+    stop = _stop_gradient_op()
+    return y, stop(mean), stop(rstd)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):

@@ -705,6 +705,26 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
     ),
     AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
     AtenViaTorch(
+        "tile",
+        ("torchscript", "dynamo"),
+        "both exporters write tile(x, ()) as ONNX Tile with no repeats, which ORT refuses on a 0-d x "
+        "(Tile needs rank >= 1); PyTorch's tile returns a copy",
+        when=lambda c: len(c) > 1 and isinstance(c[1], (list, tuple)) and len(c[1]) == 0,
+    ),
+    AtenViaTorch(
+        "special_erfcx",
+        ("dynamo",),
+        "torchlib writes erfcx as exp(x^2) * (1 - erf(x)): inf * 0 = NaN from x ~ 9.4 on in float32 (and 0 "
+        "where erf rounds to 1), and its int64 exponent fails ORT's Pow gradient (a Sub of int64 and float)",
+    ),
+    AtenViaTorch(
+        "special_log_ndtr",
+        ("dynamo",),
+        "no torchlib translation: the decomposition's where(x < 1, log(erfcx(-x/sqrt 2) / 2) - x^2/2, "
+        "log1p(-erfc(x/sqrt 2) / 2)) differentiates both branches, and the unused one's gradient is inf for "
+        "x < -5 (eager's is finite)",
+    ),
+    AtenViaTorch(
         "index_put",
         ("torchscript",),
         "torch's symbolic of accumulate=True adds to a gathered copy and scatters it back: a repeated index keeps one "
