@@ -6,7 +6,9 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
   decomposition differentiated its unused branch (inf). Both run as ATen nodes (``ops.ATEN_OPS``);
 - ``native_layer_norm`` returning its mean and rstd (dynamo): ORT's builder found no gradient to
   yield for them; they are stop-gradient, as eager's backward ignores them;
-- ``tile`` of a 0-d tensor with no repeats: ONNX ``Tile`` needs rank >= 1 (both exporters).
+- ``tile`` of a 0-d tensor with no repeats: ONNX ``Tile`` needs rank >= 1 (both exporters);
+- ``nll_loss(reduction="none")`` (dynamo declared its output 0-d: ``export/adapter.py`` asks ONNX
+  inference) and ``nll_loss`` with class weights (``DecomposeNLLLossPass`` scales by them).
 """
 
 from __future__ import annotations
@@ -42,3 +44,17 @@ def test_native_layer_norm_statistics(exporter, normalized, request):
 def test_tile_zero_d(exporter):
     check(lambda x: torch.tile(x, ()) * 3.0, [torch.tensor(1.5).requires_grad_()], exporter)
     check(lambda x: torch.tile(x, (2, 3)), [torch.tensor(-0.5).requires_grad_()], exporter)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_nll_loss(exporter, reduction, weighted):
+    # "none" under dynamo: the exporter declared the [N] loss 0-d (refused as a wrong translation);
+    # class weights: DecomposeNLLLossPass refused them (ORT has no NegativeLogLikelihoodLoss gradient)
+    t = torch.tensor([0, 2, 1, 2, -100])
+    if not weighted:
+        fn = lambda x, t: torch.nn.functional.nll_loss(x, t, reduction=reduction)  # noqa: E731
+        check(fn, [randn(5, 3), t], exporter)
+        return
+    fn = lambda x, t, w: torch.nn.functional.nll_loss(x, t, weight=w, reduction=reduction)  # noqa: E731
+    check(fn, [randn(5, 3), t, torch.tensor([0.5, 2.0, 1.5])], exporter)
