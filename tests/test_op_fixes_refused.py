@@ -8,14 +8,18 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
   yield for them; they are stop-gradient, as eager's backward ignores them;
 - ``tile`` of a 0-d tensor with no repeats: ONNX ``Tile`` needs rank >= 1 (both exporters);
 - ``nll_loss(reduction="none")`` (dynamo declared its output 0-d: ``export/adapter.py`` asks ONNX
-  inference) and ``nll_loss`` with class weights (``DecomposeNLLLossPass`` scales by them).
+  inference) and ``nll_loss`` with class weights (``DecomposeNLLLossPass`` scales by them);
+- ``bernoulli`` and ``normal``: ONNX's random ops have no ORT gradient; as ATen nodes PyTorch draws
+  and their gradient is eager's zeros (``grad/aten.py``'s ``_ZERO_GRADIENT_DRAWS``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_op_fixes import check, randn
+from test_op_fixes import Fn, check, randn
+
+from ortwrap import ORTWrap
 
 pytestmark = pytest.mark.usefixtures("exporter")
 
@@ -58,3 +62,37 @@ def test_nll_loss(exporter, reduction, weighted):
         return
     fn = lambda x, t, w: torch.nn.functional.nll_loss(x, t, weight=w, reduction=reduction)  # noqa: E731
     check(fn, [randn(5, 3), t, torch.tensor([0.5, 2.0, 1.5])], exporter)
+
+
+RANDOM_OPS = [
+    lambda p, s: torch.bernoulli(p) * s,
+    lambda m, s: torch.normal(m, s),
+    lambda m, s: torch.normal(m, 2.0) + torch.normal(0.5, s),
+]
+
+
+@pytest.mark.parametrize("fn", RANDOM_OPS, ids=["bernoulli", "normal", "normal_scalar"])
+def test_random_op_zero_gradient(exporter, fn):
+    # ONNX Bernoulli/RandomNormalLike have no ORT gradient (refused); eager's gradient of the
+    # probabilities, mean and std is zeros (no reparametrization), and the draws follow the parameters
+    torch.manual_seed(0)
+    a = torch.rand(200, 50).clamp(0.05, 0.95).requires_grad_()
+    s = (torch.rand(200, 50) + 0.5).requires_grad_()
+    m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
+    out = m(a, s)
+    want = fn(a, s)
+    assert out.shape == want.shape and out.dtype == want.dtype
+    w = torch.rand(out.shape) + 0.5
+    got_grads = torch.autograd.grad((out * w).sum(), [a, s], allow_unused=True)
+    want_grads = torch.autograd.grad((want * w).sum(), [a, s], allow_unused=True)
+    for i, (g, e) in enumerate(zip(got_grads, want_grads)):
+        assert (g is None) == (e is None), f"input {i}: gradient {g is not None} vs eager {e is not None}"
+        assert g.shape == e.shape, f"input {i}"
+        if i == 1 and fn is RANDOM_OPS[0]:  # bernoulli(p) * s: s's gradient reads the forward's draw
+            torch.testing.assert_close(g, w * (out.detach() / s.detach()))
+        else:
+            assert bool((g == 0).all()) and bool((e == 0).all()), f"input {i}: a gradient that is not zero"
+    # the draws: same distribution as eager's (means over 10,000 draws)
+    o_mean, e_mean = float(out.detach().mean()), float(want.detach().mean())
+    assert abs(o_mean - e_mean) < 0.1 * (1 + abs(e_mean))
+    assert not torch.equal(out, torch.zeros_like(out))

@@ -704,6 +704,15 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         for reduction in ("var", "std", "var_mean", "std_mean")
     ),
     AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
+    *(
+        AtenViaTorch(
+            random_op,
+            ("torchscript", "dynamo"),
+            "ONNX's Bernoulli/RandomNormalLike have no ORT gradient, and normal's written-out mean + std * noise "
+            "would give std the noise as gradient; PyTorch's kernel draws, and its gradient is eager's zeros",
+        )
+        for random_op in ("bernoulli", "normal")
+    ),
     AtenViaTorch(
         "tile",
         ("torchscript", "dynamo"),
