@@ -10,7 +10,9 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
 - ``nll_loss(reduction="none")`` (dynamo declared its output 0-d: ``export/adapter.py`` asks ONNX
   inference) and ``nll_loss`` with class weights (``DecomposeNLLLossPass`` scales by them);
 - ``bernoulli`` and ``normal``: ONNX's random ops have no ORT gradient; as ATen nodes PyTorch draws
-  and their gradient is eager's zeros (``grad/aten.py``'s ``_ZERO_GRADIENT_DRAWS``).
+  and their gradient is eager's zeros (``grad/aten.py``'s ``_ZERO_GRADIENT_DRAWS``);
+- eval-mode ``batch_norm`` of running statistics passed as inputs (dynamo): its saved statistics
+  are new empty values, as eager's.
 """
 
 from __future__ import annotations
@@ -96,3 +98,18 @@ def test_random_op_zero_gradient(exporter, fn):
     o_mean, e_mean = float(out.detach().mean()), float(want.detach().mean())
     assert abs(o_mean - e_mean) < 0.1 * (1 + abs(e_mean))
     assert not torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x, rm, rv, w, b: torch.nn.functional.batch_norm(x, rm, rv, w, b, training=False, momentum=-1.2),
+        lambda x, rm, rv, w, b: torch._native_batch_norm_legit(x, w, b, rm, rv, False, 0.1, 1e-5)[0],
+    ],
+    ids=["batch_norm", "native_batch_norm_legit"],
+)
+def test_eval_batch_norm_of_input_statistics(exporter, fn):
+    # dynamo: the saved statistics were the running ones, declared [0] (eager's empty ones): the
+    # running-stat inputs became [0] and ORT's gradient failed at run time
+    rm, rv = torch.tensor([0.3, -0.2]), torch.tensor([0.5, 2.0])
+    check(fn, [randn(3, 2, 4), rm, rv, randn(2, seed=1), randn(2, seed=2)], exporter)

@@ -19,6 +19,11 @@ ATen op                                                 torchlib 0.7 does / ortw
 that are module inputs)                                 writes the same as for the op above; both
                                                         return eager's saved mean and inverse std
                                                         (outputs 1 and 2; they were the running ones).
+``aten._native_batch_norm_legit_no_training``          returns the running mean as the saved mean,
+(``F.batch_norm(training=False)``)                      which the exporter declared ``[0]`` (eager's
+                                                        empty saved mean): the running-mean input
+                                                        became ``[0]``. ortwrap returns new empty
+                                                        values, as for ``native_batch_norm``.
 ``aten.embedding`` with ``padding_idx``                 a plain ``Gather``, whose gradient reaches
                                                         the padding row. ortwrap emits the
                                                         TorchScript path's form: padding positions
@@ -126,7 +131,10 @@ def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, run
     else:
         y = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum)
         new_mean, new_var = running_mean, running_var
-        save_mean, save_invstd = op.Identity(running_mean), op.Identity(running_var)
+        # Eager's saved statistics in eval mode are empty (CPU): new empty values. (They were the
+        # running statistics, which the exporter then declared [0], eager's shape: the running-stat
+        # inputs became [0], and ORT's gradient broadcast against them failed at run time.)
+        save_mean, save_invstd = _empty_like_dtype(input), _empty_like_dtype(input)
     # Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the running-stat inputs;
     # BatchNormRunningStatsPass rewires them to the node's updated statistics.
     del new_mean, new_var
@@ -138,15 +146,30 @@ def _native_batch_norm(input, weight=None, bias=None, running_mean=None, running
     """``aten.native_batch_norm`` (left unfunctionalized where the running statistics are inputs of
     the module): torchlib's normalized with the wrong statistics. ortwrap's training form, or in
     eval mode the empty saved statistics eager returns."""
-    from onnxscript import opset18 as op
-
     y, save_mean, save_invstd, _, _ = _batch_norm_functional(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )
-    if not training:
-        empty = op.CastLike(op.Constant(value_floats=[]), input)
-        save_mean, save_invstd = empty, op.Identity(empty)
     return y, save_mean, save_invstd
+
+
+def _empty_like_dtype(input):
+    """A new ``[0]`` tensor of ``input``'s dtype."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    empty = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((0,), dtype=np.float32)))
+    return op.CastLike(empty, input)
+
+
+def _native_batch_norm_no_training(input, weight=None, bias=None, running_mean=None, running_var=None,
+                                   momentum=0.1, eps=1e-5):  # fmt: skip
+    """``aten._native_batch_norm_legit_no_training`` (``F.batch_norm(training=False)`` decomposed):
+    torchlib returned the running mean, cast to itself, as the saved mean, and the exporter gave
+    that value eager's shape of it, ``[0]``: the cast folded away, the running-mean *input* was
+    declared ``[0]`` and ORT's gradient broadcast against it failed at run time. ortwrap's eval form
+    returns the empty saved statistics eager returns, as new values."""
+    return _native_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
 
 
 def _stop_gradient_op():
@@ -544,6 +567,7 @@ def training_translations() -> dict:
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
     table[aten.native_batch_norm.default] = _native_batch_norm
+    table[aten._native_batch_norm_legit_no_training.default] = _native_batch_norm_no_training
     table[aten.embedding.default] = _embedding
     table[aten.cross_entropy_loss.default] = _cross_entropy
     table[aten.gelu.default] = _gelu
