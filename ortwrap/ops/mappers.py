@@ -710,6 +710,9 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
             ("torchscript", "dynamo"),
             "ONNX's Bernoulli/RandomNormalLike have no ORT gradient, and normal's written-out mean + std * noise "
             "would give std the noise as gradient; PyTorch's kernel draws, and its gradient is eager's zeros",
+            # a tensor operand (a graph value: None among the constants); normal(0.5, 2.0, size) has
+            # nothing to differentiate, and its dtype/device arguments cannot reach an ATen node
+            when=lambda c: len(c) < 2 or c[0] is None or c[1] is None,
         )
         for random_op in ("bernoulli", "normal")
     ),
