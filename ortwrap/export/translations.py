@@ -42,6 +42,9 @@ that are module inputs)                                 writes the same as for t
                                                         assumes symbolic dims are at least 2).
 ``aten.softmax.int``/``log_softmax.int`` with dtype     casts the result, not the input (eager's
                                                         order). ortwrap casts the input first.
+``aten.unsafe_chunk``                                   none: the decomposition's ``unsafe_split`` of
+                                                        a computed size failed the constant folder.
+                                                        ortwrap writes torchlib's ``chunk``.
 ``aten.scalar_tensor`` (Python scalars, after type      a float32 constant cast to the scalar's dtype:
 promotion)                                              a float64 scalar loses its digits. ortwrap
                                                         writes a constant of the dtype itself.
@@ -170,6 +173,17 @@ def _native_batch_norm_no_training(input, weight=None, bias=None, running_mean=N
     declared ``[0]`` and ORT's gradient broadcast against it failed at run time. ortwrap's eval form
     returns the empty saved statistics eager returns, as new values."""
     return _native_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+def _unsafe_chunk(self, chunks, dim=0):
+    """``aten.unsafe_chunk``: no torchlib translation, and its decomposition's ``unsafe_split`` of a
+    computed size along a dynamic dim is a ``SplitToSequence`` the onnxscript constant folder fails
+    on. torchlib's ``chunk`` (the same function), ``Split`` into ``chunks`` outputs, the last shorter."""
+    from onnxscript import opset18 as op
+
+    if chunks == 1:
+        return op.Identity(self)
+    return op.Split(self, axis=dim, num_outputs=chunks)
 
 
 def _stop_gradient_op():
@@ -581,6 +595,7 @@ def training_translations() -> dict:
     table[aten.detach.default] = _detach
     table[aten.detach_.default] = _detach
     table[aten.diff.default] = _diff
+    table[aten.unsafe_chunk.default] = _unsafe_chunk
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
     table[aten.min.other] = _min_other
