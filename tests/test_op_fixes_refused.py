@@ -13,7 +13,8 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
   and their gradient is eager's zeros (``grad/aten.py``'s ``_ZERO_GRADIENT_DRAWS``);
 - eval-mode ``batch_norm`` of running statistics passed as inputs (dynamo): its saved statistics
   are new empty values, as eager's;
-- ``unsafe_chunk`` (dynamo): written as torchlib's ``chunk`` (a ``Split``).
+- ``unsafe_chunk`` (dynamo): written as torchlib's ``chunk`` (a ``Split``);
+- ``diagonal_scatter`` (dynamo): an ATen node (the decomposition wrote into a view).
 """
 
 from __future__ import annotations
@@ -123,3 +124,10 @@ def test_unsafe_chunk(exporter, chunks, dim, request):
     if exporter == "torchscript":
         request.applymarker(pytest.mark.xfail(strict=True, reason="TorchScript: ORT has no aten::unsafe_chunk"))
     check(lambda x: torch.unsafe_chunk(x * 2.0, chunks, dim), [randn(4, 5, 3)], exporter)
+
+
+@pytest.mark.parametrize("offset", [0, 1, -2])
+def test_diagonal_scatter(exporter, offset):
+    # dynamo: the exporter's decomposition wrote a copy_to into a view (refused); an ATen node now
+    n = 5 - abs(offset)
+    check(lambda x, src: torch.diagonal_scatter(x * 1.5, src * src, offset), [randn(5, 5), randn(n, seed=1)], exporter)
