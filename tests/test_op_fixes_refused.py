@@ -14,7 +14,8 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
 - eval-mode ``batch_norm`` of running statistics passed as inputs (dynamo): its saved statistics
   are new empty values, as eager's;
 - ``unsafe_chunk`` (dynamo): written as torchlib's ``chunk`` (a ``Split``);
-- ``diagonal_scatter`` (dynamo): an ATen node (the decomposition wrote into a view).
+- ``diagonal_scatter`` (dynamo): an ATen node (the decomposition wrote into a view);
+- ``cross_entropy`` of class probabilities (dynamo): eager's sum of target times log-softmax.
 """
 
 from __future__ import annotations
@@ -131,3 +132,22 @@ def test_diagonal_scatter(exporter, offset):
     # dynamo: the exporter's decomposition wrote a copy_to into a view (refused); an ATen node now
     n = 5 - abs(offset)
     check(lambda x, src: torch.diagonal_scatter(x * 1.5, src * src, offset), [randn(5, 5), randn(n, seed=1)], exporter)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "shape, weighted, smoothing",
+    [((4, 3), False, 0.0), ((4, 3, 2), True, 0.0), ((4, 3), True, 0.2), ((3,), False, 0.1)],
+    ids=["2d", "3d_weighted", "weighted_smoothed", "unbatched_smoothed"],
+)
+def test_cross_entropy_probability_targets(exporter, reduction, shape, weighted, smoothing, request):
+    # dynamo: SoftmaxCrossEntropyLoss of a float target, which ORT refused (class indices only)
+    if exporter == "torchscript" and not (weighted and smoothing):
+        # refused at build (torch's symbolic writes a wrong rank; not fixed here)
+        request.applymarker(pytest.mark.xfail(strict=True, reason="TorchScript: probability targets refused"))
+    target = torch.softmax(randn(*shape, seed=3), dim=1 if len(shape) > 1 else 0).detach().requires_grad_()
+    w = torch.tensor([0.5, 2.0, 1.5]) if weighted else None
+    fn = lambda x, t: torch.nn.functional.cross_entropy(  # noqa: E731
+        x, t, weight=w, reduction=reduction, label_smoothing=smoothing
+    )
+    check(fn, [randn(*shape), target], exporter)

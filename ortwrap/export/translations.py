@@ -31,6 +31,10 @@ that are module inputs)                                 writes the same as for t
 ``aten.cross_entropy_loss`` with ``label_smoothing``    ignores the smoothing (a wrong loss).
                                                         ortwrap adds the smoothing term, as its
                                                         TorchScript symbolic does.
+``aten.cross_entropy_loss`` of class probabilities      ``SoftmaxCrossEntropyLoss`` of the float
+                                                        target, which ORT refuses (indices only).
+                                                        ortwrap writes eager's sum of target times
+                                                        log-softmax.
 ``aten.gelu``                                           ONNX ``Gelu`` (opset 20), whose ORT 1.19.2
                                                         gradient ignores ``approximate="tanh"``.
                                                         ortwrap writes both forms out in elementwise
@@ -219,6 +223,8 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
     from onnxscript import opset18 as op
 
     mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
+    if target.dtype is not None and target.dtype.is_floating_point():
+        return _cross_entropy_probabilities(logits, target, weight, mode, label_smoothing)
     inputs = [logits, target] + ([weight] if weight is not None else [])
     loss, _log_prob = op.SoftmaxCrossEntropyLoss(*inputs, reduction=mode, ignore_index=ignore_index)
     if not label_smoothing:
@@ -242,6 +248,34 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
         smooth = op.ReduceSum(smooth, keepdims=0)
     classes = op.Cast(op.Gather(op.Shape(logits), op.Constant(value_int=1), axis=0), to=dtype)
     return op.Add(op.Mul(const(1.0 - label_smoothing), loss), op.Mul(op.Div(const(label_smoothing), classes), smooth))
+
+
+def _cross_entropy_probabilities(logits, target, weight, mode: str, label_smoothing: float):
+    """``cross_entropy`` of class probabilities (a float target): ``SoftmaxCrossEntropyLoss`` takes
+    class indices only (ORT refused the float target). Eager's form: ``-sum_c(w_c t_c log_softmax(x)_c)``
+    over the class dim, ``t`` smoothed to ``t (1 - eps) + eps / C``; ``mean`` divides by the number of
+    samples (not by the weights)."""
+    import numpy as np
+    from onnxscript import opset18 as op
+
+    rank = len(logits.shape)
+    axis = 1 if rank > 1 else 0
+    dtype = logits.dtype
+    log_p = op.LogSoftmax(logits, axis=axis)
+    if label_smoothing:
+        classes = op.Cast(op.Gather(op.Shape(logits), op.Constant(value_int=axis), axis=0), to=dtype)
+        smoothing = op.Div(_typed_constant(label_smoothing, dtype), classes)
+        target = op.Add(op.Mul(target, _typed_constant(1.0 - label_smoothing, dtype)), smoothing)
+    prod = op.Mul(log_p, target)
+    if weight is not None:
+        shape = np.array([-1] + [1] * (rank - axis - 1), dtype=np.int64)
+        prod = op.Mul(prod, op.Reshape(weight, op.Constant(value_ints=[int(v) for v in shape])))
+    loss = op.Neg(op.ReduceSum(prod, op.Constant(value_ints=[axis]), keepdims=0))
+    if mode == "mean":
+        return op.ReduceMean(loss, keepdims=0) if rank > 1 else loss
+    if mode == "sum":
+        return op.ReduceSum(loss, keepdims=0) if rank > 1 else loss
+    return loss
 
 
 def _typed_constant(v: float, dtype):
