@@ -15,7 +15,8 @@ eager PyTorch: outputs and every input gradient, under both exporters (``test_op
   are new empty values, as eager's;
 - ``unsafe_chunk`` (dynamo): written as torchlib's ``chunk`` (a ``Split``);
 - ``diagonal_scatter`` (dynamo): an ATen node (the decomposition wrote into a view);
-- ``cross_entropy`` of class probabilities (dynamo): eager's sum of target times log-softmax.
+- ``cross_entropy`` of class probabilities (dynamo): eager's sum of target times log-softmax;
+- a non-constant ``pad`` of the last dim of a 4-D input (``ortwrap_ops::pad`` keeps the pads F.pad needs).
 """
 
 from __future__ import annotations
@@ -151,3 +152,18 @@ def test_cross_entropy_probability_targets(exporter, reduction, shape, weighted,
         x, t, weight=w, reduction=reduction, label_smoothing=smoothing
     )
     check(fn, [randn(*shape), target], exporter)
+
+
+@pytest.mark.parametrize(
+    "mode, pad, shape",
+    [
+        ("replicate", (-1, 2, 0, 0), (2, 3, 4, 4)),
+        ("reflect", (1, 2, 0, 0), (2, 3, 4, 5)),
+        ("circular", (2, 1, 0, 0), (2, 3, 4, 5)),
+    ],
+    ids=["replicate_negative", "reflect_last_dim", "circular_last_dim"],
+)
+def test_pad_of_the_last_dim_only(exporter, mode, pad, shape):
+    # dynamo: ortwrap_ops::pad dropped the zero pads of leading dims, leaving 2 values for a 4-D
+    # input, which F.pad's non-constant modes refuse
+    check(lambda x: torch.nn.functional.pad(x * 1.5, pad, mode=mode), [randn(*shape)], exporter)
