@@ -545,15 +545,17 @@ def test_nll_loss_is_decomposed(reduction, ignore):
     t = np.random.default_rng(0).integers(0, 4, (6, 3))
     t[0] = 2  # ignored where ignore_index is 2
     assert_same_numbers(before, after, {"x": rand(6, 4, 3), "t": t})
+    # class weights: each loss scaled by its target's weight, the mean divided by their sum
     weighted = parse(
-        """
-        g (float[6, 4] x, int64[6] t, float[4] w) => (float loss) {
-            loss = NegativeLogLikelihoodLoss (x, t, w)
-        }
-        """
+        f"""
+        g (float[6, 4, 3] x, int64[6, 3] t, float[4] w) => (float[] loss) {{
+            loss = NegativeLogLikelihoodLoss <reduction = "{reduction}"{extra}> (x, t, w)
+        }}
+        """.replace("float[] loss", "float[6, 3] loss" if reduction == "none" else "float loss")
     )
-    with pytest.raises(PassError, match="class weights"):
-        apply(DecomposeNLLLossPass(), weighted)
+    modified, after = apply(DecomposeNLLLossPass(), weighted)
+    assert modified and ops(after)["NegativeLogLikelihoodLoss"] == 0
+    assert_same_numbers(weighted, after, {"x": rand(6, 4, 3), "t": t, "w": rand(4, seed=1) + 1.0})
 
 
 @pytest.mark.parametrize("opset", [17, 18])

@@ -220,6 +220,27 @@ def graph_static_reasons(model: onnx.ModelProto) -> list[str]:
     return reasons
 
 
+def _inferred_rank(model: onnx.ModelProto, index: int) -> int | None:
+    """The rank ONNX shape inference gives graph output ``index`` of ``model`` from its producer
+    (its declared shape forgotten), or None where inference cannot tell."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    name = probe.graph.output[index].name
+    if probe.graph.output[index].type.HasField("tensor_type"):
+        probe.graph.output[index].type.tensor_type.ClearField("shape")
+    kept = [v for v in probe.graph.value_info if v.name != name]
+    del probe.graph.value_info[:]
+    probe.graph.value_info.extend(kept)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False)
+    except Exception:
+        return None
+    out = inferred.graph.output[index]
+    if not out.type.HasField("tensor_type") or not out.type.tensor_type.HasField("shape"):
+        return None
+    return len(out.type.tensor_type.shape.dim)
+
+
 def name_outputs(
     model: onnx.ModelProto, names: list[str], dtypes: list[torch.dtype] = (), ranks: list[int] = ()
 ) -> onnx.ModelProto:
@@ -255,6 +276,11 @@ def name_outputs(
             node.outputs[0].dtype = value.dtype
             node.outputs[0].shape = ir.Shape([])
             graph.outputs[i] = node.outputs[0]
+        elif have is not None and _inferred_rank(model, i) == rank:
+            # The exporter declared a wrong shape for a value its op computes right (dynamo's
+            # ``nll_loss(reduction="none")`` is declared 0-d, like the loss it usually is): ONNX's
+            # inference from the node itself gives the module's rank, and the declaration goes.
+            value.shape = None
         elif have is not None:
             raise ExportError(
                 f"the exported graph's output {i} has rank {have} where the module returns a rank-{rank} "

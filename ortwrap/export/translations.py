@@ -19,6 +19,11 @@ ATen op                                                 torchlib 0.7 does / ortw
 that are module inputs)                                 writes the same as for the op above; both
                                                         return eager's saved mean and inverse std
                                                         (outputs 1 and 2; they were the running ones).
+``aten._native_batch_norm_legit_no_training``          returns the running mean as the saved mean,
+(``F.batch_norm(training=False)``)                      which the exporter declared ``[0]`` (eager's
+                                                        empty saved mean): the running-mean input
+                                                        became ``[0]``. ortwrap returns new empty
+                                                        values, as for ``native_batch_norm``.
 ``aten.embedding`` with ``padding_idx``                 a plain ``Gather``, whose gradient reaches
                                                         the padding row. ortwrap emits the
                                                         TorchScript path's form: padding positions
@@ -26,6 +31,10 @@ that are module inputs)                                 writes the same as for t
 ``aten.cross_entropy_loss`` with ``label_smoothing``    ignores the smoothing (a wrong loss).
                                                         ortwrap adds the smoothing term, as its
                                                         TorchScript symbolic does.
+``aten.cross_entropy_loss`` of class probabilities      ``SoftmaxCrossEntropyLoss`` of the float
+                                                        target, which ORT refuses (indices only).
+                                                        ortwrap writes eager's sum of target times
+                                                        log-softmax.
 ``aten.gelu``                                           ONNX ``Gelu`` (opset 20), whose ORT 1.19.2
                                                         gradient ignores ``approximate="tanh"``.
                                                         ortwrap writes both forms out in elementwise
@@ -37,6 +46,9 @@ that are module inputs)                                 writes the same as for t
                                                         assumes symbolic dims are at least 2).
 ``aten.softmax.int``/``log_softmax.int`` with dtype     casts the result, not the input (eager's
                                                         order). ortwrap casts the input first.
+``aten.unsafe_chunk``                                   none: the decomposition's ``unsafe_split`` of
+                                                        a computed size failed the constant folder.
+                                                        ortwrap writes torchlib's ``chunk``.
 ``aten.scalar_tensor`` (Python scalars, after type      a float32 constant cast to the scalar's dtype:
 promotion)                                              a float64 scalar loses its digits. ortwrap
                                                         writes a constant of the dtype itself.
@@ -47,6 +59,10 @@ promotion)                                              a float64 scalar loses i
                                                         input, on which ORT's gradient builder
                                                         fails. ortwrap passes a constant scale of 1
                                                         (and bias of 0).
+``aten.native_layer_norm``'s mean and rstd outputs      differentiable outputs whose gradient no
+                                                        node reads: ORT's builder failed ("grad node
+                                                        arg should exist"). ortwrap stops their
+                                                        gradient, as eager's backward ignores it.
 ``aten.unsqueeze`` of a complex tensor                  none (DeepSeek-V2's rotary table). ortwrap
                                                         unsqueezes torchlib's real ``[..., 2]`` form.
 ``aten.scalar_tensor`` of a complex dtype               a complex ONNX constant, where torchlib's
@@ -124,7 +140,10 @@ def _batch_norm_functional(input, weight=None, bias=None, running_mean=None, run
     else:
         y = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps, momentum=1.0 - momentum)
         new_mean, new_var = running_mean, running_var
-        save_mean, save_invstd = op.Identity(running_mean), op.Identity(running_var)
+        # Eager's saved statistics in eval mode are empty (CPU): new empty values. (They were the
+        # running statistics, which the exporter then declared [0], eager's shape: the running-stat
+        # inputs became [0], and ORT's gradient broadcast against them failed at run time.)
+        save_mean, save_invstd = _empty_like_dtype(input), _empty_like_dtype(input)
     # Outputs 3 and 4 mirror the TorchScript exporter's form, Identity of the running-stat inputs;
     # BatchNormRunningStatsPass rewires them to the node's updated statistics.
     del new_mean, new_var
@@ -136,15 +155,41 @@ def _native_batch_norm(input, weight=None, bias=None, running_mean=None, running
     """``aten.native_batch_norm`` (left unfunctionalized where the running statistics are inputs of
     the module): torchlib's normalized with the wrong statistics. ortwrap's training form, or in
     eval mode the empty saved statistics eager returns."""
-    from onnxscript import opset18 as op
-
     y, save_mean, save_invstd, _, _ = _batch_norm_functional(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )
-    if not training:
-        empty = op.CastLike(op.Constant(value_floats=[]), input)
-        save_mean, save_invstd = empty, op.Identity(empty)
     return y, save_mean, save_invstd
+
+
+def _empty_like_dtype(input):
+    """A new ``[0]`` tensor of ``input``'s dtype."""
+    import numpy as np
+    import onnx
+    from onnxscript import opset18 as op
+
+    empty = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((0,), dtype=np.float32)))
+    return op.CastLike(empty, input)
+
+
+def _native_batch_norm_no_training(input, weight=None, bias=None, running_mean=None, running_var=None,
+                                   momentum=0.1, eps=1e-5):  # fmt: skip
+    """``aten._native_batch_norm_legit_no_training`` (``F.batch_norm(training=False)`` decomposed):
+    torchlib returned the running mean, cast to itself, as the saved mean, and the exporter gave
+    that value eager's shape of it, ``[0]``: the cast folded away, the running-mean *input* was
+    declared ``[0]`` and ORT's gradient broadcast against it failed at run time. ortwrap's eval form
+    returns the empty saved statistics eager returns, as new values."""
+    return _native_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+def _unsafe_chunk(self, chunks, dim=0):
+    """``aten.unsafe_chunk``: no torchlib translation, and its decomposition's ``unsafe_split`` of a
+    computed size along a dynamic dim is a ``SplitToSequence`` the onnxscript constant folder fails
+    on. torchlib's ``chunk`` (the same function), ``Split`` into ``chunks`` outputs, the last shorter."""
+    from onnxscript import opset18 as op
+
+    if chunks == 1:
+        return op.Identity(self)
+    return op.Split(self, axis=dim, num_outputs=chunks)
 
 
 def _stop_gradient_op():
@@ -180,6 +225,8 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
     from onnxscript import opset18 as op
 
     mode = {0: "none", 1: "mean", 2: "sum"}[reduction]
+    if target.dtype is not None and target.dtype.is_floating_point():
+        return _cross_entropy_probabilities(logits, target, weight, mode, label_smoothing)
     inputs = [logits, target] + ([weight] if weight is not None else [])
     loss, _log_prob = op.SoftmaxCrossEntropyLoss(*inputs, reduction=mode, ignore_index=ignore_index)
     if not label_smoothing:
@@ -203,6 +250,34 @@ def _cross_entropy(logits, target, weight=None, reduction=1, ignore_index=-100, 
         smooth = op.ReduceSum(smooth, keepdims=0)
     classes = op.Cast(op.Gather(op.Shape(logits), op.Constant(value_int=1), axis=0), to=dtype)
     return op.Add(op.Mul(const(1.0 - label_smoothing), loss), op.Mul(op.Div(const(label_smoothing), classes), smooth))
+
+
+def _cross_entropy_probabilities(logits, target, weight, mode: str, label_smoothing: float):
+    """``cross_entropy`` of class probabilities (a float target): ``SoftmaxCrossEntropyLoss`` takes
+    class indices only (ORT refused the float target). Eager's form: ``-sum_c(w_c t_c log_softmax(x)_c)``
+    over the class dim, ``t`` smoothed to ``t (1 - eps) + eps / C``; ``mean`` divides by the number of
+    samples (not by the weights)."""
+    import numpy as np
+    from onnxscript import opset18 as op
+
+    rank = len(logits.shape)
+    axis = 1 if rank > 1 else 0
+    dtype = logits.dtype
+    log_p = op.LogSoftmax(logits, axis=axis)
+    if label_smoothing:
+        classes = op.Cast(op.Gather(op.Shape(logits), op.Constant(value_int=axis), axis=0), to=dtype)
+        smoothing = op.Div(_typed_constant(label_smoothing, dtype), classes)
+        target = op.Add(op.Mul(target, _typed_constant(1.0 - label_smoothing, dtype)), smoothing)
+    prod = op.Mul(log_p, target)
+    if weight is not None:
+        shape = np.array([-1] + [1] * (rank - axis - 1), dtype=np.int64)
+        prod = op.Mul(prod, op.Reshape(weight, op.Constant(value_ints=[int(v) for v in shape])))
+    loss = op.Neg(op.ReduceSum(prod, op.Constant(value_ints=[axis]), keepdims=0))
+    if mode == "mean":
+        return op.ReduceMean(loss, keepdims=0) if rank > 1 else loss
+    if mode == "sum":
+        return op.ReduceSum(loss, keepdims=0) if rank > 1 else loss
+    return loss
 
 
 def _typed_constant(v: float, dtype):
@@ -268,7 +343,12 @@ def _native_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
     if bias is None:
         bias = op.Constant(value=onnx.numpy_helper.from_array(np.zeros(shape, dtype=np_dtype)))
     y, mean, rstd = op.LayerNormalization(input, weight, bias, axis=-len(shape), epsilon=eps, stash_type=1)
-    return y, mean, rstd
+    # The statistics carry no gradient in eager (native_layer_norm's backward reads only y's), and
+    # ORT's LayerNormalization gradient reads none for them either: as graph outputs, its builder
+    # found no gradient to yield for them and failed. Stop-gradient, as eager (a model's graph reads
+    # them nowhere, and the cleanup drops the markers).
+    stop = _stop_gradient_op()
+    return y, stop(mean), stop(rstd)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
@@ -549,6 +629,7 @@ def training_translations() -> dict:
     aten = torch.ops.aten
     table[compat.batch_norm_functional_op().default] = _batch_norm_functional
     table[aten.native_batch_norm.default] = _native_batch_norm
+    table[aten._native_batch_norm_legit_no_training.default] = _native_batch_norm_no_training
     table[aten.embedding.default] = _embedding
     table[aten.cross_entropy_loss.default] = _cross_entropy
     table[aten.gelu.default] = _gelu
@@ -562,6 +643,7 @@ def training_translations() -> dict:
     table[aten.detach.default] = _detach
     table[aten.detach_.default] = _detach
     table[aten.diff.default] = _diff
+    table[aten.unsafe_chunk.default] = _unsafe_chunk
     table[aten.squeeze.dim] = _squeeze_dim
     table[aten.squeeze.dims] = _squeeze_dims
     table[aten.min.other] = _min_other

@@ -169,7 +169,8 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             )
         schema_args = compat.op_schema(plan.fn).arguments
         draws_only = op.rpartition("::")[2] in _DRAWS_ONLY
-        if torch.Tag.nondeterministic_seeded in plan.fn.tags and not draws_only:
+        zero_gradient = op.rpartition("::")[2] in _ZERO_GRADIENT_DRAWS
+        if torch.Tag.nondeterministic_seeded in plan.fn.tags and not draws_only and not zero_gradient:
             # NOTE: a vjp recomputes the op: a random op would draw again, and a gradient that
             # depends on the draw (rrelu's slopes, a dropout mask) would be silently wrong. Checked on
             # every node (the first node's definition stays for the process): one whose constant
@@ -208,9 +209,14 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
 #: Random ops whose results do not depend on their inputs' values (PyTorch gives them zero or no
 #: gradient): as ATen nodes they take no gradient, and are never recomputed.
 _DRAWS_ONLY = frozenset(
-    {"exponential", "uniform", "bernoulli", "random", "cauchy", "log_normal", "geometric", "rand_like",
+    {"exponential", "uniform", "random", "cauchy", "log_normal", "geometric", "rand_like",
      "randn_like", "randint_like"}
 )  # fmt: skip
+
+#: Random ops whose gradient PyTorch defines as zeros whatever the draw (derivatives.yaml:
+#: ``bernoulli``'s probabilities, ``normal``'s mean and std, no reparametrization). Their vjp draws
+#: again, but the gradient it returns is those zeros, as eager's (a gradient, not None).
+_ZERO_GRADIENT_DRAWS = frozenset({"bernoulli", "normal"})
 
 
 #: Arguments whose constant value makes a random op deterministic: a drop probability of 0, or a

@@ -721,6 +721,44 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         for reduction in ("var", "std", "var_mean", "std_mean")
     ),
     AtenViaTorch("lerp", ("torchscript",), "the gradient of a broadcast weight through torch's Where form is wrong"),
+    *(
+        AtenViaTorch(
+            random_op,
+            ("torchscript", "dynamo"),
+            "ONNX's Bernoulli/RandomNormalLike have no ORT gradient, and normal's written-out mean + std * noise "
+            "would give std the noise as gradient; PyTorch's kernel draws, and its gradient is eager's zeros",
+            # a tensor operand (a graph value: None among the constants); normal(0.5, 2.0, size) has
+            # nothing to differentiate, and its dtype/device arguments cannot reach an ATen node
+            when=lambda c: len(c) < 2 or c[0] is None or c[1] is None,
+        )
+        for random_op in ("bernoulli", "normal")
+    ),
+    AtenViaTorch(
+        "tile",
+        ("torchscript", "dynamo"),
+        "both exporters write tile(x, ()) as ONNX Tile with no repeats, which ORT refuses on a 0-d x "
+        "(Tile needs rank >= 1); PyTorch's tile returns a copy",
+        when=lambda c: len(c) > 1 and isinstance(c[1], (list, tuple)) and len(c[1]) == 0,
+    ),
+    AtenViaTorch(
+        "diagonal_scatter",
+        ("dynamo",),
+        "no torchlib translation, and the exporter's decomposition writes a copy_to into the diagonal view, "
+        "which its functional-graph check refuses",
+    ),
+    AtenViaTorch(
+        "special_erfcx",
+        ("dynamo",),
+        "torchlib writes erfcx as exp(x^2) * (1 - erf(x)): inf * 0 = NaN from x ~ 9.4 on in float32 (and 0 "
+        "where erf rounds to 1), and its int64 exponent fails ORT's Pow gradient (a Sub of int64 and float)",
+    ),
+    AtenViaTorch(
+        "special_log_ndtr",
+        ("dynamo",),
+        "no torchlib translation: the decomposition's where(x < 1, log(erfcx(-x/sqrt 2) / 2) - x^2/2, "
+        "log1p(-erfc(x/sqrt 2) / 2)) differentiates both branches, and the unused one's gradient is inf for "
+        "x < -5 (eager's is finite)",
+    ),
     AtenViaTorch(
         "index_put",
         ("torchscript",),

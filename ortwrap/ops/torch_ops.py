@@ -81,6 +81,14 @@ def _pad_impl(x, pads: list[int], mode: str):
     rank = x.dim()
     begin, end = pads[:rank], pads[rank:]
     first = next((i for i in range(rank) if begin[i] or end[i]), rank)
+    if mode != "constant" and first < rank:
+        # reflect/replicate/circular pad k = 1, 2 or 3 trailing dims of a rank k+1 or k+2 input:
+        # zero pads on leading dims are added until k is one of them ((-4, 5) alone on a 4-D input
+        # was refused: "Padding size 2 is not supported for 4D input tensor")
+        k = rank - first
+        valid = [n for n in (rank - 2, rank - 1) if 1 <= n <= 3 and n >= k]
+        if valid:
+            first = rank - min(valid)
     torch_pad: list[int] = []
     for d in range(rank - 1, first - 1, -1):
         torch_pad += [begin[d], end[d]]

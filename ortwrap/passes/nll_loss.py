@@ -2,11 +2,14 @@
 
 ORT 1.19.2 has no gradient builder for ``NegativeLogLikelihoodLoss`` (the exporter fuses
 ``nll_loss(log_softmax(x))`` into ``SoftmaxCrossEntropyLoss``, but ``nll_loss`` on any other input
-stays). Without class weights::
+stays)::
 
     safe = Where(t == ignore, 0, t)
     v    = Where(t == ignore, 0, -GatherElements(x, Unsqueeze(safe, 1), axis=1))   (squeezed)
     mean: ReduceSum(v) / count(t != ignore);  sum: ReduceSum(v);  none: v
+
+With class weights ``w``, each ``v`` is scaled by ``w[safe]`` and ``mean`` divides by the sum of
+the weights of the targets not ignored (PyTorch's weighted mean).
 """
 
 from __future__ import annotations
@@ -14,12 +17,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import PassError
 from ._build import NodeBuilder
 
 
 class DecomposeNLLLossPass(ir.passes.InPlacePass):
-    """Replace ``NegativeLogLikelihoodLoss`` (no class weights) by GatherElements and reductions."""
+    """Replace ``NegativeLogLikelihoodLoss`` (class weights too) by GatherElements and reductions."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -27,9 +29,8 @@ class DecomposeNLLLossPass(ir.passes.InPlacePass):
         for node in list(graph):
             if node.op_type != "NegativeLogLikelihoodLoss" or node.domain != "":
                 continue
-            if len(node.inputs) > 2 and node.inputs[2] is not None:
-                raise PassError(f"node {node.name!r}: NegativeLogLikelihoodLoss with class weights has no ORT gradient")
             x, t = node.inputs[0], node.inputs[1]
+            weight = node.inputs[2] if len(node.inputs) > 2 else None
             reduction = node.attributes["reduction"].as_string() if "reduction" in node.attributes else "mean"
             ignore = node.attributes["ignore_index"].as_int() if "ignore_index" in node.attributes else None
             dtype = (x.dtype or ir.DataType.FLOAT).numpy()
@@ -42,12 +43,20 @@ class DecomposeNLLLossPass(ir.passes.InPlacePass):
                 target = b.op("Where", ignored, b.const(np.array(0, dtype=np.int64)), t)
             picked = b.op("Squeeze", b.op("GatherElements", x, b.op("Unsqueeze", target, one), axis=1), one)
             v = b.op("Neg", picked)
+            zero = b.const(np.array(0.0, dtype=dtype))
+            w = None
+            if weight is not None:
+                w = b.op("Gather", weight, target, axis=0)  # each target's class weight
+                v = b.op("Mul", v, w)
             if ignored is not None:
-                v = b.op("Where", ignored, b.const(np.array(0.0, dtype=dtype)), v)
+                v = b.op("Where", ignored, zero, v)
             if reduction == "none":
                 result = v
             elif reduction == "sum":
                 result = b.op("ReduceSum", v, keepdims=0)
+            elif w is not None:
+                counted = b.op("Where", ignored, zero, w) if ignored is not None else w
+                result = b.op("Div", b.op("ReduceSum", v, keepdims=0), b.op("ReduceSum", counted, keepdims=0))
             else:
                 kept = b.op("Not", ignored) if ignored is not None else b.op("Equal", t, t)
                 result = b.op(
