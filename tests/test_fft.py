@@ -5,7 +5,8 @@ ORT 1.19.2 has no gradient for ``DFT``, its shape inference refuses torchlib's i
 that torchlib cannot translate. Under dynamo the FFT ops run as ATen nodes (PyTorch's kernel and
 autograd), their complex values in torchlib's real ``[..., 2]`` form. The TorchScript exporter keeps
 complex values, which ORT cannot hold, and writes the FFTs and every op on their complex results as
-ATen nodes: its type inference carries those values in the same real form (``bridge/aten.py``).
+ATen nodes: its type inference carries those values in the same real form (``bridge/aten.py``);
+its ``stft`` symbolic (ONNX STFT, no ORT gradient) is replaced by an ATen node.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ class Spectrogram(nn.Module):
         return s.abs().sum(-1), s
 
 
+class RealSpectrogram(nn.Module):
+    """``stft(return_complex=False)``: the TorchScript exporter's symbolic wrote ONNX STFT (no ORT gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(40, 40)
+
+    def forward(self, x: torch.Tensor):
+        return torch.stft(self.proj(x), n_fft=10, hop_length=3, return_complex=False)
+
+
 def _inputs(shape):
     def make(b: int, g: torch.Generator):
         return (torch.randn(b, *shape, generator=g).requires_grad_(),), {}
@@ -72,6 +84,7 @@ def _inputs(shape):
 MODELS = {
     "spectral_filter": (SpectralFilter, (3, N)),
     "stft": (Spectrogram, (40,)),
+    "stft_real": (RealSpectrogram, (40,)),
 }
 
 
