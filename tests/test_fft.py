@@ -73,6 +73,19 @@ class RealSpectrogram(nn.Module):
         return torch.stft(self.proj(x), n_fft=10, hop_length=3, return_complex=False)
 
 
+class ComplexInput(nn.Module):
+    """A complex signal fed in its real form: under TorchScript every input dim is dynamic, and
+    ``view_as_complex`` needs the last to be 2 (type inference evaluates it at the example's sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(N, 2))
+
+    def forward(self, x: torch.Tensor):
+        z = torch.view_as_complex(x) * torch.view_as_complex(self.scale)
+        return torch.view_as_real(torch.fft.fft(z, norm="forward") * z)
+
+
 def _inputs(shape):
     def make(b: int, g: torch.Generator):
         return (torch.randn(b, *shape, generator=g).requires_grad_(),), {}
@@ -85,6 +98,7 @@ MODELS = {
     "spectral_filter": (SpectralFilter, (3, N)),
     "stft": (Spectrogram, (40,)),
     "stft_real": (RealSpectrogram, (40,)),
+    "complex_input": (ComplexInput, (N, 2)),
 }
 
 

@@ -479,8 +479,9 @@ _STAND_INS = ((2, 3, 5), (1024, 2049, 4099))
 def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict, stand_in: int):
     """The node's results on the meta device, symbolic dims set to ``stand_in``; None if an input is
     unknown. Inputs a ``COMPLEX_MARK`` names are viewed as complex, and complex results stay complex."""
+    positions = _complex_positions(op)
     inputs = []
-    for name in node.input:
+    for i, name in enumerate(node.input):
         if not name:
             inputs.append(None)
         elif name in constants:
@@ -488,12 +489,14 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
         elif name in known:
             elem, shape = known[name]
             dtype = TORCH_DTYPES[elem]
-            inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
+            shape = [stand_in if d is None else d for d in shape]
+            if i in positions and shape:
+                shape[-1] = 2  # (a complex value's real form)
+            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
         else:
             return None
     plan = resolve(op, overload)
     args, kwargs = plan.decode(op, inputs)
-    positions = _complex_positions(op)
     meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
     args = [
         _as_complex(meta(x)) if i in positions and isinstance(x, torch.Tensor) else meta(x) for i, x in enumerate(args)
@@ -512,7 +515,7 @@ def _is_complex(r) -> bool:
     return isinstance(r, torch.Tensor) and r.is_complex()
 
 
-def _evaluate(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict):
+def _evaluate(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict, example=None):
     """The node's results at each stand-in size of a tier (:data:`_STAND_INS`; one evaluation where no
     input dim is symbolic); None if an input is unknown."""
     symbolic = any(name in known and None in known[name][1] for name in node.input if name not in constants)
@@ -528,7 +531,24 @@ def _evaluate(node: onnx.NodeProto, op: str, overload: str, known: dict, constan
             return [first, *(_meta_outputs(node, op, overload, shapes, constants, size) for size in sizes[1:])]
         except Exception as e:  # (the first error is the one reported)
             error = error or e
+    if symbolic and example is not None:
+        try:  # at the example sizes, once: every output dim symbolic (``[first, None, ...]``)
+            first = _meta_outputs(node, op, overload, example, constants, _STAND_INS[0][0])
+            return None if first is None else [first, [None] * len(first)]
+        except Exception:
+            pass
     raise error
+
+
+def _example_shapes(model: onnx.ModelProto, known: dict, sizes: dict[str, int]) -> dict:
+    """``known``, the symbolic dims that ``sizes`` names (by ``dim_param``) at those sizes."""
+    out = dict(known)
+    for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        if v.name in known:
+            dims = v.type.tensor_type.shape.dim
+            shape = [sizes.get(d.dim_param) if d.dim_param and s is None else s for d, s in zip(dims, known[v.name][1])]
+            out[v.name] = (known[v.name][0], shape)
+    return out
 
 
 def _aligned_shapes(node: onnx.NodeProto, op: str, known: dict, constants: dict) -> dict:
@@ -606,7 +626,9 @@ def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
     return result if isinstance(result, (tuple, list)) else (result,)
 
 
-def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = True) -> onnx.ModelProto:
+def infer_types(
+    model: onnx.ModelProto, max_rounds: int = 64, strict: bool = True, sizes: dict[str, int] | None = None
+) -> onnx.ModelProto:
     """ONNX shape inference, extended through ATen nodes.
 
     ONNX cannot infer the outputs of ``org.pytorch.aten::ATen``, so inference stops at the first
@@ -615,6 +637,10 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     against their weights), symbolic dims set to 2 and then to 3, constants at their values. It
     records each output's dtype and shape: a dim that is the same in both evaluations is static,
     the others symbolic. Until nothing changes.
+
+    Where every stand-in size fails, a node whose symbolic input dims are named in ``sizes`` (the
+    example inputs' sizes by dim name: ``view_as_complex`` of an input whose last dim the trace made
+    dynamic) is evaluated once at those sizes; its output dims are then all symbolic.
 
     Value infos without a type (the TorchScript exporter writes them for custom-domain outputs,
     ``ortwrap::StopGradient``) are dropped first: ONNX inference does not fill an empty entry, and
@@ -631,6 +657,7 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
         constants = _proto_constants(model)
+        example = _example_shapes(model, known, sizes) if sizes else None
         # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims
         # each round, and counting their re-refinement as progress ran all max_rounds rounds
         # (seconds on HF GPT-2).
@@ -650,11 +677,13 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
                 continue
             # The TorchScript exporter keeps complex values: written here in their real [..., 2] form
             # (``COMPLEX_MARK``: the dynamo exporter's ATen nodes come so).
+            if any(n and n not in known and n not in constants for n in node.input):
+                continue  # (its inputs' types, which of them are complex pairs included, come first)
             try:
                 if any(name in pairs for name in node.input) and not op.startswith(COMPLEX_MARK):
                     op = _mark_complex(node, op, overload, [i for i, name in enumerate(node.input) if name in pairs])
                     ours.add(tuple(node.output))
-                runs = _evaluate(node, op, overload, known, constants)
+                runs = _evaluate(node, op, overload, known, constants, example)
                 if runs is not None and not op.startswith(COMPLEX_MARK) and any(map(_is_complex, runs[0])):
                     op = _mark_complex(node, op, overload, [])
                     ours.add(tuple(node.output))
@@ -667,7 +696,8 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
             for i, (name, r) in enumerate(zip(node.output, runs[0])):
                 if isinstance(r, torch.Tensor) and name not in known:
                     others = [run[i] if i < len(run) else None for run in runs[1:]]
-                    if r.is_complex():  # (its real [..., 2] form: ``COMPLEX_MARK``)
+                    complex_result = r.is_complex()
+                    if complex_result:  # (its real [..., 2] form: ``COMPLEX_MARK``)
                         if tuple(node.output) in ours:
                             consumers = consumers if consumers is not None else _consumers(model)
                             _check_pair_consumers(op, name, consumers)
@@ -677,6 +707,11 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
                         )
                     dims = list(r.shape)
                     for other in others:
+                        if other is None:  # (evaluated at the example sizes only)
+                            dims = [None] * len(dims)
+                            if complex_result:
+                                dims[-1] = 2
+                            continue
                         same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
                         dims = [a if same and a == b else None for a, b in zip(dims, other.shape if same else dims)]
                     if r.dtype not in ONNX_TYPES:
