@@ -523,16 +523,10 @@ def test_complex_rotary_embedding_trains_under_dynamo():
     check_parity(_ComplexRope, _rope_inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": "dynamo"})
 
 
-def test_complex_rotary_embedding_refused_under_torchscript():
-    """TorchScript keeps complex values (ATen nodes of complex tensors), which ORT cannot hold: refused
-    at build, naming the op."""
-    from ortwrap import ORTWrap
-    from ortwrap.errors import ORTWrapError
-
-    wrapped = ORTWrap(_ComplexRope(), exporter="torchscript", fallback=False, build_cache=False)
-    (x, pos), _ = _rope_inputs(2, torch.Generator().manual_seed(0))
-    with pytest.raises(ORTWrapError, match=r"ATen op polar makes a torch.complex64 tensor.*exporter='dynamo'"):
-        wrapped(x, pos)
+def test_complex_rotary_embedding_trains_under_torchscript():
+    """TorchScript keeps complex values (ATen nodes of complex tensors): carried between those ATen
+    nodes as real [..., 2] pairs (``bridge/aten.infer_types``, issue 24)."""
+    check_parity(_ComplexRope, _rope_inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": "torchscript"})
 
 
 class _RandomSlopes(torch.nn.Module):

@@ -4,7 +4,9 @@ ORT 1.19.2 has no gradient for ``DFT``, its shape inference refuses torchlib's i
 ``DFT`` (``irfft``, ``hfft``), and the exporter's decompositions pad and conjugate complex values
 that torchlib cannot translate. Under dynamo the FFT ops run as ATen nodes (PyTorch's kernel and
 autograd), their complex values in torchlib's real ``[..., 2]`` form. The TorchScript exporter keeps
-complex values, which ORT cannot hold: a module with complex intermediates is refused there, by name.
+complex values, which ORT cannot hold, and writes the FFTs and every op on their complex results as
+ATen nodes: its type inference carries those values in the same real form (``bridge/aten.py``);
+its ``stft`` symbolic (ONNX STFT, no ORT gradient) is replaced by an ATen node.
 """
 
 from __future__ import annotations
@@ -60,6 +62,30 @@ class Spectrogram(nn.Module):
         return s.abs().sum(-1), s
 
 
+class RealSpectrogram(nn.Module):
+    """``stft(return_complex=False)``: the TorchScript exporter's symbolic wrote ONNX STFT (no ORT gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(40, 40)
+
+    def forward(self, x: torch.Tensor):
+        return torch.stft(self.proj(x), n_fft=10, hop_length=3, return_complex=False)
+
+
+class ComplexInput(nn.Module):
+    """A complex signal fed in its real form: under TorchScript every input dim is dynamic, and
+    ``view_as_complex`` needs the last to be 2 (type inference evaluates it at the example's sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(N, 2))
+
+    def forward(self, x: torch.Tensor):
+        z = torch.view_as_complex(x) * torch.view_as_complex(self.scale)
+        return torch.view_as_real(torch.fft.fft(z, norm="forward") * z)
+
+
 def _inputs(shape):
     def make(b: int, g: torch.Generator):
         return (torch.randn(b, *shape, generator=g).requires_grad_(),), {}
@@ -67,24 +93,18 @@ def _inputs(shape):
     return make
 
 
-#: name -> (model, input shape without the batch, what the TorchScript refusal says)
+#: name -> (model, input shape without the batch)
 MODELS = {
-    "spectral_filter": (SpectralFilter, (3, N), "ATen op fft_rfft makes a torch.complex64 tensor"),
-    # (its type inference of the stft node at stand-in sizes fails first)
-    "stft": (Spectrogram, (40,), "stft"),
+    "spectral_filter": (SpectralFilter, (3, N)),
+    "stft": (Spectrogram, (40,)),
+    "stft_real": (RealSpectrogram, (40,)),
+    "complex_input": (ComplexInput, (N, 2)),
 }
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fft_modules_train_like_eager(name, exporter):
-    make_model, shape, refusal = MODELS[name]
-    if exporter == "torchscript":
-        # NOTE: the TorchScript exporter types the FFT's result complex; ORT holds no complex values.
-        torch.manual_seed(0)
-        wrapped = ORTWrap(make_model(), fallback=False, exporter=exporter)
-        with pytest.raises(PassError, match=refusal):
-            wrapped(torch.randn(2, *shape))
-        return
+    make_model, shape = MODELS[name]
     # outputs (complex ones included), every parameter's and the input's gradient, three steps with
     # changing batch sizes
     check_parity(make_model, _inputs(shape), loss_fn=_loss, lr=0.002)
@@ -97,8 +117,6 @@ class InverseOfReal(nn.Module):
 
 def test_complex_output_that_is_a_lazy_conjugate(exporter):
     """The output's real view is taken of the resolved conjugate (``view_as_real`` refuses a lazy one)."""
-    if exporter == "torchscript":
-        pytest.skip("the TorchScript exporter keeps complex values, which ORT cannot hold (refused above)")
     x = torch.randn(3, 8, requires_grad=True)
     x_o = x.detach().clone().requires_grad_()
     expected = InverseOfReal()(x)
@@ -108,3 +126,20 @@ def test_complex_output_that_is_a_lazy_conjugate(exporter):
     (torch.view_as_real(expected.resolve_conj()) * w).sum().backward()
     (torch.view_as_real(got.resolve_conj()) * w).sum().backward()
     torch.testing.assert_close(x_o.grad, x.grad)
+
+
+class ComplexConcat(nn.Module):
+    def forward(self, x: torch.Tensor):
+        return torch.view_as_real(torch.cat([torch.fft.fft(x), torch.fft.fft(2.0 * x)]))
+
+
+def test_complex_value_into_an_onnx_op_is_refused(exporter):
+    """Under TorchScript, ``cat`` of complex values is an ONNX SequenceConstruct, which would take the
+    real [..., 2] pairs as real numbers: refused by name, not trained (dynamo's torchlib writes it exactly)."""
+    x = torch.randn(3, 8)
+    wrapped = ORTWrap(ComplexConcat(), fallback=False, exporter=exporter)
+    if exporter == "torchscript":
+        with pytest.raises(PassError, match=r"ATen op fft_fft makes a complex tensor.*ONNX op SequenceConstruct"):
+            wrapped(x)
+        return
+    torch.testing.assert_close(wrapped(x), ComplexConcat()(x))

@@ -205,7 +205,7 @@ def _complex_views(fn, positions: tuple[int, ...]):
     def run(*args, **kwargs):
         args = [_as_complex(a) if i in positions and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
         result = fn(*args, **kwargs)
-        real = lambda r: torch.view_as_real(r) if isinstance(r, torch.Tensor) and r.is_complex() else r  # noqa: E731
+        real = lambda r: torch.view_as_real(r.resolve_conj()) if _is_complex(r) else r  # noqa: E731 (a lazy conjugate: ifft of a real tensor)
         return type(result)(map(real, result)) if isinstance(result, (tuple, list)) else real(result)
 
     return run
@@ -468,14 +468,20 @@ def _types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
     return known
 
 
-#: Sizes that stand in for symbolic dims when an ATen node is evaluated on the meta device.
-_STAND_INS = (2, 3)
+#: Sizes that stand in for symbolic dims when an ATen node is evaluated on the meta device: a node is
+#: evaluated at each size of a tier, and a dim that differs is symbolic (three sizes: ``rfft``'s
+#: ``n // 2 + 1`` is 2 at both 2 and 3). The larger tier where an op refuses the small sizes
+#: (``stft``: its n_fft must not exceed the length, a dim ONNX inference left unknown after the
+#: exporter's padding).
+_STAND_INS = ((2, 3, 5), (1024, 2049, 4099))
 
 
 def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict, stand_in: int):
-    """The node's results on the meta device, symbolic dims set to ``stand_in``; None if an input is unknown."""
+    """The node's results on the meta device, symbolic dims set to ``stand_in``; None if an input is
+    unknown. Inputs a ``COMPLEX_MARK`` names are viewed as complex, and complex results stay complex."""
+    positions = _complex_positions(op)
     inputs = []
-    for name in node.input:
+    for i, name in enumerate(node.input):
         if not name:
             inputs.append(None)
         elif name in constants:
@@ -483,10 +489,131 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
         elif name in known:
             elem, shape = known[name]
             dtype = TORCH_DTYPES[elem]
-            inputs.append(torch.empty([stand_in if d is None else d for d in shape], dtype=dtype, device="meta"))
+            shape = [stand_in if d is None else d for d in shape]
+            if i in positions and shape:
+                shape[-1] = 2  # (a complex value's real form)
+            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
         else:
             return None
-    return meta_outputs(op, overload, inputs)
+    plan = resolve(op, overload)
+    args, kwargs = plan.decode(op, inputs)
+    meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+    args = [
+        _as_complex(meta(x)) if i in positions and isinstance(x, torch.Tensor) else meta(x) for i, x in enumerate(args)
+    ]
+    result = plan.fn(*args, **{k: meta(v) for k, v in kwargs.items()})
+    return result if isinstance(result, (tuple, list)) else (result,)
+
+
+def _complex_positions(op: str) -> tuple[int, ...]:
+    if not op.startswith(COMPLEX_MARK):
+        return ()
+    return tuple(int(i) for i in op[len(COMPLEX_MARK) :].partition("|")[0].split(",") if i)
+
+
+def _is_complex(r) -> bool:
+    return isinstance(r, torch.Tensor) and r.is_complex()
+
+
+def _evaluate(node: onnx.NodeProto, op: str, overload: str, known: dict, constants: dict, example=None):
+    """The node's results at each stand-in size of a tier (:data:`_STAND_INS`; one evaluation where no
+    input dim is symbolic); None if an input is unknown."""
+    symbolic = any(name in known and None in known[name][1] for name in node.input if name not in constants)
+    error = None
+    # Without a symbolic input dim other sizes could only repeat the first evaluation.
+    tiers = [(False, _STAND_INS[0]), (True, _STAND_INS[0]), (False, _STAND_INS[1])] if symbolic else [(False, (2,))]
+    for aligned, sizes in tiers:
+        shapes = _aligned_shapes(node, op, known, constants) if aligned else known
+        try:
+            first = _meta_outputs(node, op, overload, shapes, constants, sizes[0])
+            if first is None:
+                return None
+            return [first, *(_meta_outputs(node, op, overload, shapes, constants, size) for size in sizes[1:])]
+        except Exception as e:  # (the first error is the one reported)
+            error = error or e
+    if symbolic and example is not None:
+        try:  # at the example sizes, once: every output dim symbolic (``[first, None, ...]``)
+            first = _meta_outputs(node, op, overload, example, constants, _STAND_INS[0][0])
+            return None if first is None else [first, [None] * len(first)]
+        except Exception:
+            pass
+    raise error
+
+
+def _example_shapes(model: onnx.ModelProto, known: dict, sizes: dict[str, int]) -> dict:
+    """``known``, the symbolic dims that ``sizes`` names (by ``dim_param``) at those sizes."""
+    out = dict(known)
+    for v in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        if v.name in known:
+            dims = v.type.tensor_type.shape.dim
+            shape = [sizes.get(d.dim_param) if d.dim_param and s is None else s for d, s in zip(dims, known[v.name][1])]
+            out[v.name] = (known[v.name][0], shape)
+    return out
+
+
+def _aligned_shapes(node: onnx.NodeProto, op: str, known: dict, constants: dict) -> dict:
+    """``known``, the node's symbolic input dims set to the static size that its other tensor inputs
+    have at the same right-aligned position (where one size other than 1 is there): a broadcast
+    against a static dim (a spectrum of a dynamic channel count times a learned ``[3, 9]`` filter),
+    which no common stand-in size satisfies. Its result there is that static size, whatever the dim."""
+    positions = _complex_positions(op)
+    tensors = [(i, n) for i, n in enumerate(node.input) if n and n in known and n not in constants]
+    # the op's view of each input: a complex one without its trailing 2
+    views = {n: known[n][1][:-1] if i in positions else known[n][1] for i, n in tensors}
+    out = dict(known)
+    for _, n in tensors:
+        shape = list(views[n])
+        for d in range(len(shape)):
+            if shape[d] is not None:
+                continue
+            back = len(shape) - d
+            sizes = {views[m][-back] for _, m in tensors if m != n and len(views[m]) >= back} - {None, 1}
+            if len(sizes) == 1:
+                shape[d] = sizes.pop()
+        out[n] = (known[n][0], shape + known[n][1][len(views[n]) :])
+    return out
+
+
+def _mark_complex(node: onnx.NodeProto, op: str, overload: str, positions: list[int]) -> str:
+    """Write ATen node ``op`` as taking its inputs at ``positions`` as complex values in their real
+    ``[..., 2]`` form and giving back its complex results so (``COMPLEX_MARK``, as the dynamo exporter
+    writes its ATen nodes): the TorchScript exporter keeps complex values, which ORT cannot hold."""
+    n_positional = len(resolve(op, overload).pos)
+    if any(i >= n_positional for i in positions):
+        raise NotImplementedError(f"ATen op {op}: a complex keyword-only argument cannot be passed to an ATen node")
+    marked = f"{COMPLEX_MARK}{','.join(map(str, positions))}|{op}"
+    for a in node.attribute:
+        if a.name == "operator":
+            a.s = marked.encode()
+    return marked
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list]:
+    """value name -> the nodes that take it, and ``None`` for a graph output."""
+    out: dict[str, list] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            out.setdefault(name, []).append(n)
+    for v in model.graph.output:
+        out.setdefault(v.name, []).append(None)
+    return out
+
+
+def _check_pair_consumers(op: str, name: str, consumers: dict) -> None:
+    """A complex value in its real ``[..., 2]`` form may only reach ATen nodes (which view it as
+    complex again): any other op would compute on the pairs as on real numbers.
+
+    Raises:
+        NotImplementedError: naming the op and what takes the complex value."""
+    for n in consumers.get(name, []):
+        if n is not None and n.domain == ATEN_DOMAIN and n.op_type == "ATen":
+            continue
+        what = "a graph output" if n is None else f"ONNX op {n.op_type}"
+        raise NotImplementedError(
+            f"ATen op {op.rpartition('|')[2]} makes a complex tensor, which ONNX Runtime cannot hold, and {what} "
+            "takes it: ortwrap carries complex values as real [..., 2] pairs only between ATen nodes (PyTorch's "
+            "kernels), where ONNX ops would compute on the pairs as on real numbers"
+        )
 
 
 def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
@@ -499,7 +626,9 @@ def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
     return result if isinstance(result, (tuple, list)) else (result,)
 
 
-def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = True) -> onnx.ModelProto:
+def infer_types(
+    model: onnx.ModelProto, max_rounds: int = 64, strict: bool = True, sizes: dict[str, int] | None = None
+) -> onnx.ModelProto:
     """ONNX shape inference, extended through ATen nodes.
 
     ONNX cannot infer the outputs of ``org.pytorch.aten::ATen``, so inference stops at the first
@@ -509,6 +638,10 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     records each output's dtype and shape: a dim that is the same in both evaluations is static,
     the others symbolic. Until nothing changes.
 
+    Where every stand-in size fails, a node whose symbolic input dims are named in ``sizes`` (the
+    example inputs' sizes by dim name: ``view_as_complex`` of an input whose last dim the trace made
+    dynamic) is evaluated once at those sizes; its output dims are then all symbolic.
+
     Value infos without a type (the TorchScript exporter writes them for custom-domain outputs,
     ``ortwrap::StopGradient``) are dropped first: ONNX inference does not fill an empty entry, and
     everything downstream of it would keep no shape.
@@ -517,45 +650,73 @@ def infer_types(model: onnx.ModelProto, max_rounds: int = 64, strict: bool = Tru
     for v in untyped:
         model.graph.value_info.remove(v)
     refined: set[tuple] = set()
+    pairs: set[str] = set()  # complex values this inference wrote in their real [..., 2] form
+    ours: set[tuple] = set()  # the outputs of the ATen nodes it marked so
     changed = False
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
         known = _types(model)
         constants = _proto_constants(model)
+        example = _example_shapes(model, known, sizes) if sizes else None
         # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims
         # each round, and counting their re-refinement as progress ran all max_rounds rounds
         # (seconds on HF GPT-2).
         changed, signature = _refine_slices(model, constants), _slice_signature(model)
         progress = changed and signature not in refined
         refined.add(signature)
+        consumers = None
         for node in model.graph.node:
-            if node.domain != ATEN_DOMAIN or node.op_type != "ATen" or all(o in known for o in node.output):
+            if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
                 continue
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             op, overload = attrs["operator"].decode(), attrs.get("overload_name", b"").decode()
             if op.startswith((VJP_PREFIX, NATIVE_PREFIX)):
                 continue
+            # (a node whose outputs the exporter typed, ``view_as_real`` of a graph output, is still marked)
+            if all(o in known for o in node.output) and (op.startswith(COMPLEX_MARK) or pairs.isdisjoint(node.input)):
+                continue
+            # The TorchScript exporter keeps complex values: written here in their real [..., 2] form
+            # (``COMPLEX_MARK``: the dynamo exporter's ATen nodes come so).
+            if any(n and n not in known and n not in constants for n in node.input):
+                continue  # (its inputs' types, which of them are complex pairs included, come first)
             try:
-                first = _meta_outputs(node, op, overload, known, constants, _STAND_INS[0])
+                if any(name in pairs for name in node.input) and not op.startswith(COMPLEX_MARK):
+                    op = _mark_complex(node, op, overload, [i for i, name in enumerate(node.input) if name in pairs])
+                    ours.add(tuple(node.output))
+                runs = _evaluate(node, op, overload, known, constants, example)
+                if runs is not None and not op.startswith(COMPLEX_MARK) and any(map(_is_complex, runs[0])):
+                    op = _mark_complex(node, op, overload, [])
+                    ours.add(tuple(node.output))
             except Exception:
                 if strict:
                     raise
                 continue  # best effort (strict=False): its outputs stay unknown
-            if first is None:
+            if runs is None:
                 continue
-            symbolic = any(name in known and None in known[name][1] for name in node.input if name not in constants)
-            # Without a symbolic input dim the second evaluation could only repeat the first.
-            runs = [first, _meta_outputs(node, op, overload, known, constants, _STAND_INS[1]) if symbolic else first]
             for i, (name, r) in enumerate(zip(node.output, runs[0])):
                 if isinstance(r, torch.Tensor) and name not in known:
-                    other = runs[1][i] if runs[1] is not None and i < len(runs[1]) else None
-                    same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
-                    dims = [a if same and a == b else None for a, b in zip(r.shape, other.shape if same else r.shape)]
+                    others = [run[i] if i < len(run) else None for run in runs[1:]]
+                    complex_result = r.is_complex()
+                    if complex_result:  # (its real [..., 2] form: ``COMPLEX_MARK``)
+                        if tuple(node.output) in ours:
+                            consumers = consumers if consumers is not None else _consumers(model)
+                            _check_pair_consumers(op, name, consumers)
+                            pairs.add(name)
+                        r, *others = (
+                            torch.view_as_real(t.resolve_conj()) if _is_complex(t) else t for t in (r, *others)
+                        )
+                    dims = list(r.shape)
+                    for other in others:
+                        if other is None:  # (evaluated at the example sizes only)
+                            dims = [None] * len(dims)
+                            if complex_result:
+                                dims[-1] = 2
+                            continue
+                        same = isinstance(other, torch.Tensor) and other.dim() == r.dim()
+                        dims = [a if same and a == b else None for a, b in zip(dims, other.shape if same else dims)]
                     if r.dtype not in ONNX_TYPES:
                         raise NotImplementedError(
-                            f"ATen op {op} makes a {r.dtype} tensor, which ONNX Runtime cannot hold (the TorchScript "
-                            "exporter keeps complex values; the dynamo exporter writes them as real [..., 2] "
-                            "tensors: use exporter='dynamo')"
+                            f"ATen op {op} makes a {r.dtype} tensor, which ONNX Runtime cannot hold"
                         )
                     elem = ONNX_TYPES[r.dtype]
                     model.graph.value_info.append(onnx.helper.make_tensor_value_info(name, elem, dims))

@@ -104,8 +104,17 @@ def build_stages(request: BuildRequest) -> list[Stage]:
     @stage("type_inference", ("exported",), ("ir_model", "pass_records"), group="passes")
     def type_inference(exported: ExportedModel) -> dict:
         """ONNX shape inference, extended through ATen nodes; the model as onnx_ir for the passes."""
+        # the example inputs' sizes of the graph inputs' symbolic dims (stand-ins where an op needs them)
+        shapes = {name: t.shape for name, t in zip(exported.user_input_names, request.leaves) if name is not None}
+        sizes = {
+            d.dim_param: shapes[v.name][i]
+            for v in exported.model.graph.input
+            if v.name in shapes and len(v.type.tensor_type.shape.dim) == len(shapes[v.name])
+            for i, d in enumerate(v.type.tensor_type.shape.dim)
+            if d.dim_param
+        }
         try:
-            typed = infer_types(exported.model)
+            typed = infer_types(exported.model, sizes=sizes)
         except Exception as e:
             raise PassError(f"type inference failed: {type(e).__name__}: {e}") from e
         return {"ir_model": ir.serde.deserialize_model(typed), "pass_records": []}

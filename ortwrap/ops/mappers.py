@@ -696,6 +696,12 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         )
     ),
     AtenViaTorch(
+        "stft",
+        ("torchscript",),
+        "torch's symbolic writes ONNX STFT, which ORT 1.19.2 has no gradient for (the other FFTs have no "
+        "symbolic: ATen nodes already, complex values in the real [..., 2] form, bridge/aten.py)",
+    ),
+    AtenViaTorch(
         "index_fill",
         ("torchscript", "dynamo"),
         "the fill value's gradient through the ONNX Expand/ScatterElements form is wrong",
