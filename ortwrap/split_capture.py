@@ -205,6 +205,11 @@ class SplitCapture:
         )
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        if not any(n.op == "call_function" for n in gm.graph.nodes):
+            # nothing to compute (dynamo's graph before a data-dependent check that reads only the
+            # inputs, gaussian_nll_loss's ``torch.any(var < 0)`` with dynamic sizes): it returns its
+            # inputs or constants, as it does in PyTorch; no program to build
+            return gm
         fragment = _Fragment(
             gm,
             len(self.fragments),

@@ -174,3 +174,22 @@ def test_moe_family_trains_without_rebuilding_per_length(family):
 
     _, counts = _family_steps(getattr(mz, family), "auto")
     assert counts[2][1:] == counts[1][1:] == counts[0][1:], counts
+
+
+
+
+def test_a_fragment_with_nothing_to_compute_is_not_built():
+    """OpInfo's ``gaussian_nll_loss`` samples (its ``torch.any(var < 0)`` check) under dynamic sizes:
+    dynamo hands the backend a graph with no inputs and no ops. It runs as it is; an ORTWrap of it
+    failed (torch.export: "`inputs` has 0 elements, but `dynamic_shapes` has 1"), and with
+    ``fallback=False`` the whole call did."""
+    from ortwrap.split_capture import SplitCapture
+
+    module = nn.Linear(2, 2)
+    w = ORTWrap(module, fallback=False, exporter="dynamo")
+    split = SplitCapture(module, {"exporter": "dynamo", "fallback": False}, w._options, RuntimeError("guard"), ORTWrap)
+    empty = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    empty.graph.output(())
+    empty.recompile()
+    run = split._backend(empty, [])
+    assert run() == () and split.fragments == []
