@@ -488,6 +488,13 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
             inputs.append(constants[name])
         elif name in known:
             elem, shape = known[name]
+            if elem not in TORCH_DTYPES:  # (an ONNX op's complex or string value: a Cast to complex64)
+                kind = onnx.helper.tensor_dtype_to_string(elem).removeprefix("TensorProto.").lower()
+                raise NotImplementedError(
+                    f"ATen op {op.rpartition('|')[2]} takes {name!r}, a {kind} value an ONNX op makes, which ONNX "
+                    "Runtime cannot hold (ortwrap carries complex values as real [..., 2] pairs only between ATen "
+                    "nodes); use exporter='dynamo'"
+                )
             dtype = TORCH_DTYPES[elem]
             shape = [stand_in if d is None else d for d in shape]
             if i in positions and shape:
