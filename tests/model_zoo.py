@@ -32,6 +32,29 @@ def image_size(b: int, base: int = 32) -> int:
     return base + {2: 0, 3: -8, 4: 8}.get(b, 0)
 
 
+class ExpertLoop(nn.Module):
+    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to, each
+    expert's output scaled by its routing weight. A trace unrolls the loop for the traced batch's
+    routing: a batch that reaches one more expert silently got zeros for that expert's tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(4) + 0.1 * torch.randn(4, 4))  # token -> its largest feature's expert
+        self.experts = nn.Parameter(torch.randn(4, 4, 4))
+
+    def forward(self, x):
+        logits = self.router(x)
+        gate, route = logits.softmax(-1), logits.argmax(-1)
+        out = torch.zeros_like(x)
+        hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
+        for expert in hit:
+            idx = torch.where(route == expert[0])[0]
+            out = out.index_add(0, idx, (x[idx] @ self.experts[expert[0]]) * gate[idx, expert[0], None])
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One architecture of the coverage suite.

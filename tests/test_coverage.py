@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_zoo import BATCH_SIZES, CASES, FAMILY_CASES
+from model_zoo import BATCH_SIZES, CASES, FAMILY_CASES, ExpertLoop
 from parity import check_parity, default_loss
 
 from ortwrap.engines import is_training_available
@@ -289,29 +289,6 @@ def test_detach_of_an_integer_beside_a_float_one(exporter):
     check_parity(_DetachesIntAndFloat, inputs, wrap_options={"exporter": exporter})
 
 
-class _ExpertLoop(torch.nn.Module):
-    """Mixtral's eager experts: a Python loop over the experts this batch routes tokens to, each
-    expert's output scaled by its routing weight. A trace unrolls the loop for the traced batch's
-    routing: a batch that reaches one more expert silently got zeros for that expert's tokens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router = torch.nn.Linear(4, 4, bias=False)
-        with torch.no_grad():
-            self.router.weight.copy_(torch.eye(4) + 0.1 * torch.randn(4, 4))  # token -> its largest feature's expert
-        self.experts = torch.nn.Parameter(torch.randn(4, 4, 4))
-
-    def forward(self, x):
-        logits = self.router(x)
-        gate, route = logits.softmax(-1), logits.argmax(-1)
-        out = torch.zeros_like(x)
-        hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
-        for expert in hit:
-            idx = torch.where(route == expert[0])[0]
-            out = out.index_add(0, idx, (x[idx] @ self.experts[expert[0]]) * gate[idx, expert[0], None])
-        return out
-
-
 def _expert_batches():
     few = torch.randn(6, 4) - torch.tensor([0.0, 0.0, 9.0, 9.0])  # routes to experts 0 and 1 only
     every = torch.randn(8, 4) + 9.0 * torch.eye(4).repeat(2, 1)  # routes to all four
@@ -326,7 +303,7 @@ def test_loop_over_routed_experts_is_refused_not_wrong_by_torchscript():
     from ortwrap import ORTWrap
 
     torch.manual_seed(0)
-    eager = _ExpertLoop()
+    eager = ExpertLoop()
     wrapped = ORTWrap(copy.deepcopy(eager), exporter="torchscript")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -347,7 +324,7 @@ def test_loop_over_routed_experts_trains_as_a_split_capture(exporter):
     from ortwrap import ORTWrap
 
     torch.manual_seed(0)
-    eager = _ExpertLoop()
+    eager = ExpertLoop()
     wrapped = ORTWrap(copy.deepcopy(eager), exporter=exporter, fallback=False)
     for x in _expert_batches():
         for p in (*eager.parameters(), *wrapped.parameters()):
@@ -372,8 +349,8 @@ def test_loop_over_routed_experts_trains_as_a_split_capture(exporter):
         torch.testing.assert_close(wrapped(every), eager(every))
 
 
-class _ComplexThenExpertLoop(_ExpertLoop):
-    """_ExpertLoop after a graph fragment ONNX Runtime cannot take: fragment 0 makes a complex value
+class _ComplexThenExpertLoop(ExpertLoop):
+    """ExpertLoop after a graph fragment ONNX Runtime cannot take: fragment 0 makes a complex value
     (``torch.polar``: it trains on ORT, as real [..., 2] inside the graph), and the fragment after the
     loop takes it as an input, which ORT cannot hold (refused at build, naming the argument)."""
 

@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from model_zoo import ExpertLoop
 from parity import assert_close
 from torch import nn
 
@@ -27,33 +28,20 @@ BF16 = {"atol": 3e-2, "rtol": 3e-2}
 
 class _RoutedBlock(nn.Module):
     """A token-mixing Linear, then Mixtral's eager experts over the flattened tokens (a Python loop over
-    the experts a batch routes to), then the tokens back to ``[batch, seq, features]``. The
-    flatten and unflatten read ``batch, seq = x.shape[:2]`` as ints: dynamo passes them as graph
-    inputs of their own, which no input has as a dim (``[batch * seq, 4]``)."""
+    the experts a batch routes to: model_zoo.ExpertLoop), then the tokens back to ``[batch, seq,
+    features]``. The flatten and unflatten read ``batch, seq = x.shape[:2]`` as ints: dynamo passes
+    them as graph inputs of their own, which no input has as a dim (``[batch * seq, 4]``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(4, 4)
-        self.router = nn.Linear(4, 4, bias=False)
-        with torch.no_grad():
-            self.router.weight.copy_(torch.eye(4) + 0.1 * torch.randn(4, 4))  # token -> its largest feature's expert
-        self.experts = nn.Parameter(torch.randn(4, 4, 4))
+        self.moe = ExpertLoop()
         self.out = nn.Linear(4, 3)
-
-    def experts_forward(self, h):
-        logits = self.router(h)
-        gate, route = logits.softmax(-1), logits.argmax(-1)
-        out = torch.zeros_like(h)
-        hit = torch.nn.functional.one_hot(route, 4).sum(0).nonzero()
-        for expert in hit:
-            idx = torch.where(route == expert[0])[0]
-            out = out.index_add(0, idx, (h[idx] @ self.experts[expert[0]]) * gate[idx, expert[0], None])
-        return out
 
     def forward(self, x):
         batch, seq = x.shape[:2]
         h = self.inp(x).reshape(batch * seq, 4)
-        h = h + self.experts_forward(h)
+        h = h + self.moe(h)
         return self.out(h.reshape(batch, seq, 4)).tanh()
 
 
@@ -98,7 +86,7 @@ def test_new_lengths_reuse_every_fragment_program(exporter):
     assert split.fragments and all(f.on_ort for f in split.fragments), split.summary()
     assert counts[0][1] >= len(split.fragments) > 0
     assert counts[1] == counts[0] and counts[2] == counts[0], counts
-    assert split.parameters_in_pytorch == ["experts"]  # the loop body (a graph break inside a loop)
+    assert split.parameters_in_pytorch == ["moe.experts"]  # the loop body (a graph break inside a loop)
 
 
 @pytest.mark.parametrize("exporter", ["auto", "dynamo"])
