@@ -9,8 +9,9 @@ which needed shape fixes; the LSTM->GRU stack under both, whose dynamo guards we
 is ``slow``. Cases that need an op
 the other half of issue 14 adds are ``xfail(strict=False)`` with the reason, so they show as XPASS
 once it lands. Each case also runs on ``engine="onnxruntime"`` (id ``<case>-onnxruntime``; the
-``engine`` fixture skips an engine whose runtime is not installed): ``ENGINE_FAST`` in that
-engine's venv by default, the rest slow, ``ENGINE_XFAIL`` with the cause (docs/engines.md).
+``engine`` fixture skips an engine whose runtime is not installed): every case by default in that
+engine's venv (CI runs them there), slow beside the training build, ``ENGINE_XFAIL`` with the cause
+(docs/engines.md).
 
 Issue 28's families (``model_zoo.FAMILY_CASES``: sliding-window caches, recurrent scans,
 interleaved RoPE, MoE routing; ``attn_implementation="eager"``, the default ``use_cache``, lengths
@@ -56,9 +57,9 @@ ENGINE_XFAIL: dict[str, str] = {
         "(docs/engines.md), as the training engine's split capture",
     ),
 }
-#: The engine's cases in ``ORT_EXTRA=ort make test`` (not slow there; slow beside the training build,
-#: where this engine is the second one): one per fix and family, about 2 minutes (Makefile ENGINE_TESTS).
-ENGINE_FAST = ("gpt2", "llama", "distilbert", "bart", "lstm_gru", "resnetish", "unet_convtranspose", "wav2vec2_encoder")
+#: Every case runs on this engine in ``ORT_EXTRA=ort make test`` (not slow there, so CI runs the
+#: whole coverage suite on it; Makefile ENGINE_TESTS). Beside the training build, where this engine is
+#: the second one, they are slow.
 
 
 def _params():
@@ -69,7 +70,7 @@ def _params():
                 marks.append(pytest.mark.xfail(strict=False, reason=case.xfail[exporter]))
             yield pytest.param(case, exporter, "training", id=f"{case.name}-{exporter}", marks=marks)
         # the onnxruntime engine takes its graphs from AOTAutograd: the exporter does not apply
-        marks = [] if case.name in ENGINE_FAST and not is_training_available() else [pytest.mark.slow]
+        marks = [] if not is_training_available() else [pytest.mark.slow]
         if case.name in ENGINE_XFAIL:
             marks.append(pytest.mark.xfail(strict=False, reason=ENGINE_XFAIL[case.name]))
         yield pytest.param(case, None, "onnxruntime", id=f"{case.name}-onnxruntime", marks=marks)
