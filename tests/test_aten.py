@@ -180,7 +180,7 @@ def test_type_inference_keeps_types_ahead_of_refined_slices():
     reflection padding) must still have a type when it stops (ORT cannot type an ATen node's output)."""
     import onnx_text
 
-    from ortwrap.bridge.aten import infer_types
+    from ortwrap.export.type_inference import infer_types
 
     model = onnx_text.parse(
         """
