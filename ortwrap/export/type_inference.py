@@ -78,11 +78,7 @@ def _meta_outputs(node: onnx.NodeProto, op: str, overload: str, known: dict, con
             elem, shape = known[name]
             if elem not in TORCH_DTYPES:  # (an ONNX op's complex or string value: a Cast to complex64)
                 kind = onnx.helper.tensor_dtype_to_string(elem).removeprefix("TensorProto.").lower()
-                raise NotImplementedError(
-                    f"ATen op {op.rpartition('|')[2]} takes {name!r}, a {kind} value an ONNX op makes, which ONNX "
-                    "Runtime cannot hold (ortwrap carries complex values as real [..., 2] pairs only between ATen "
-                    "nodes); use exporter='dynamo'"
-                )
+                raise _complex_refusal(op, f"takes {name!r}, a {kind} value an ONNX op makes")
             dtype = TORCH_DTYPES[elem]
             shape = [stand_in if d is None else d for d in shape]
             if i in positions and shape:
@@ -194,11 +190,30 @@ def _check_pair_consumers(op: str, name: str, consumers: dict) -> None:
         if n is not None and n.domain == ATEN_DOMAIN and n.op_type == "ATen":
             continue
         what = "a graph output" if n is None else f"ONNX op {n.op_type}"
-        raise NotImplementedError(
-            f"ATen op {op.rpartition('|')[2]} makes a complex tensor, which ONNX Runtime cannot hold, and {what} "
-            "takes it: ortwrap carries complex values as real [..., 2] pairs only between ATen nodes (PyTorch's "
-            "kernels), where ONNX ops would compute on the pairs as on real numbers"
-        )
+        raise _complex_refusal(op, f"makes a complex tensor, and {what} takes it")
+
+
+def _check_overload(op: str, overload: str, value: str) -> None:
+    """An ATen node that takes a complex pair ``value`` runs on it viewed as complex (``COMPLEX_MARK``),
+    which needs the op's overload: the TorchScript exporter writes some nodes without one (``to`` of
+    DeepSeek-V2's complex RoPE frequencies: ``freqs_cis.to(device)``), and ``to`` has several.
+
+    Raises:
+        NotImplementedError: naming the op, the complex value, the overloads and the remedy."""
+    try:
+        resolve(op, overload)
+    except RuntimeError as e:  # (``bridge.aten._default_overload``: no overload name, several overloads)
+        raise _complex_refusal(op, f"takes {value!r}, a complex value, without the overload name it needs ({e})") from e
+
+
+def _complex_refusal(op: str, what: str) -> NotImplementedError:
+    """The refusal of a complex value on the TorchScript exporter's path, ``ATen op <op> <what>``, with
+    the pair convention and the remedy, in one wording for each such refusal."""
+    return NotImplementedError(
+        f"ATen op {op.rpartition('|')[2]} {what}: ONNX Runtime cannot hold complex values, and ortwrap carries "
+        "them as real [..., 2] pairs only between ATen nodes (PyTorch's kernels, which view them as complex "
+        "again), where ONNX ops would compute on the pairs as on real numbers; use exporter='dynamo'"
+    )
 
 
 def meta_outputs(op: str, overload: str, inputs: list) -> tuple:
@@ -262,6 +277,8 @@ def infer_types(
                 continue
             # The TorchScript exporter keeps complex values: written here in their real [..., 2] form
             # (``COMPLEX_MARK``: the dynamo exporter's ATen nodes come so).
+            if strict and not op.startswith(COMPLEX_MARK) and not pairs.isdisjoint(node.input):
+                _check_overload(op, overload, next(name for name in node.input if name in pairs))
             if any(n and n not in known and n not in constants for n in node.input):
                 continue  # (its inputs' types, which of them are complex pairs included, come first)
             try:
