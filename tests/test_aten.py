@@ -120,7 +120,7 @@ class Norms(nn.Module):
 @pytest.mark.usefixtures("exporter")
 def test_rms_norm_and_aten_layer_norm_with_a_frozen_weight():
     # Static dims reach the ATen type inference (rms_norm checks its weight against them), and the
-    # gradient builder's unnamed outputs are left unset (bridge.aten.mark_used_outputs).
+    # gradient builder's unnamed outputs are left unset (grad.aten.mark_used_outputs).
     import parity
 
     torchscript = parity.EXPORTER == "torchscript"  # aten_ops is a TorchScript option

@@ -53,7 +53,7 @@ NATIVE_PREFIX = "ortwrap_cpu::"
 #: (``used=101|overload``; ``grad/fixups.py`` ``mark_used_outputs``).
 USED_MARK = "used="
 #: suffix of an ATen node's ``overload_name`` listing its bool tensor inputs (``@bool=0,2``;
-#: ``bridge.aten.mark_bool_inputs``): ORT hands bools over DLPack as uint8.
+#: ``grad.aten.mark_bool_inputs``): ORT hands bools over DLPack as uint8.
 ATEN_BOOL_MARK = "@bool="
 #: suffix of a PythonOp's ``func_name`` listing its bool tensor inputs (``|bool=0,2``;
 #: ``bridge/symbolic.py`` writes it, ``bridge/runner.py`` reads it). Another character than
