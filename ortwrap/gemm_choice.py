@@ -315,7 +315,7 @@ def concrete_shapes(
 ) -> dict[str, list[int | None]]:
     """Value name -> dims, by shape inference on a copy of ``model`` whose inputs have the first
     call's shapes (for graphs whose shape inference lost the symbols: a Reshape to a computed shape)."""
-    from .bridge.aten import infer_types
+    from .export.type_inference import infer_types
 
     copy = onnx.ModelProto()
     copy.CopyFrom(model)

@@ -645,8 +645,10 @@ _EXPERT_LOOP = (
 )
 
 _COMPLEX_TS = (
-    "complex-valued RoPE: the TorchScript exporter keeps complex tensors (ATen polar, mul, view_as_real), "
-    "which ONNX Runtime cannot hold; refused at build, naming the op. The dynamo exporter trains it"
+    "complex-valued RoPE: the TorchScript exporter keeps complex tensors (ATen polar, mul, view_as_real) and "
+    "writes the frequencies' .to(device) as an ATen 'to' without an overload name; refused at build, naming the "
+    "op, the complex value and the overloads (test_op_fixes.py::test_complex_rope_moved_to_its_device). The dynamo "
+    "exporter trains it"
 )
 
 #: Issue 28's families (all slow): 3 AdamW steps at lengths 8, 12, 10 with a padded row.

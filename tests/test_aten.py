@@ -120,7 +120,7 @@ class Norms(nn.Module):
 @pytest.mark.usefixtures("exporter")
 def test_rms_norm_and_aten_layer_norm_with_a_frozen_weight():
     # Static dims reach the ATen type inference (rms_norm checks its weight against them), and the
-    # gradient builder's unnamed outputs are left unset (bridge.aten.mark_used_outputs).
+    # gradient builder's unnamed outputs are left unset (grad.aten.mark_used_outputs).
     import parity
 
     torchscript = parity.EXPORTER == "torchscript"  # aten_ops is a TorchScript option
@@ -180,7 +180,7 @@ def test_type_inference_keeps_types_ahead_of_refined_slices():
     reflection padding) must still have a type when it stops (ORT cannot type an ATen node's output)."""
     import onnx_text
 
-    from ortwrap.bridge.aten import infer_types
+    from ortwrap.export.type_inference import infer_types
 
     model = onnx_text.parse(
         """

@@ -503,7 +503,7 @@ def test_complex_rotary_embedding_trains_under_dynamo():
 
 def test_complex_rotary_embedding_trains_under_torchscript():
     """TorchScript keeps complex values (ATen nodes of complex tensors): carried between those ATen
-    nodes as real [..., 2] pairs (``bridge/aten.infer_types``, issue 24)."""
+    nodes as real [..., 2] pairs (``export/type_inference.py``, issue 24)."""
     check_parity(_ComplexRope, _rope_inputs, batch_sizes=(2, 3, 4), wrap_options={"exporter": "torchscript"})
 
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from ortwrap import ORTWrap
 from ortwrap.api import FallbackWarning
-from ortwrap.bridge.aten import infer_types
 from ortwrap.errors import ExportError, PassError, VerificationError
+from ortwrap.export.type_inference import infer_types
 from ortwrap.passes import run_pass
 from ortwrap.passes.sequence_ops import RefuseSequenceOpsPass
 from ortwrap.verify import VerificationSkipped

@@ -5,7 +5,7 @@ ORT 1.19.2 has no gradient for ``DFT``, its shape inference refuses torchlib's i
 that torchlib cannot translate. Under dynamo the FFT ops run as ATen nodes (PyTorch's kernel and
 autograd), their complex values in torchlib's real ``[..., 2]`` form. The TorchScript exporter keeps
 complex values, which ORT cannot hold, and writes the FFTs and every op on their complex results as
-ATen nodes: its type inference carries those values in the same real form (``bridge/aten.py``);
+ATen nodes: its type inference carries those values in the same real form (``export/type_inference.py``);
 its ``stft`` symbolic (ONNX STFT, no ORT gradient) is replaced by an ATen node.
 """
 

@@ -16,6 +16,7 @@ outputs and every input gradient, under both exporters.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -227,6 +228,54 @@ def test_complex_output(exporter, fn, torchscript_refuses):
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         assert a is not None, f"input {i}: no gradient (eager has one)"
         assert_close(a, b, f"gradient of input {i}")
+
+
+class _ComplexRope(torch.nn.Module):
+    """DeepSeek-V2's rotary embedding (transformers' ``DeepseekV2RotaryEmbedding`` and
+    ``apply_rotary_emb``): complex frequencies from ``torch.polar``, moved with ``.to(device)``,
+    multiplied into the query viewed as complex."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", 1.0 / (10.0 ** (torch.arange(0, 8, 2, dtype=torch.float) / 8)))
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs).unsqueeze(1).to(x.device)
+        q = self.proj(x)
+        q_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
+        return torch.view_as_real(q_ * freqs_cis).flatten(3)
+
+
+def test_complex_rope_moved_to_its_device(exporter):
+    """DeepSeek-V2's complex RoPE trains under dynamo (outputs and gradients as eager's). Under
+    TorchScript the ``.to(device)`` of the complex frequencies is an ATen ``to`` without an overload
+    name (it has seven): refused naming the op, the complex value, the overloads and the remedy (it
+    was "ATen node 'to' names no overload" from the gradient registration, no word of complex values)."""
+    torch.manual_seed(0)
+    rope = _ComplexRope()
+    x = randn(2, 1, 5, 8)
+    position_ids = torch.arange(5).expand(2, 5)
+    m = ORTWrap(copy.deepcopy(rope), fallback=False, exporter=exporter, build_cache=False)
+    if exporter == "torchscript":
+        with pytest.raises(ORTWrapError, match=r"ATen op to takes .*a complex value, without the overload name .*"
+                           r"several: .*dtype.*use exporter='dynamo'"):  # fmt: skip
+            m(x, position_ids)
+        return
+
+    def run(module):
+        xs = x.detach().clone().requires_grad_()
+        out = module(xs, position_ids)
+        (out * (torch.rand(out.shape, generator=torch.Generator().manual_seed(0)) + 0.5)).sum().backward()
+        return out.detach(), xs.grad, [p.grad for p in module.parameters()]
+
+    got, got_dx, got_dw = run(m)
+    want, want_dx, want_dw = run(rope)
+    assert_close(got, want, "output")
+    assert_close(got_dx, want_dx, "gradient of x")
+    for a, b in zip(got_dw, want_dw):
+        assert_close(a, b, "gradient of a parameter")
 
 
 def test_log_sigmoid_large_logits(exporter):

@@ -24,11 +24,12 @@ from .. import gemm_choice as gemms
 from .. import integrations, kernels
 from .._logging import logger
 from ..bridge import aten
-from ..bridge.aten import ATEN_DOMAIN, infer_types
+from ..bridge.aten import ATEN_DOMAIN
 from ..errors import GradientBuildError, PassError, UnsupportedInputError
 from ..export import ExportedModel
 from ..export.dynamo import capture_dynamo, translate_dynamo
 from ..export.torchscript import capture_torchscript, translate_torchscript
+from ..export.type_inference import infer_types
 from ..grad import TrainingGraph, build_graph
 from ..grad import aten as grad_aten
 from ..grad.recompute import recompute_segments

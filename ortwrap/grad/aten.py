@@ -15,7 +15,8 @@ import torch
 
 from .._compat import torch as compat
 from .._ort import C
-from ..bridge.aten import NO_GRADIENT_OPS, _types, resolve
+from ..bridge.aten import NO_GRADIENT_OPS, resolve
+from ..export.type_inference import _types
 from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
 from ..ops import OWN_GRADIENT_OPS  # ops whose gradient definition their owner registers: no vjp
 

@@ -53,7 +53,7 @@ NATIVE_PREFIX = "ortwrap_cpu::"
 #: (``used=101|overload``; ``grad/fixups.py`` ``mark_used_outputs``).
 USED_MARK = "used="
 #: suffix of an ATen node's ``overload_name`` listing its bool tensor inputs (``@bool=0,2``;
-#: ``bridge.aten.mark_bool_inputs``): ORT hands bools over DLPack as uint8.
+#: ``grad.aten.mark_bool_inputs``): ORT hands bools over DLPack as uint8.
 ATEN_BOOL_MARK = "@bool="
 #: suffix of a PythonOp's ``func_name`` listing its bool tensor inputs (``|bool=0,2``;
 #: ``bridge/symbolic.py`` writes it, ``bridge/runner.py`` reads it). Another character than
@@ -62,8 +62,9 @@ PYTHONOP_BOOL_MARK = "|bool="
 #: ``ortwrap_vjp::outs=N|op``: the forward node has N outputs, fewer than ``op`` returns.
 OUTS_MARK = "outs="
 #: ``complex=0,2|op``: the ATen node's inputs 0 and 2 are complex values in torchlib's real ``[..., 2]``
-#: form (the dynamo exporter writes it; ``bridge/aten.py`` views them as complex for the op, and gives
-#: back every complex result as its real ``[..., 2]`` view). After ``outs=``/``used=`` in a vjp's name.
+#: form (the dynamo exporter writes it, ``export/type_inference.py`` for TorchScript; ``bridge/aten.py``
+#: views them as complex for the op, and gives back every complex result as its real ``[..., 2]``
+#: view). After ``outs=``/``used=`` in a vjp's name.
 COMPLEX_MARK = "complex="
 
 # ------------------------------------------------------------------------- value-name pieces

@@ -24,7 +24,7 @@ They run as ``org.pytorch.aten::ATen`` nodes with ``operator="ortwrap_cpu::<name
 kernel hands them to ortwrap's executor (``bridge/_aten.c``), which calls ``_cpu.c`` directly,
 without Python. Their gradients are ORT gradient definitions registered once per process
 (:func:`install`), so the gradient builder pairs each forward kernel with its backward kernel
-(``bridge.aten.mark_used_outputs`` then tells each node which of its outputs the graph uses).
+(``grad.aten.mark_used_outputs`` then tells each node which of its outputs the graph uses).
 ``passes/native_cpu_kernels.py`` rewrites the matching ONNX nodes; ``Options.native_kernels``
 (``ORTWRAP_NATIVE_KERNELS``) turns it off.
 

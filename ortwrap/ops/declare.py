@@ -152,7 +152,7 @@ class Op:
             float operands); it computes in the first, returns its result in the second, and its
             backward returns each operand's gradient in that operand's dtype. None: no dtype argument.
         optional_gradients: a backward op reading two output gradients of which the graph may
-            produce only one (``bridge.aten.drop_missing_gradients`` makes the missing one absent).
+            produce only one (``grad.aten.drop_missing_gradients`` makes the missing one absent).
         float32_form: the op ``TorchGemmOnCPUPass`` writes instead on the float32 torch-GEMM
             route (``Options.gemm="torch"``).
         weight_copy_output: the output that is the weight's (input 1's) copy in the compute dtype,

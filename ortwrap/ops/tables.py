@@ -44,7 +44,7 @@ class Tables:
             a session of a graph with one runs without ORT's CPU arena (``runtime/session.py``).
         dtype_operands: op -> how many of its first inputs its ``dtypes`` names (``passes/half_values.py``).
         torch_op_gradients: op -> its explicit backward (:class:`Gradient`, ``backward`` the full
-            operator); the ATen bridge registers these instead of a vjp (``bridge/aten.py``).
+            operator); the ATen gradient build registers these instead of a vjp (``grad/aten.py``).
         optional_gradient_ops: backward ops whose output gradients may be absent (``Op.optional_gradients``).
         weight_copy_output: op -> the output that is its weight's copy (``grad/recompute.py``).
         weight_copy_input: backward op -> the input that reads that copy (from the forward's gradient wiring).

@@ -3,7 +3,7 @@
 ORT's DLPack bridge cannot carry string tensors: a string constant argument of an
 ``org.pytorch.aten::ATen`` node (gelu's ``approximate``, say) becomes a 1-D uint8 constant of its
 UTF-8 bytes, which ortwrap's executor decodes. (Types of ATen outputs are inferred before the
-passes run: ``bridge.aten.infer_types``.)
+passes run: ``export.type_inference.infer_types``.)
 """
 
 from __future__ import annotations

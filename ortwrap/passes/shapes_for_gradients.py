@@ -5,7 +5,7 @@ names ONNX shape inference invents.
   ``ortwrap::StopGradient`` marker of an embedding with ``padding_idx``) stays unknown even after a
   pass resolves that op. ORT 1.19.2's gradient builder then fails on the first broadcasting op that
   reads it (``gradient_builder_base.cc:210 GetShape(input_grad, ...)``). Inference runs again here,
-  through ATen nodes (``bridge.aten.infer_types``), whose outputs the passes typed.
+  through ATen nodes (``export.type_inference.infer_types``), whose outputs the passes typed.
 * ONNX shape inference names the dims it cannot relate to any other ``unk__0``, ``unk__1``, ...
   ORT's gradient builder compares dims by name when it decides how a broadcast gradient is reduced,
   and two invented names are no evidence that the dims differ or agree: a [1, T, D] position
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from ..bridge.aten import infer_types
+from ..export.type_inference import infer_types
 from ..graph.names import INVENTED_PREFIX
 
 

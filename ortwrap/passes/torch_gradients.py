@@ -27,8 +27,9 @@ import onnx_ir as ir
 import torch
 
 from .._compat import torch as compat
-from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES, meta_outputs
+from ..bridge.aten import ATEN_DOMAIN, TORCH_DTYPES
 from ..errors import PassError
+from ..export.type_inference import meta_outputs
 from ..grad.probe import UNKNOWN, probe_node
 from ..ops import GRADIENTS, OnnxViaTorch, constant_array
 from ._build import NodeBuilder, constant_value
