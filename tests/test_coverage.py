@@ -44,12 +44,6 @@ ENGINE_XFAIL: dict[str, str] = {
     "masked_select of the labels): AOTAutograd traces one graph on fake tensors; needs the graph split "
     "(docs/engines.md)",
     # issue 28's families
-    "deepseek_v2": "complex-valued RoPE (torch.polar, view_as_complex): the forward graph hands complex64 "
-    "tensors to the backward, which IOBinding cannot bind and ONNX Runtime's kernels do not take; needs the "
-    "complex ops rewritten as real pairs (the training engine's dynamo path trains it)",
-    "phimoe": "Heun's random mask in its router (torch.rand_like(...).uniform_()): prims.uniform has no "
-    "translation on this engine (a random op would draw from ORT's generator, not torch's: the design of "
-    "random ops here is open); the scalar-first torch.add after it is fixed (a test below)",
     **dict.fromkeys(
         ("dbrx", "mixtral_eager_experts", "deberta_v2"),
         "data-dependent shapes (aten.nonzero: the routed experts' token indices, DeBERTa's valid labels): "

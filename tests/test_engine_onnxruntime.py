@@ -580,3 +580,90 @@ def test_grouped_mm_backward_of_transformers_experts():
         return (torch.randn(2 * b, 4, generator=g), torch.randint(0, 2 + b % 2, (2 * b,), generator=g).sort()[0]), {}
 
     check_parity(GroupedExperts, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class RandomDraws(nn.Module):
+    """Random ops in training mode (engines/onnxruntime/in_torch.py): nn.Dropout and F.dropout, PhiMoE's
+    ``torch.rand_like(...).uniform_()`` mask, ``randn_like``, ``bernoulli``, an ``exponential_`` Gumbel
+    draw, a ``randperm`` and a ``normal_``. Before: dropout and ``rand_like``/``randn_like``/``bernoulli``/
+    ``normal_`` ran as ONNX ops on ORT's generator (another mask than eager's under the same seed), and
+    ``rand_like(...).uniform_()``'s ``prims.uniform`` refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.fc1(x)))
+        h = h * ((torch.rand_like(h).uniform_() > 0.5).float() * 0.5 + 0.75) + 0.1 * torch.randn_like(h)
+        h = h + 0.1 * torch.empty_like(h).exponential_().log()
+        h = h * torch.bernoulli(torch.sigmoid(h.detach())) + F.dropout(h, 0.2, training=self.training)
+        h = h[:, torch.randperm(h.shape[1])] + torch.empty_like(h).normal_(0.0, 0.5)
+        return self.fc2(h)
+
+
+def test_random_ops_draw_from_torchs_generator():
+    """Outputs and every parameter gradient equal eager's under the same ``torch.manual_seed`` before each
+    side's forward (3 AdamW steps, two batch sizes); also a training-mode call without grad (inference
+    graph). check_parity does not seed each side alike, hence the loop here."""
+    torch.manual_seed(0)
+    eager = RandomDraws()
+    ours = copy.deepcopy(eager)
+    wrapped = ORTWrap(ours, engine="onnxruntime", fallback=False)
+    opt_e, opt_o = adamw(eager.parameters()), adamw(ours.parameters())
+    gen = torch.Generator().manual_seed(1)
+    for step, b in enumerate((4, 7, 4)):
+        x = torch.randn(b, 8, generator=gen)
+        torch.manual_seed(100 + step)
+        out_e = eager(x)
+        torch.manual_seed(100 + step)
+        out_o = wrapped(x)
+        assert_close(out_o.detach(), out_e.detach(), f"step {step} output")
+        out_e.square().mean().backward()
+        out_o.square().mean().backward()
+        for (name, p_o), p_e in zip(ours.named_parameters(), eager.parameters()):
+            assert_close(p_o.grad, p_e.grad, f"step {step} grad of {name}")
+        opt_e.step(), opt_o.step(), opt_e.zero_grad(), opt_o.zero_grad()
+    with torch.no_grad():
+        torch.manual_seed(7)
+        out_e = eager(x)
+        torch.manual_seed(7)
+        assert_close(wrapped(x), out_e, "training mode without grad")
+    runners = wrapped._engine.last.runners
+    assert {"aten.native_dropout.default", "aten.rand_like.default", "aten.uniform.default",
+            "aten.bernoulli.default"} <= set(runners["inference"].in_torch)  # fmt: skip
+    assert wrapped._engine.build_count == 3  # (two shapes with grad, one without)
+
+
+class ComplexRope(nn.Module):
+    """Complex RoPE (DeepSeek-V2's): ``torch.polar`` frequencies, ``view_as_complex`` of the projected
+    pairs, a complex product, ``view_as_real``; the forward saves complex tensors for the backward.
+    Before: IOBinding refused complex64 (SessionError); ORT has no complex kernels (in_torch.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+    def forward(self, x):
+        t = torch.arange(x.shape[1], dtype=torch.float32)
+        freqs = torch.polar(torch.ones(x.shape[1], 4), torch.outer(t, self.inv_freq))
+        q = self.q(x)
+        rotated = torch.view_as_real(torch.view_as_complex(q.reshape(*q.shape[:-1], 4, 2)) * freqs).flatten(-2)
+        return self.out(rotated * q)
+
+
+def test_complex_rope_runs_its_complex_ops_in_pytorch():
+    def inputs(b, g):
+        return (torch.randn(b, {4: 5, 7: 6}.get(b, 4), 8, generator=g).requires_grad_(),), {}
+
+    # (SGD: default_loss's symmetric weights make the head's bias gradient rounding noise, which AdamW's
+    # normalized step turns into a full step either way)
+    w = check_parity(ComplexRope, inputs, wrap_options=ORT)
+    runners = w._engine.last.runners
+    for what in ("forward", "backward"):
+        assert isinstance(runners[what], SplitRunner)
+        assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= set(runners[what].in_torch)
+        for segment in runners[what].segments:  # (ORT sees real tensors only)
+            assert all(not dtype.is_complex for _, dtype in segment.graph.output_meta)

@@ -328,5 +328,8 @@ def _decompositions() -> dict:
         from .decompositions import engine_decompositions
 
         table = torch.export.default_decompositions()
-        _DECOMPOSITIONS = {**{op: table[op] for op in table.keys()}, **engine_decompositions()}
+        from .in_torch import KEEP_WHOLE
+
+        kept = {op: table[op] for op in table.keys() if op not in KEEP_WHOLE}  # (random ops draw as eager)
+        _DECOMPOSITIONS = {**kept, **engine_decompositions()}
     return _DECOMPOSITIONS

@@ -2,7 +2,8 @@
 
 The ops that stay in PyTorch: an untraceable autograd.Function's ``function_forward`` and
 ``function_backward`` (``functions.py``), and every op that neither ortwrap's translation table nor
-torchlib translates (a user's ``torch.library`` op, an ATen op torchlib lacks). Walking the graph in
+torchlib translates (a user's ``torch.library`` op, an ATen op torchlib lacks), and random ops and ops
+on complex values (``in_torch.py``: torch's generator, no complex kernels in ORT). Walking the graph in
 its (topological) order, each maximal run of translatable nodes is one segment
 (``torch.fx.passes.split_module``), translated and run in its own InferenceSession
 (:class:`GraphRunner`); the others stay FX code. The forward and the backward graph are split each on
@@ -21,6 +22,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from .functions import FUNCTION_OPS
+from .in_torch import random_op, touches_complex
 from .session import GraphRunner
 from .translate import engine_registry, translate_cached
 
@@ -45,6 +47,8 @@ def untranslatable(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
             if node.args[0] in found:
                 found[node] = found[node.args[0]]
         elif not _translates(node.target):
+            found[node] = str(node.target)
+        elif random_op(node.target) or touches_complex(node):  # (torch's generator; complex values: in_torch.py)
             found[node] = str(node.target)
     return found
 
