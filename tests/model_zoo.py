@@ -428,8 +428,8 @@ def deepseek_v2():
 
 
 def phimoe():
-    # router_jitter_noise=0: the router's Gumbel sampling and Heun's random mask run (ORT's or
-    # PyTorch's generator), but each keeps only the top expert, so both sides route alike.
+    # router_jitter_noise=0: the router's Gumbel sampling and Heun's random mask run (on both engines
+    # from PyTorch's generator), but each keeps only the top expert, so both sides route alike.
     t = _tf()
     return t.PhimoeForCausalLM(
         t.PhimoeConfig(**_FAMILY, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)
