@@ -383,7 +383,7 @@ def _scatter_nd(node: Any, value: Callable[[int], Any], b: Any = None) -> list |
 GRADIENTS: dict[str, OnnxViaTorch] = {
     g.onnx: g
     for g in (
-        OnnxViaTorch("HardSwish", "hardswish", _unary()),
+        OnnxViaTorch("HardSwish", "ortwrap_ops::hardswish", _unary()),
         OnnxViaTorch("HardSigmoid", "ortwrap_ops::hard_sigmoid", _hard_sigmoid),
         OnnxViaTorch("Mish", "mish", _unary()),
         OnnxViaTorch("Elu", "elu", _unary(lambda n: [float(_attr(n, "alpha", 1.0)), 1.0, 1.0])),

@@ -30,12 +30,41 @@ def _prelu(x, slope):
     return torch.where(x > 0, x, x * slope)
 
 
+def _is_torch_hardsigmoid(alpha: float, beta: float) -> bool:
+    return abs(alpha - 1 / 6) < 1e-7 and beta == 0.5
+
+
 def _hard_sigmoid_impl(x, alpha: float, beta: float):
     import torch.nn.functional as F
 
-    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:
+    if _is_torch_hardsigmoid(alpha, beta):
         return F.hardsigmoid(x)
     return (x * alpha + beta).clamp(0.0, 1.0)
+
+
+def _hard_sigmoid_backward(grad, x, alpha: float, beta: float, output_mask: list[bool]):
+    """dx of :func:`_hard_sigmoid_impl`, as eager's autograd computes it (``hardsigmoid_backward``, or
+    ``clamp``'s then ``mul``'s backward), without recomputing the forward under autograd."""
+    import torch
+
+    grad = grad.to(x.dtype)
+    if _is_torch_hardsigmoid(alpha, beta):
+        return [torch.ops.aten.hardsigmoid_backward(grad, x)]
+    v = x * alpha + beta
+    return [torch.where((v >= 0.0) & (v <= 1.0), grad, torch.zeros((), dtype=grad.dtype)) * alpha]
+
+
+def _hardswish(x):
+    import torch
+
+    return torch.ops.aten.hardswish(x)
+
+
+def _hardswish_backward(grad, x, output_mask: list[bool]):
+    """dx of ``hardswish`` (PyTorch's ``hardswish_backward``, eager's formula), in x's dtype."""
+    import torch
+
+    return [torch.ops.aten.hardswish_backward(grad.to(x.dtype), x)]
 
 
 def _shrink(x, lambd: float, bias: float):
@@ -627,7 +656,19 @@ OPS: tuple[Op, ...] = (
     Op("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
     Op("cumsum(Tensor x, int axis, bool exclusive, bool reverse) -> Tensor", _cumsum_impl),
     Op("prelu(Tensor x, Tensor slope) -> Tensor", _prelu),
-    Op("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
+    # HardSwish and HardSigmoid (MobileNetV3's activations) with their backward ops: a vjp would
+    # recompute each under autograd, ~50-140 us a node against eager's ~5 (docs/performance.md).
+    Op(
+        "hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor",
+        _hard_sigmoid_impl,
+        gradient("hard_sigmoid_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
+    ),
+    Op(
+        "hard_sigmoid_backward(Tensor grad, Tensor x, float alpha, float beta, bool[1] output_mask) -> Tensor[]",
+        _hard_sigmoid_backward,
+    ),
+    Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),
+    Op("hardswish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _hardswish_backward),
     Op("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
 )
 
