@@ -439,18 +439,19 @@ class HardBlock(nn.Module):
 
 def _aten_operators(model) -> list[str]:
     return [
-        next(a.s.decode() for a in n.attribute if a.name == "operator")
-        for n in model.graph.node
-        if n.op_type == "ATen"
+        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in model.graph.node if n.op_type == "ATen"
     ]
 
 
-def test_hard_activations_run_their_backward_ops():
-    """HardSwish and HardSigmoid train through ortwrap's ops and their explicit backward ops
-    (``hardswish_backward``, ``hard_sigmoid_backward``), not a vjp recomputing them under autograd."""
-    w = check_parity(HardBlock, img(2, hw=5), wrap_options={"build_cache": False})
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_ops"])
+def test_hard_activations_run_their_backward_ops(native):
+    """HardSwish and HardSigmoid train on ortwrap's CPU kernels (float32), else through ortwrap's ops
+    with their explicit backward ops (``hardswish_backward``, ``hard_sigmoid_backward``); never a vjp
+    recomputing them under autograd."""
+    w = check_parity(HardBlock, img(2, hw=5), wrap_options={"build_cache": False, "native_kernels": native})
     ops = _aten_operators(w.last_artifacts.graph.model())
-    assert ops.count("ortwrap_ops::hardswish_backward") == 2 and ops.count("ortwrap_ops::hard_sigmoid_backward") == 1
+    prefix, sigmoid = ("ortwrap_cpu::", "hardsigmoid") if native else ("ortwrap_ops::", "hard_sigmoid")
+    assert ops.count(f"{prefix}hardswish_backward") == 2 and ops.count(f"{prefix}{sigmoid}_backward") == 1, ops
     assert not [op for op in ops if op.startswith("ortwrap_vjp::")]
 
 
