@@ -130,8 +130,12 @@ CONV_TRANSPOSE = {
 
 @pytest.mark.parametrize("name", cases(CONV_TRANSPOSE, {"2d_stride_padding_output_padding"}))
 def test_conv_transpose(name):
+    """ConvTranspose runs as ortwrap's op with ``convolution_backward`` as its explicit backward (no vjp)."""
     make, dims, c = CONV_TRANSPOSE[name]
-    check_parity(lambda: ConvThen(make(), dims=dims, c=c), img(dims, hw=4))
+    w = check_parity(lambda: ConvThen(make(), dims=dims, c=c), img(dims, hw=4), wrap_options={"build_cache": False})
+    ops = _aten_operators(w.last_artifacts.graph.model())
+    assert ops.count("ortwrap_ops::conv_transpose_backward") == 1, ops
+    assert not [op for op in ops if op.startswith("ortwrap_vjp::")], ops
 
 
 SAME_PADDING = {

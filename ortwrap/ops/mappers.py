@@ -134,7 +134,6 @@ def _conv_transpose(node: Any, value: Callable[[int], Any], b: Any = None) -> li
         list(_attr(node, "strides", [1] * rank)),
         pads,
         list(_attr(node, "dilations", [1] * rank)),
-        True,
         list(_attr(node, "output_padding", [0] * rank)),
         int(_attr(node, "group", 1)),
     ]
@@ -447,7 +446,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         OnnxViaTorch("ReduceMin", "amin", _reduce("amin")),
         OnnxViaTorch(
             "ConvTranspose",
-            "convolution",
+            "ortwrap_ops::conv_transpose",
             _conv_transpose,
             devices=("cpu",),
             why="no ConvTransposeGrad kernel on CPU in ORT 1.19.2",

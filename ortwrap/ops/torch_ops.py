@@ -54,6 +54,31 @@ def _hard_sigmoid_backward(grad, x, alpha: float, beta: float, output_mask: list
     return [torch.where((v >= 0.0) & (v <= 1.0), grad, torch.zeros((), dtype=grad.dtype)) * alpha]
 
 
+def _conv_transpose(
+    x, w, b, stride: list[int], padding: list[int], dilation: list[int], output_padding: list[int], groups: int
+):
+    """ONNX ConvTranspose (symmetric pads) as PyTorch's transposed ``convolution``."""
+    import torch
+
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, True, output_padding, groups)
+
+
+def _conv_transpose_backward(
+    grad, x, w, stride: list[int], padding: list[int], dilation: list[int], output_padding: list[int], groups: int,
+    output_mask: list[bool],
+):  # fmt: skip
+    """dx, dw, db of :func:`_conv_transpose`: PyTorch's ``convolution_backward``, as eager's autograd
+    calls it (no recompute of the forward under autograd)."""
+    import torch
+
+    empty = torch.empty(0, dtype=x.dtype)
+    dx, dw, db = torch.ops.aten.convolution_backward(
+        grad.to(x.dtype), x, w, [w.shape[1] * groups], stride, padding, dilation, True, output_padding, groups,
+        output_mask,
+    )  # fmt: skip
+    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+
+
 def _hardswish(x):
     import torch
 
@@ -666,6 +691,24 @@ OPS: tuple[Op, ...] = (
     Op(
         "hard_sigmoid_backward(Tensor grad, Tensor x, float alpha, float beta, bool[1] output_mask) -> Tensor[]",
         _hard_sigmoid_backward,
+    ),
+    # ConvTranspose (no ConvTransposeGrad kernel on CPU in ORT 1.19.2) with its backward op: a vjp would
+    # recompute the convolution under autograd before convolution_backward.
+    Op(
+        "conv_transpose(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
+        "int[] output_padding, int groups) -> Tensor",
+        _conv_transpose,
+        gradient(
+            "conv_transpose_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)", "I(7)"],
+            _GI3,
+            stop=[3, 4, 5, 6, 7],
+        ),
+    ),
+    Op(
+        "conv_transpose_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, "
+        "int[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _conv_transpose_backward,
     ),
     Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),
     Op("hardswish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _hardswish_backward),
