@@ -704,11 +704,13 @@ OPS: tuple[Op, ...] = (
             _GI3,
             stop=[3, 4, 5, 6, 7],
         ),
+        heavy=True,  # a convolution: recompute="cheap" keeps its result
     ),
     Op(
         "conv_transpose_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, "
         "int[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _conv_transpose_backward,
+        heavy=True,
     ),
     Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),
     Op("hardswish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _hardswish_backward),
