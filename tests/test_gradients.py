@@ -130,8 +130,12 @@ CONV_TRANSPOSE = {
 
 @pytest.mark.parametrize("name", cases(CONV_TRANSPOSE, {"2d_stride_padding_output_padding"}))
 def test_conv_transpose(name):
+    """ConvTranspose runs as ortwrap's op with ``convolution_backward`` as its explicit backward (no vjp)."""
     make, dims, c = CONV_TRANSPOSE[name]
-    check_parity(lambda: ConvThen(make(), dims=dims, c=c), img(dims, hw=4))
+    w = check_parity(lambda: ConvThen(make(), dims=dims, c=c), img(dims, hw=4), wrap_options={"build_cache": False})
+    ops = _aten_operators(w.last_artifacts.graph.model())
+    assert ops.count("ortwrap_ops::conv_transpose_backward") == 1, ops
+    assert not [op for op in ops if op.startswith("ortwrap_vjp::")], ops
 
 
 SAME_PADDING = {
@@ -419,3 +423,55 @@ def test_local_response_norm_without_backward():
 @pytest.mark.parametrize("norm", ["layer_norm_no_bias", "rms_norm"])
 def test_sequence_norm(norm):
     check_parity(lambda: Pre(nn.LayerNorm(8, bias=False) if norm == "layer_norm_no_bias" else nn.RMSNorm(8)), seq)
+
+
+class HardBlock(nn.Module):
+    """MobileNetV3's activations: Conv -> Hardswish, a squeeze-excite gate through Hardsigmoid, inputs
+    spread over [-6, 6] so both kinks of each (and the flat parts) are crossed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.se = nn.Conv2d(6, 6, 1)
+        self.out = nn.Conv2d(6, 2, 1)
+
+    def forward(self, x):
+        h = F.hardswish(self.conv(x) * 3)
+        gate = F.hardsigmoid(self.se(h.mean((2, 3), keepdim=True)) * 4)
+        return self.out(F.hardswish(h * gate - 1))
+
+
+def _aten_operators(model) -> list[str]:
+    return [
+        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in model.graph.node if n.op_type == "ATen"
+    ]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch_ops"])
+def test_hard_activations_run_their_backward_ops(native):
+    """HardSwish and HardSigmoid train on ortwrap's CPU kernels (float32), else through ortwrap's ops
+    with their explicit backward ops (``hardswish_backward``, ``hard_sigmoid_backward``); never a vjp
+    recomputing them under autograd."""
+    w = check_parity(HardBlock, img(2, hw=5), wrap_options={"build_cache": False, "native_kernels": native})
+    ops = _aten_operators(w.last_artifacts.graph.model())
+    prefix, sigmoid = ("ortwrap_cpu::", "hardsigmoid") if native else ("ortwrap_ops::", "hard_sigmoid")
+    assert ops.count(f"{prefix}hardswish_backward") == 2 and ops.count(f"{prefix}{sigmoid}_backward") == 1, ops
+    assert not [op for op in ops if op.startswith("ortwrap_vjp::")]
+
+
+def test_hard_sigmoid_backward_matches_autograd():
+    """ONNX HardSigmoid's other alpha/beta (not PyTorch's 1/6, 1/2): the backward op equals autograd of
+    ``clamp(alpha * x + beta, 0, 1)``, kinks included (clamp passes the gradient at its bounds)."""
+    from ortwrap.ops import define_ops
+
+    define_ops()
+    for alpha, beta in ((0.2, 0.5), (1 / 6, 0.5), (0.5, 0.25)):
+        x = torch.cat([torch.linspace(-8, 8, 161), torch.tensor([-beta / alpha, (1 - beta) / alpha])])
+        x = x.requires_grad_()
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+        (want,) = torch.autograd.grad(torch.ops.ortwrap_ops.hard_sigmoid(x, alpha, beta), x, g)
+        (got,) = torch.ops.ortwrap_ops.hard_sigmoid_backward(g, x.detach(), alpha, beta, [True])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        (got,) = torch.ops.ortwrap_ops.hardswish_backward(g, x.detach(), [True])
+        (want,) = torch.autograd.grad(F.hardswish(x), x, g)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import onnx.parser
+import onnx_ir as ir
 import onnx_text
 import pytest
 import torch
@@ -266,6 +267,8 @@ def test_pass_layer_norm_and_embedding_conditions():
     assert p.rewritten == {
         "gelu": 0,
         "gelu_tanh": 0,
+        "hardswish": 0,
+        "hardsigmoid": 0,
         "layer_norm": 1,
         "embedding": 1,
         "cross_entropy": 0,
@@ -273,6 +276,32 @@ def test_pass_layer_norm_and_embedding_conditions():
     }, p.rewritten
     ln = next(n for n in model.graph.node if n.op_type == "ATen" and b"layer_norm" in n.attribute[0].s)
     assert list(ln.output) == ["y1", "m1", "r1"]
+
+
+def test_pass_hard_activation_conditions():
+    """float32 ortwrap_ops::hardswish and hard_sigmoid(x, 1/6, 1/2) become the kernels; another alpha,
+    or a double input, stays a PyTorch op."""
+    body = """
+    g (float[2, 5] x, double[2, 5] xd) => (float[2, 5] y1, float[2, 5] y2, float[2, 5] y3, double[2, 5] y4) {
+        a = Constant <value = float {0.16666667}> ()
+        b = Constant <value = float {0.5}> ()
+        a2 = Constant <value = float {0.2}> ()
+        y1 = org.pytorch.aten.ATen <operator = "ortwrap_ops::hardswish"> (x)
+        y2 = org.pytorch.aten.ATen <operator = "ortwrap_ops::hard_sigmoid"> (x, a, b)
+        y3 = org.pytorch.aten.ATen <operator = "ortwrap_ops::hard_sigmoid"> (x, a2, b)
+        y4 = org.pytorch.aten.ATen <operator = "ortwrap_ops::hardswish"> (xd)
+    }
+    """
+    p = NativeCPUKernelsPass()
+    parsed = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>\n{body}')
+    model = ir.serde.serialize_model(p(ir.serde.deserialize_model(parsed)).model)
+    assert (p.rewritten["hardswish"], p.rewritten["hardsigmoid"]) == (1, 1)
+    ops = [
+        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in model.graph.node if n.op_type == "ATen"
+    ]
+    assert sorted(ops) == sorted(
+        ["ortwrap_cpu::hardswish", "ortwrap_cpu::hardsigmoid", "ortwrap_ops::hard_sigmoid", "ortwrap_ops::hardswish"]
+    )
 
 
 # ------------------------------------------------------------------------------ the kernels in ORT
@@ -354,6 +383,24 @@ def test_gelu_tanh_kernels_match_pytorch(n):
     torch.testing.assert_close(torch.from_numpy(y), ref, atol=1e-6, rtol=1e-6)
     ref = torch.ops.aten.gelu_backward(dy.double(), x.double(), approximate="tanh").float()
     torch.testing.assert_close(torch.from_numpy(dx), ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 17, 100_003])
+def test_hard_activation_kernels_equal_pytorch(n):
+    """Bit for bit (PyTorch's formulas, operation for operation), kinks, flat parts and NaN included."""
+    edges = [-3.0, 3.0, -3.0000002, -2.9999998, 2.9999998, 3.0000002, 0.0, -0.0, -7.0, 7.0, float("nan")]
+    x = torch.cat([torch.randn(n) * 4, torch.tensor(edges)])
+    dy = torch.randn_like(x)
+    for name, fwd_ref, bwd_ref in (
+        ("hardswish", F.hardswish, torch.ops.aten.hardswish_backward),
+        ("hardsigmoid", F.hardsigmoid, torch.ops.aten.hardsigmoid_backward),
+    ):
+        fwd = aten_session(name, [("x", F32, ["n"])], [("y", F32, ["n"])])
+        bwd = aten_session(f"{name}_backward", [("dy", F32, ["n"]), ("x", F32, ["n"])], [("dx", F32, ["n"])])
+        (y,) = fwd.run(None, {"x": x.numpy()})
+        (dx,) = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy()})
+        torch.testing.assert_close(torch.from_numpy(y), fwd_ref(x), atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(torch.from_numpy(dx), bwd_ref(dy, x), atol=0, rtol=0, equal_nan=True)
 
 
 class TanhGelus(nn.Module):

@@ -523,6 +523,74 @@ static int op_gelu_tanh_backward(Call* c, size_t n_in, DLManagedTensor** in, siz
   return elementwise_backward_op(c, n_in, in, out, gelu_tanh_backward_part);
 }
 
+/* ------------------------------------------------------------------------------------------ HardSwish, HardSigmoid */
+/* PyTorch's formulas (ATen's CPU activation kernels), operation for operation: the same float results.
+ * hardswish(x) = x * min(max(x + 3, 0), 6) / 6; its gradient dy * (x / 3 + 1/2) on (-3, 3), dy from 3, else 0.
+ * hardsigmoid(x) = min(max(x + 3, 0), 6) / 6; its gradient dy / 6 on (-3, 3), 0 elsewhere. */
+static inline float relu6(float t) { /* std::min(std::max(t, 0), 6): NaN stays NaN, as in PyTorch */
+  const float r = t < 0.0f ? 0.0f : t;
+  return 6.0f < r ? 6.0f : r;
+}
+
+static void hardswish_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    y[i] = v * relu6(v + 3.0f) / 6.0f;
+  }
+}
+
+static void hardswish_backward_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    const float mid = dy[i] * (v / 3.0f + 0.5f);
+    dx[i] = v <= -3.0f ? 0.0f : (v < 3.0f ? mid : dy[i]);
+  }
+}
+
+static void hardsigmoid_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  for (int64_t i = b; i < end; ++i) y[i] = relu6(x[i] + 3.0f) / 6.0f;
+}
+
+static void hardsigmoid_backward_part(void* p, int part, int parts) {
+  Elementwise* e = (Elementwise*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  const float one_sixth = 1.0f / 6.0f;
+  for (int64_t i = b; i < end; ++i) dx[i] = dy[i] * ((x[i] > -3.0f && x[i] < 3.0f) ? one_sixth : 0.0f);
+}
+
+static int op_hardswish(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_op(c, n_in, in, out, hardswish_part);
+}
+static int op_hardswish_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_backward_op(c, n_in, in, out, hardswish_backward_part);
+}
+static int op_hardsigmoid(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_op(c, n_in, in, out, hardsigmoid_part);
+}
+static int op_hardsigmoid_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return elementwise_backward_op(c, n_in, in, out, hardsigmoid_backward_part);
+}
+
 /* ------------------------------------------------------------------------------------------ LayerNorm */
 #define LANES 16
 
@@ -1906,6 +1974,10 @@ static const struct {
     {"gelu_backward", op_gelu_backward, "ff>f"},
     {"gelu_tanh", op_gelu_tanh, "f>f"},
     {"gelu_tanh_backward", op_gelu_tanh_backward, "ff>f"},
+    {"hardswish", op_hardswish, "f>f"},
+    {"hardswish_backward", op_hardswish_backward, "ff>f"},
+    {"hardsigmoid", op_hardsigmoid, "f>f"},
+    {"hardsigmoid_backward", op_hardsigmoid_backward, "ff>f"},
     {"layer_norm", op_layer_norm, "fff?FI>fff"},
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},

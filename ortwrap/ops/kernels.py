@@ -41,6 +41,26 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_gelu_tanh",
     ),
     Kernel("gelu_tanh_backward", "ff>f", "dx from dy, x"),
+    # Starting at ortwrap's own ATen nodes (TorchGradientsPass has made HardSwish/HardSigmoid those):
+    # MobileNetV3's activations without a Python call each (docs/performance.md, "The model zoo").
+    Kernel(
+        "hardswish",
+        "f>f",
+        "x * min(max(x + 3, 0), 6) / 6 (ortwrap_ops::hardswish)",
+        gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+        replaces=("ATen",),
+        rewrite="_hard_activation",
+    ),
+    Kernel("hardswish_backward", "ff>f", "dx from dy, x"),
+    Kernel(
+        "hardsigmoid",
+        "f>f",
+        "min(max(x + 3, 0), 6) / 6 (ortwrap_ops::hard_sigmoid with alpha 1/6, beta 1/2)",
+        gradient("hardsigmoid_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+        replaces=("ATen",),
+        rewrite="_hard_activation",
+    ),
+    Kernel("hardsigmoid_backward", "ff>f", "dx from dy, x"),
     Kernel(
         "layer_norm",
         "fff?FI>fff",

@@ -134,7 +134,6 @@ def _conv_transpose(node: Any, value: Callable[[int], Any], b: Any = None) -> li
         list(_attr(node, "strides", [1] * rank)),
         pads,
         list(_attr(node, "dilations", [1] * rank)),
-        True,
         list(_attr(node, "output_padding", [0] * rank)),
         int(_attr(node, "group", 1)),
     ]
@@ -383,7 +382,7 @@ def _scatter_nd(node: Any, value: Callable[[int], Any], b: Any = None) -> list |
 GRADIENTS: dict[str, OnnxViaTorch] = {
     g.onnx: g
     for g in (
-        OnnxViaTorch("HardSwish", "hardswish", _unary()),
+        OnnxViaTorch("HardSwish", "ortwrap_ops::hardswish", _unary()),
         OnnxViaTorch("HardSigmoid", "ortwrap_ops::hard_sigmoid", _hard_sigmoid),
         OnnxViaTorch("Mish", "mish", _unary()),
         OnnxViaTorch("Elu", "elu", _unary(lambda n: [float(_attr(n, "alpha", 1.0)), 1.0, 1.0])),
@@ -447,7 +446,7 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         OnnxViaTorch("ReduceMin", "amin", _reduce("amin")),
         OnnxViaTorch(
             "ConvTranspose",
-            "convolution",
+            "ortwrap_ops::conv_transpose",
             _conv_transpose,
             devices=("cpu",),
             why="no ConvTransposeGrad kernel on CPU in ORT 1.19.2",

@@ -30,12 +30,66 @@ def _prelu(x, slope):
     return torch.where(x > 0, x, x * slope)
 
 
+def _is_torch_hardsigmoid(alpha: float, beta: float) -> bool:
+    return abs(alpha - 1 / 6) < 1e-7 and beta == 0.5
+
+
 def _hard_sigmoid_impl(x, alpha: float, beta: float):
     import torch.nn.functional as F
 
-    if abs(alpha - 1 / 6) < 1e-7 and beta == 0.5:
+    if _is_torch_hardsigmoid(alpha, beta):
         return F.hardsigmoid(x)
     return (x * alpha + beta).clamp(0.0, 1.0)
+
+
+def _hard_sigmoid_backward(grad, x, alpha: float, beta: float, output_mask: list[bool]):
+    """dx of :func:`_hard_sigmoid_impl`, as eager's autograd computes it (``hardsigmoid_backward``, or
+    ``clamp``'s then ``mul``'s backward), without recomputing the forward under autograd."""
+    import torch
+
+    grad = grad.to(x.dtype)
+    if _is_torch_hardsigmoid(alpha, beta):
+        return [torch.ops.aten.hardsigmoid_backward(grad, x)]
+    v = x * alpha + beta
+    return [torch.where((v >= 0.0) & (v <= 1.0), grad, torch.zeros((), dtype=grad.dtype)) * alpha]
+
+
+def _conv_transpose(
+    x, w, b, stride: list[int], padding: list[int], dilation: list[int], output_padding: list[int], groups: int
+):
+    """ONNX ConvTranspose (symmetric pads) as PyTorch's transposed ``convolution``."""
+    import torch
+
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, True, output_padding, groups)
+
+
+def _conv_transpose_backward(
+    grad, x, w, stride: list[int], padding: list[int], dilation: list[int], output_padding: list[int], groups: int,
+    output_mask: list[bool],
+):  # fmt: skip
+    """dx, dw, db of :func:`_conv_transpose`: PyTorch's ``convolution_backward``, as eager's autograd
+    calls it (no recompute of the forward under autograd)."""
+    import torch
+
+    empty = torch.empty(0, dtype=x.dtype)
+    dx, dw, db = torch.ops.aten.convolution_backward(
+        grad.to(x.dtype), x, w, [w.shape[1] * groups], stride, padding, dilation, True, output_padding, groups,
+        output_mask,
+    )  # fmt: skip
+    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+
+
+def _hardswish(x):
+    import torch
+
+    return torch.ops.aten.hardswish(x)
+
+
+def _hardswish_backward(grad, x, output_mask: list[bool]):
+    """dx of ``hardswish`` (PyTorch's ``hardswish_backward``, eager's formula), in x's dtype."""
+    import torch
+
+    return [torch.ops.aten.hardswish_backward(grad.to(x.dtype), x)]
 
 
 def _shrink(x, lambd: float, bias: float):
@@ -627,7 +681,39 @@ OPS: tuple[Op, ...] = (
     Op("reduce(Tensor x, str kind, int[] dims, bool keepdim) -> Tensor", _reduce_impl),
     Op("cumsum(Tensor x, int axis, bool exclusive, bool reverse) -> Tensor", _cumsum_impl),
     Op("prelu(Tensor x, Tensor slope) -> Tensor", _prelu),
-    Op("hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor", _hard_sigmoid_impl),
+    # HardSwish and HardSigmoid (MobileNetV3's activations) with their backward ops: a vjp would
+    # recompute each under autograd, ~50-140 us a node against eager's ~5 (docs/performance.md).
+    Op(
+        "hard_sigmoid(Tensor x, float alpha, float beta) -> Tensor",
+        _hard_sigmoid_impl,
+        gradient("hard_sigmoid_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
+    ),
+    Op(
+        "hard_sigmoid_backward(Tensor grad, Tensor x, float alpha, float beta, bool[1] output_mask) -> Tensor[]",
+        _hard_sigmoid_backward,
+    ),
+    # ConvTranspose (no ConvTransposeGrad kernel on CPU in ORT 1.19.2) with its backward op: a vjp would
+    # recompute the convolution under autograd before convolution_backward.
+    Op(
+        "conv_transpose(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
+        "int[] output_padding, int groups) -> Tensor",
+        _conv_transpose,
+        gradient(
+            "conv_transpose_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)", "I(7)"],
+            _GI3,
+            stop=[3, 4, 5, 6, 7],
+        ),
+        heavy=True,  # a convolution: recompute="cheap" keeps its result
+    ),
+    Op(
+        "conv_transpose_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, "
+        "int[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _conv_transpose_backward,
+        heavy=True,
+    ),
+    Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),
+    Op("hardswish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _hardswish_backward),
     Op("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
 )
 

@@ -19,6 +19,9 @@ replacement (the kernel's ATen node). The other rewrites start at one node each.
 * ``SoftmaxCrossEntropyLoss(scores, labels)`` on 2-D float scores without class weights, whose
   ``log_prob`` output nothing else reads -> ``cross_entropy(scores, labels, ignore_index,
   reduction)``, same two outputs.
+* ``ortwrap_ops::hardswish(x)`` and ``ortwrap_ops::hard_sigmoid(x, 1/6, 1/2)`` (what
+  ``TorchGradientsPass`` made of ``HardSwish`` and PyTorch's ``HardSigmoid``) -> ``hardswish(x)``,
+  ``hardsigmoid(x)``: PyTorch's formulas in C, without a Python call per node and step.
 * ``Softmax`` over the last dimension (opset 13 and later; float) -> ``softmax(x)``.
 * ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
   produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
@@ -41,7 +44,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
-from ..ops import KERNELS, kernel
+from ..ops import KERNELS, OPS_NAMESPACE, kernel
 from ._build import NodeBuilder, constant_value
 from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus
 from .gather_to_gathernd import parameter_lookup
@@ -186,7 +189,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
             if rules is not None and set(k.replaces) <= present:
                 self.rewritten[k.name] += apply_at_gelus(rules(), model, k.replaces)
         for node in list(graph):
-            if node.graph is None or node.domain not in _ONNX:
+            if node.graph is None or (node.domain not in _ONNX and node.op_type != "ATen"):
                 continue  # removed by an earlier rewrite
             for method in _REWRITES.get(node.op_type, ()):
                 if node.graph is None:
@@ -198,6 +201,30 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
     # The GELUs: rewrite rules (:data:`_RULES`), applied first.
     _gelu = staticmethod(_gelu_rules)
     _gelu_tanh = staticmethod(_gelu_tanh_rules)
+
+    def _hard_activation(self, graph: ir.Graph, node: ir.Node) -> None:
+        """``ortwrap_ops::hardswish(x)`` -> ``hardswish(x)``; ``ortwrap_ops::hard_sigmoid(x, 1/6, 1/2)``
+        (PyTorch's hardsigmoid; other alpha and beta stay PyTorch ops) -> ``hardsigmoid(x)``."""
+        if node.domain != ATEN_DOMAIN or node.attributes.get("operator") is None or not node.inputs:
+            return
+        op = node.attributes["operator"].as_string()
+        x = node.inputs[0]
+        if x is None or x.dtype != ir.DataType.FLOAT or len(node.outputs) != 1:
+            return
+        if op == f"{OPS_NAMESPACE}::hardswish" and len(node.inputs) == 1:
+            name = "hardswish"
+        elif op == f"{OPS_NAMESPACE}::hard_sigmoid" and len(node.inputs) == 3:
+            alpha, beta = _scalar(node.inputs[1]), _scalar(node.inputs[2])
+            if alpha is None or beta is None or abs(alpha - 1 / 6) >= 1e-7 or beta != 0.5:
+                return
+            name = "hardsigmoid"
+        else:
+            return
+        b = NodeBuilder(node.name or f"{name}_{id(node):x}")
+        y = _aten(b, name, x)
+        y.outputs[0].shape = x.shape
+        b.replace(graph, node, list(y.outputs))
+        self.rewritten[name] += 1
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
@@ -280,4 +307,5 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
 _REWRITES: dict[str, tuple[str, ...]] = {}
 for _k in KERNELS:
     for _op in _k.replaces:
-        _REWRITES[_op] = (*_REWRITES.get(_op, ()), _k.rewrite)
+        if _k.rewrite not in _REWRITES.get(_op, ()):
+            _REWRITES[_op] = (*_REWRITES.get(_op, ()), _k.rewrite)
