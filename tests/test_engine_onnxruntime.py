@@ -8,6 +8,7 @@ venv), and the training build's InferenceSession in the default venv.
 from __future__ import annotations
 
 import copy
+import logging
 import gc
 
 import numpy as np
@@ -580,3 +581,38 @@ def test_grouped_mm_backward_of_transformers_experts():
         return (torch.randn(2 * b, 4, generator=g), torch.randint(0, 2 + b % 2, (2 * b,), generator=g).sort()[0]), {}
 
     check_parity(GroupedExperts, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+class DataDependent(nn.Module):
+    """Python that reads a value (a branch on the batch's sum, as Wav2Vec2ForCTC's label check) and a
+    gather of the rows ``nonzero`` picks (as DeBERTa's valid labels, the routed experts' tokens): one
+    AOTAutograd graph cannot hold either (``fallback=False`` raised ExportError). The branch goes
+    each way over the batches, and the picked rows change in number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.picked, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if x.sum() > 0:
+            h = h * 2 - 0.5
+        rows = (x[:, 0] > 0).nonzero().squeeze(1)
+        g = torch.sigmoid(self.picked(h[rows]))
+        return self.out(h).tanh(), g.sum(0) / (rows.numel() + 1)
+
+
+def test_data_dependent_python_and_shapes_run_as_a_split_capture(caplog):
+    caplog.set_level(logging.INFO, logger="ortwrap")
+    shift = {4: 1.0, 7: -1.0, 3: 0.5}
+
+    def inputs(b, g):
+        return (torch.randn(b, 6, generator=g) + shift[b],), {}
+
+    w = check_parity(DataDependent, inputs, wrap_options=ORT, optimizer=adamw, batch_sizes=(4, 7, 3),
+                     loss_fn=lambda out: out[0].pow(2).sum() + (out[1] * torch.arange(8.0)).sum())  # fmt: skip
+    split = w.split_capture
+    assert split is not None and split.fragments and all(f.on_ort for f in split.fragments), split.summary()
+    assert split.programs >= len(split.fragments)
+    said = [r.getMessage() for r in caplog.records if "stops on a data-dependent" in r.getMessage()]
+    assert len(said) == 1 and "DataDependentOutputException" in said[0] and "forward" in said[0], said
