@@ -8,8 +8,8 @@ venv), and the training build's InferenceSession in the default venv.
 from __future__ import annotations
 
 import copy
-import logging
 import gc
+import logging
 
 import numpy as np
 import pytest
