@@ -616,3 +616,40 @@ def test_data_dependent_python_and_shapes_run_as_a_split_capture(caplog):
     assert split.programs >= len(split.fragments)
     said = [r.getMessage() for r in caplog.records if "stops on a data-dependent" in r.getMessage()]
     assert len(said) == 1 and "DataDependentOutputException" in said[0] and "forward" in said[0], said
+
+
+class AddsAParameter(nn.Module):
+    """A backward that hands its gradient through (no op but an Identity): its ONNX imported no opset,
+    and ORT refused the model (DBRX's split capture has such fragments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return x + self.p
+
+
+def test_backward_of_no_ops_builds():
+    check_parity(AddsAParameter, lambda b, g: ((torch.randn(3, 5, generator=g) * b,), {}), wrap_options=ORT,
+                 batch_sizes=(4, 7), loss_fn=lambda out: (out * torch.arange(15.0).view(3, 5)).sum())  # fmt: skip
+
+
+class GathersRows(nn.Module):
+    """``h[rows]`` into a Linear: torchlib writes an identity Transpose around the gathered rows, which
+    onnxruntime 1.19.2's GemmTransposeFusion took for a transpose (the training build's
+    InferenceSession: wrong numbers, or a dimension error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x, rows):
+        return torch.sigmoid(self.fc2(torch.tanh(self.fc1(x))[rows]))
+
+
+def test_gathered_rows_into_a_linear():
+    def inputs(b, g):
+        return (torch.randn(b, 6, generator=g), torch.randperm(b, generator=g)[: b - 1]), {}
+
+    check_parity(GathersRows, inputs, wrap_options=ORT, optimizer=adamw)
