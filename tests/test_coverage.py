@@ -39,9 +39,6 @@ pytest.importorskip("transformers")
 #: engine="onnxruntime" (AOTAutograd's graphs on InferenceSessions, docs/engines.md): the cases it does
 #: not train with eager's numbers yet, and why (docs/engines.md's coverage table).
 ENGINE_XFAIL: dict[str, str] = {
-    "wav2vec2_ctc": "data-dependent Python in Wav2Vec2ForCTC's loss (`if labels.max() >= vocab_size`, then "
-    "masked_select of the labels): AOTAutograd traces one graph on fake tensors; needs the graph split "
-    "(docs/engines.md)",
     # issue 28's families
     "deepseek_v2": "complex-valued RoPE (torch.polar, view_as_complex): the forward graph hands complex64 "
     "tensors to the backward, which IOBinding cannot bind and ONNX Runtime's kernels do not take; needs the "
@@ -49,12 +46,6 @@ ENGINE_XFAIL: dict[str, str] = {
     "phimoe": "Heun's random mask in its router (torch.rand_like(...).uniform_()): prims.uniform has no "
     "translation on this engine (a random op would draw from ORT's generator, not torch's: the design of "
     "random ops here is open); the scalar-first torch.add after it is fixed (a test below)",
-    **dict.fromkeys(
-        ("dbrx", "mixtral_eager_experts", "deberta_v2"),
-        "data-dependent shapes (aten.nonzero: the routed experts' token indices, DeBERTa's valid labels): "
-        "AOTAutograd cannot trace one static graph (DynamicOutputShapeException); needs the graph split "
-        "(docs/engines.md), as the training engine's split capture",
-    ),
 }
 #: The engine's cases in ``ORT_EXTRA=ort make test`` (not slow there; slow beside the training build,
 #: where this engine is the second one): one per fix and family, about 2 minutes (Makefile ENGINE_TESTS).
