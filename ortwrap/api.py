@@ -196,6 +196,8 @@ class ORTWrap(nn.Module):
     def split_capture(self) -> SplitCapture | None:
         """The most recent split capture (a module whose capture stops on a data-dependent guard runs
         as graph fragments on ONNX Runtime: split_capture.py), or None."""
+        if self._engine is not None:
+            return getattr(self._engine, "split_capture", None)
         return next(reversed(self._dispatch.split.values()), None)
 
     @property

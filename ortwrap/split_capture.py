@@ -152,7 +152,12 @@ class _Fragment:
 
     @property
     def on_ort(self) -> bool:
-        return self.fallback_reason is None and bool(self.wrapper.programs())
+        return self.fallback_reason is None and bool(self.programs)
+
+    @property
+    def programs(self) -> int:
+        """How many ONNX Runtime programs this fragment's wrapper holds."""
+        return len(self.wrapper.programs())
 
     def __call__(self, *args: Any) -> Any:
         # (one fragment can serve several module instances: the layers of a stack share their code)
@@ -178,6 +183,9 @@ class _Fragment:
 class SplitCapture:
     """``module`` run by ``torch.compile`` with a backend that trains each graph fragment on ONNX
     Runtime (the module's own parameters, train/eval mode and grad mode; sizes dynamic)."""
+
+    #: what holds a fragment (the onnxruntime engine's says whether its wrapper built: engines/onnxruntime/fragments.py)
+    fragment_type: type = _Fragment
 
     def __init__(
         self,
@@ -210,7 +218,7 @@ class SplitCapture:
             # inputs, gaussian_nll_loss's ``torch.any(var < 0)`` with dynamic sizes): it returns its
             # inputs or constants, as it does in PyTorch; no program to build
             return gm
-        fragment = _Fragment(
+        fragment = self.fragment_type(
             gm,
             len(self.fragments),
             type(self.module).__name__,
@@ -272,7 +280,7 @@ class SplitCapture:
     def programs(self) -> int:
         """How many ONNX Runtime programs the fragments hold (one a fragment for every length it
         was called with, unless a capture fixed a size: then one per size)."""
-        return sum(len(f.wrapper.programs()) for f in self.fragments)
+        return sum(f.programs for f in self.fragments)
 
     @property
     def parameters_in_pytorch(self) -> list[str]:

@@ -40,16 +40,7 @@ pytest.importorskip("transformers")
 #: engine="onnxruntime" (AOTAutograd's graphs on InferenceSessions, docs/engines.md): the cases it does
 #: not train with eager's numbers yet, and why (docs/engines.md's coverage table).
 ENGINE_XFAIL: dict[str, str] = {
-    "wav2vec2_ctc": "data-dependent Python in Wav2Vec2ForCTC's loss (`if labels.max() >= vocab_size`, then "
-    "masked_select of the labels): AOTAutograd traces one graph on fake tensors; needs the graph split "
-    "(docs/engines.md)",
-    # issue 28's families
-    **dict.fromkeys(
-        ("dbrx", "mixtral_eager_experts", "deberta_v2"),
-        "data-dependent shapes (aten.nonzero: the routed experts' token indices, DeBERTa's valid labels): "
-        "AOTAutograd cannot trace one static graph (DynamicOutputShapeException); needs the graph split "
-        "(docs/engines.md), as the training engine's split capture",
-    ),
+    # none left: issue 28's families and every case train with eager's numbers (session 26)
 }
 #: Every case runs on this engine in ``ORT_EXTRA=ort make test`` (not slow there, so CI runs the
 #: whole coverage suite on it; Makefile ENGINE_TESTS). Beside the training build, where this engine is

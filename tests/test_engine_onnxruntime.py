@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 
 import numpy as np
 import pytest
@@ -667,3 +668,73 @@ def test_complex_rope_runs_its_complex_ops_in_pytorch():
         assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= set(runners[what].in_torch)
         for segment in runners[what].segments:  # (ORT sees real tensors only)
             assert all(not dtype.is_complex for _, dtype in segment.graph.output_meta)
+class DataDependent(nn.Module):
+    """Python that reads a value (a branch on the batch's sum, as Wav2Vec2ForCTC's label check) and a
+    gather of the rows ``nonzero`` picks (as DeBERTa's valid labels, the routed experts' tokens): one
+    AOTAutograd graph cannot hold either (``fallback=False`` raised ExportError). The branch goes
+    each way over the batches, and the picked rows change in number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.picked, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if x.sum() > 0:
+            h = h * 2 - 0.5
+        rows = (x[:, 0] > 0).nonzero().squeeze(1)
+        g = torch.sigmoid(self.picked(h[rows]))
+        return self.out(h).tanh(), g.sum(0) / (rows.numel() + 1)
+
+
+def test_data_dependent_python_and_shapes_run_as_a_split_capture(caplog):
+    caplog.set_level(logging.INFO, logger="ortwrap")
+    shift = {4: 1.0, 7: -1.0, 3: 0.5}
+
+    def inputs(b, g):
+        return (torch.randn(b, 6, generator=g) + shift[b],), {}
+
+    w = check_parity(DataDependent, inputs, wrap_options=ORT, optimizer=adamw, batch_sizes=(4, 7, 3),
+                     loss_fn=lambda out: out[0].pow(2).sum() + (out[1] * torch.arange(8.0)).sum())  # fmt: skip
+    split = w.split_capture
+    assert split is not None and split.fragments and all(f.on_ort for f in split.fragments), split.summary()
+    assert split.programs >= len(split.fragments)
+    said = [r.getMessage() for r in caplog.records if "stops on a data-dependent" in r.getMessage()]
+    assert len(said) == 1 and "DataDependentOutputException" in said[0] and "forward" in said[0], said
+
+
+class AddsAParameter(nn.Module):
+    """A backward that hands its gradient through (no op but an Identity): its ONNX imported no opset,
+    and ORT refused the model (DBRX's split capture has such fragments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(3, 5))
+
+    def forward(self, x):
+        return x + self.p
+
+
+def test_backward_of_no_ops_builds():
+    check_parity(AddsAParameter, lambda b, g: ((torch.randn(3, 5, generator=g) * b,), {}), wrap_options=ORT,
+                 batch_sizes=(4, 7), loss_fn=lambda out: (out * torch.arange(15.0).view(3, 5)).sum())  # fmt: skip
+
+
+class GathersRows(nn.Module):
+    """``h[rows]`` into a Linear: torchlib writes an identity Transpose around the gathered rows, which
+    onnxruntime 1.19.2's GemmTransposeFusion took for a transpose (the training build's
+    InferenceSession: wrong numbers, or a dimension error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x, rows):
+        return torch.sigmoid(self.fc2(torch.tanh(self.fc1(x))[rows]))
+
+
+def test_gathered_rows_into_a_linear():
+    def inputs(b, g):
+        return (torch.randn(b, 6, generator=g), torch.randperm(b, generator=g)[: b - 1]), {}
+
+    check_parity(GathersRows, inputs, wrap_options=ORT, optimizer=adamw)

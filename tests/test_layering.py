@@ -64,8 +64,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     # the other engine (AOTAutograd on plain InferenceSessions), chosen at one dispatch point
-    ("engines", ("ortwrap.engines",)),
-    ("dispatch", ("ortwrap.dispatch", "ortwrap.split_capture")),
+    ("engines", ("ortwrap.engines", "ortwrap.split_capture")),
+    ("dispatch", ("ortwrap.dispatch",)),
     # the module's face
     ("api", ("ortwrap.api",)),
     # DeepSpeed, torch.distributed wrappers

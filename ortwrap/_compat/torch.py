@@ -1003,6 +1003,30 @@ def compile_session() -> Any:
     return _resolve(_COMPILE_SESSION)()
 
 
+_DATA_DEPENDENT_ERRORS = (
+    _declare("torch._subclasses.fake_tensor.DataDependentOutputException", ("2.13.0", "2.14.1")),
+    _declare("torch._subclasses.fake_tensor.DynamicOutputShapeException", ("2.13.0", "2.14.1")),
+    _declare("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", ("2.13.0", "2.14.1")),
+)
+
+
+def data_dependent_trace_error(error: BaseException) -> BaseException | None:
+    """The exception in ``error``'s chain (itself, or one it was raised from) that is a fake-tensor
+    trace's refusal of a value it cannot know, or None: a tensor's value read into Python
+    (``.item()``, ``if tensor``: fake tensor's ``DataDependentOutputException``), an op whose output
+    shape depends on the values (``nonzero``, ``masked_select``: ``DynamicOutputShapeException``),
+    or a guard on such a size (``GuardOnDataDependentSymNode``)."""
+    classes = tuple(_resolve(name) for name in _DATA_DEPENDENT_ERRORS)
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, classes):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def no_fake_mode() -> Any:
     """Leave the active FakeTensorMode for the block: AOTAutograd calls its graph compilers inside
     it, and a compiler that computes with real tensors (constant folding) must run outside."""

@@ -42,6 +42,7 @@ from ..._compat import torch as compat
 from ..._logging import logger, warn_at_user_line
 from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
+from .fragments import EngineSplitCapture, data_dependent_error, shapeless_key
 from .functions import FunctionTracer
 from .session import GraphRunner
 from .split import SplitRunner, untranslatable
@@ -111,6 +112,8 @@ class OnnxRuntimeEngine:
         self.last: _Compiled | None = None
         #: autograd.Functions AOTAutograd could not trace: opaque ops run in PyTorch (functions.py)
         self._opaque: set[type] = set()
+        #: signature without shapes -> its split capture (a trace that stopped on a value: fragments.py)
+        self._split: dict[tuple, EngineSplitCapture] = {}
         if options.aggressive_cpu_fallback:
             # (the host shape program moves shape computations out of the graph; static shapes leave none)
             logger.info(
@@ -145,6 +148,12 @@ class OnnxRuntimeEngine:
     def clear(self) -> None:
         self._compiled.clear()
         self._failed.clear()
+        self._split.clear()
+
+    @property
+    def split_capture(self) -> EngineSplitCapture | None:
+        """The most recent split capture (fragments.py), or None."""
+        return next(reversed(self._split.values()), None)
 
     def __call__(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
         integration = integrations.step_integration(wrapper)
@@ -180,6 +189,9 @@ class OnnxRuntimeEngine:
         )
         compiled = self._compiled.get(key)
         if compiled is None:
+            split = self._split.get(shapeless_key(key)) if self._split else None
+            if split is not None:
+                return split(*args, **kwargs)
             if key in self._failed or any(t.numel() == 0 for t in leaves):
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
@@ -187,6 +199,12 @@ class OnnxRuntimeEngine:
                 with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
                     compiled = self._build(module, leaves, in_spec, key)
             except ORTWrapError as e:
+                if compat.data_dependent_trace_error(e) is not None:
+                    # NOTE: no one graph (the module's Python reads a value, an op's shape depends on
+                    # the values): a split capture, as the training engine's, whose fragments run on
+                    # this engine (fragments.py); said once, naming the cause
+                    split = self._split[shapeless_key(key)] = EngineSplitCapture(module, wrapper, self.options, e)
+                    return split(*args, **kwargs)
                 if not self.options.fallback:
                     raise
                 self._failed[key] = str(e)
@@ -260,6 +278,8 @@ class OnnxRuntimeEngine:
                         "parameters from a closure, such as checkpoint(use_reentrant=True), cannot); "
                         "engine='training' runs any Function as a PythonOp"
                     ) from e
+                if compat.data_dependent_trace_error(e) is not None:
+                    raise data_dependent_error(module, e) from e
                 raise ExportError(
                     f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
                 ) from e

@@ -125,6 +125,23 @@ def _number_last(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch
     return graph.call_function(torch.ops.aten.add.Tensor, (x, number))
 
 
+def _identity_transposes(model: ir.Model) -> None:
+    """Each ``Transpose`` whose ``perm`` keeps the order (torchlib's ``aten.index`` writes one around
+    the gathered rows, ``h[rows]``) becomes an ``Identity``: onnxruntime 1.19.2's GemmTransposeFusion
+    folds any Transpose before a Gemm into ``transA`` without reading its perm, and computed
+    ``h[rows] @ W.T`` with ``h`` transposed (the training build's InferenceSession)."""
+    for node in list(model.graph):
+        perm = node.attributes.get("perm") if node.op_type == "Transpose" and node.domain == "" else None
+        if perm is not None and list(perm.as_ints()) == list(range(len(perm.as_ints()))):
+            identity = ir.node("Identity", [node.inputs[0]])
+            model.graph.insert_after(node, identity)
+            out, new = node.outputs[0], identity.outputs[0]
+            new.dtype, new.shape = out.dtype, out.shape
+            out.replace_all_uses_with(new, replace_graph_outputs=True)
+            new.name = out.name
+            model.graph.remove(node, safe=True)
+
+
 def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
     """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
     GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
@@ -172,6 +189,10 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
         # ortwrap's translations mark detach (and an embedding's padding row) ortwrap::StopGradient for
         # ORT's gradient builder; AOTAutograd's graphs are differentiated already: the markers go.
         ResolveStopGradientPass(with_backward=False)(ir_model)
+        _identity_transposes(ir_model)
+        # (a graph of no ops but the Identity below, a backward that hands its gradient through,
+        # imports no opset: ORT refuses a model without one)
+        ir_model.opset_imports.setdefault("", opset)
         if fusions:
             import onnx_ir.passes.common as common
 
