@@ -392,7 +392,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     state_inputs = {value.name: named_state[name] for value, name in state_values}
     return finish_export(
         adapter,
-        ir.serde.serialize_model(ir_model),
+        ir_model,
         input_names,
         state_inputs,
         static_reasons=list(capture.static_reasons),
