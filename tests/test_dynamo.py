@@ -386,6 +386,11 @@ def test_stack_traces_read_lines_lazily_and_record_the_same_text():
             program = torch.export.export(TwoBlocks(), (torch.randn(3, 4),), strict=False)
         traces.append([(n.name, n.meta.get("stack_trace")) for n in program.graph.nodes])
     assert compat._resolve(compat._SYMBOLIZED_TB) is original
+    with compat.lazy_stack_trace_lines():
+        with compat.lazy_stack_trace_lines():  # nested (another thread's capture): the outer one still holds
+            pass
+        assert compat._resolve(compat._SYMBOLIZED_TB) is not original
+    assert compat._resolve(compat._SYMBOLIZED_TB) is original
     assert traces[0] == traces[1]
     user = [t for _, t in traces[1] if t and "x = x + block(x)  # <- the user's line" in t]
     assert user and all(f'File "{__file__}"' in t for t in user), traces[1]
