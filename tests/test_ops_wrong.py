@@ -233,7 +233,6 @@ def test_output_of_another_rank_is_refused_and_0d_restored():
     assert onnx.checker.check_model(fixed) is None
 
 
-
 @no_exporter
 def test_name_outputs_takes_the_dynamo_exporters_ir_model_as_it_takes_a_proto():
     """``name_outputs`` on an onnx_ir model (the dynamo exporter's, not serialized and parsed again

@@ -257,7 +257,8 @@ def name_outputs(
     difference is a wrong translation, refused (:class:`ExportError`).
 
     ``model`` may be an onnx_ir model (the dynamo exporter's), edited in place: that saves a
-    serialization and a parse of the whole graph (the result is the same proto)."""
+    serialization and a parse of the whole graph (the same nodes; onnx_ir may name the values
+    added here otherwise)."""
     if isinstance(model, ir.Model):
         ir_model, proto = model, None
     else:
@@ -283,7 +284,10 @@ def name_outputs(
             node.outputs[0].dtype = value.dtype
             node.outputs[0].shape = ir.Shape([])
             graph.outputs[i] = node.outputs[0]
-        elif have is not None and _inferred_rank(proto or ir.serde.serialize_model(ir_model), i) == rank:
+        elif (
+            have is not None
+            and _inferred_rank(ir.serde.serialize_model(ir_model) if proto is None else proto, i) == rank
+        ):
             # The exporter declared a wrong shape for a value its op computes right (dynamo's
             # ``nll_loss(reduction="none")`` is declared 0-d, like the loss it usually is): ONNX's
             # inference from the node itself gives the module's rank, and the declaration goes.

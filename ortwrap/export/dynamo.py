@@ -326,7 +326,12 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
         try:
             # The exporter's decompositions retrace the graph, running each Function's forward again on
             # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
-            with bridge_dynamo.translating(bridge), _quiet_exporter(), compat.lazy_stack_trace_lines(), capture_context():
+            with (
+                bridge_dynamo.translating(bridge),
+                _quiet_exporter(),
+                compat.lazy_stack_trace_lines(),
+                capture_context(),
+            ):
                 ir_model, _decomposed = dynamo_to_onnx(
                     program,
                     table={**training_translations(), **bridge.translation_table()},
