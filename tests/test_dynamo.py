@@ -7,6 +7,7 @@ The core parity tests (test_models, test_io, test_ops, parts of test_wrapper) an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -353,6 +354,69 @@ def test_the_lazy_torchlib_registry_has_from_torchlibs_entries():
             fields = ("onnx_function", "fx_target", "is_complex", "is_custom", "opset_introduced", "device")
             assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields], key
             assert str(a.signature) == str(b.signature), key
+
+
+class TwoBlocks(nn.Module):
+    """Nested modules, so that a node's stack trace holds several ``forward`` frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)  # <- the user's line
+        return x.softmax(-1)
+
+
+def test_stack_traces_read_lines_lazily_and_record_the_same_text():
+    """``compat.lazy_stack_trace_lines`` (during ortwrap's capture and translation) makes torch read a
+    frame's source line only when the trace is formatted: every node records the same stack trace,
+    source lines included, and torch's function is restored afterwards."""
+    import linecache
+
+    from ortwrap._compat import torch as compat
+
+    original = compat._resolve(compat._SYMBOLIZED_TB)
+    traces = []
+    for lazy in (False, True):
+        linecache.clearcache()
+        torch.manual_seed(0)
+        with compat.lazy_stack_trace_lines() if lazy else contextlib.nullcontext():
+            program = torch.export.export(TwoBlocks(), (torch.randn(3, 4),), strict=False)
+        traces.append([(n.name, n.meta.get("stack_trace")) for n in program.graph.nodes])
+    assert compat._resolve(compat._SYMBOLIZED_TB) is original
+    with compat.lazy_stack_trace_lines():
+        with compat.lazy_stack_trace_lines():  # nested (another thread's capture): the outer one still holds
+            pass
+        assert compat._resolve(compat._SYMBOLIZED_TB) is not original
+    assert compat._resolve(compat._SYMBOLIZED_TB) is original
+    assert traces[0] == traces[1]
+    user = [t for _, t in traces[1] if t and "x = x + block(x)  # <- the user's line" in t]
+    assert user and all(f'File "{__file__}"' in t for t in user), traces[1]
+
+
+def test_op_signatures_are_parsed_once_per_standard_operator():
+    """``compat._op_signatures_memoized`` (around the exporter's translation) parses a standard ONNX
+    operator's schema once: the same signature as a fresh parse; other domains' schemas are parsed
+    each time; onnx_ir's method is restored afterwards."""
+    from onnx import defs
+
+    from ortwrap._compat import torch as compat
+
+    cls = ir.schemas.OpSignature
+    original = cls.__dict__["from_op_schema"]
+    fresh = cls.from_op_schema(defs.get_schema("Gemm", 13))
+    with compat._op_signatures_memoized():
+        first = cls.from_op_schema(defs.get_schema("Gemm", 13))
+        again = cls.from_op_schema(defs.get_schema("Gemm", 13))  # a new OpSchema object of the same operator
+        older = cls.from_op_schema(defs.get_schema("Gemm", 9))
+        ml = defs.get_schema("LinearClassifier", 1, "ai.onnx.ml")
+        other = (cls.from_op_schema(ml), cls.from_op_schema(ml))
+    assert cls.__dict__["from_op_schema"] is original
+    assert again is first and str(first) == str(fresh) and first == fresh
+    assert older.since_version == 9 and older != first
+    assert other[0] is not other[1] and other[0] == other[1]
 
 
 class DetachInPlace(nn.Module):

@@ -231,3 +231,46 @@ def test_output_of_another_rank_is_refused_and_0d_restored():
     (out,) = session.run(None, {"x": np.array([3.0], dtype=np.float32)})
     assert out.shape == () and float(out) == 3.0
     assert onnx.checker.check_model(fixed) is None
+
+
+@no_exporter
+def test_name_outputs_takes_the_dynamo_exporters_ir_model_as_it_takes_a_proto():
+    """``name_outputs`` on an onnx_ir model (the dynamo exporter's, not serialized and parsed again
+    first) makes the graph it makes from the proto: the same nodes, outputs and shapes (only the
+    names onnx_ir gives the values it adds may differ), and the same numbers in ORT."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from ortwrap.export.adapter import name_outputs
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceSum", ["x"], ["s"], keepdims=1),
+            helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 1]),  # the module returned it 0-d
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),  # an input returned as it is
+            helper.make_tensor_value_info("h", TensorProto.FLOAT16, [2, 3]),  # the module returned float32
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    args = (["output:0", "output:1", "output:2"], [torch.float32] * 3, [0, 2, 2])
+    from_proto = name_outputs(model, *args)
+    from_ir = name_outputs(ir.serde.deserialize_model(model), *args)
+
+    def outline(m):
+        return [(n.op_type, len(n.input), list(n.attribute)) for n in m.graph.node], list(m.graph.output)
+
+    assert outline(from_ir) == outline(from_proto)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+    runs = [
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        for m in (from_proto, from_ir)
+    ]
+    for a, b in zip(*runs):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    assert runs[1][0].shape == () and float(runs[1][0]) == float(x.sum()) and runs[1][2].dtype == np.float32

@@ -25,6 +25,7 @@ import functools
 import importlib
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -232,6 +233,8 @@ _PROMOTE_INTERPRETER = _declare(f"{_PROMOTE}._TypePromotionInterpreter")
 _PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
 _PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
+#: builds the frames of each fx node's recorded stack trace (``CapturedTraceback.summary``)
+_SYMBOLIZED_TB = _declare("torch.utils._traceback._extract_symbolized_tb", ("2.13.0", "2.14.1"))
 #: replaces ``with_effects(token, op, ...)`` by ``op(...)`` and drops the tokens (the exporter cannot translate it)
 _REMOVE_EFFECT_TOKENS = _declare("torch.export._remove_effect_tokens_pass._remove_effect_tokens")
 # Operators --------------------------------------------------------------------------------------
@@ -798,6 +801,94 @@ def set_graph_module(program: torch.export.ExportedProgram, gm: torch.fx.GraphMo
     program._graph_module = gm
 
 
+_PATCH_LOCK = threading.Lock()
+#: (id(owner), attribute) -> [the original value, how many contexts use the replacement]
+_PATCHES: dict[tuple[int, str], list[Any]] = {}
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, attr: str, value: Any) -> Iterator[None]:
+    """``owner.attr`` is ``value`` while any context of it is open (nested or in other threads);
+    the original comes back when the last one closes."""
+    key = (id(owner), attr)
+    with _PATCH_LOCK:
+        entry = _PATCHES.get(key)
+        if entry is None:
+            original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            entry = _PATCHES[key] = [original, 0]
+            setattr(owner, attr, value)
+        entry[1] += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            entry[1] -= 1
+            if entry[1] == 0:
+                setattr(owner, attr, entry[0])
+                del _PATCHES[key]
+
+
+def _extract_frames_lazily(tb: Any, skip: int) -> Any:
+    """``_extract_symbolized_tb``'s loop, with ``lookup_line=False``: :func:`lazy_stack_trace_lines`."""
+    import traceback
+
+    stack = traceback.StackSummary()
+    for f in reversed(tb[skip:]):
+        stack.append(traceback.FrameSummary(f["filename"], f["line"], f["name"], lookup_line=False))
+    return stack
+
+
+def lazy_stack_trace_lines() -> contextlib.AbstractContextManager:
+    """While tracing, read the source line of a recorded stack frame only when the trace is formatted.
+
+    NOTE: tracing records a stack trace on every fx node (``node.meta["stack_trace"]``, which the
+    exporter copies into the ONNX node's ``pkg.torch.onnx.stack_trace`` and ortwrap's errors read
+    for the user's ``file:line``). torch builds a ``FrameSummary`` for each of the ~80 frames of the
+    whole stack, each reading its source line through ``linecache`` (``lookup_line=True``), then keeps
+    the few frames in ``forward`` functions and formats only those. Here the frames are made with
+    ``lookup_line=False``; formatting reads the kept frames' lines on demand (``FrameSummary.line``),
+    so the recorded text is the same (~0.05 CPU s of the GPT-2-small capture). Checked on torch
+    2.13.0 and 2.14.1; a torch without the function is left alone.
+    """
+    module_name, _, attr = _SYMBOLIZED_TB.rpartition(".")
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, attr, None)):
+        return contextlib.nullcontext()
+    return _patched(module, attr, _extract_frames_lazily)
+
+
+#: (domain, op type, since_version) of a standard ONNX operator -> its onnx_ir OpSignature
+_OP_SIGNATURES: dict[tuple[str, str, int], Any] = {}
+
+
+def _op_signatures_memoized() -> contextlib.AbstractContextManager:
+    """While the exporter translates, parse each standard ONNX operator's schema into an onnx_ir
+    ``OpSignature`` once per process.
+
+    NOTE: the exporter's graph builder (``_building.OpRecorder.eval``) calls
+    ``OpSignature.from_op_schema(schema)`` for every ONNX op a torchlib function emits: ~1400 calls,
+    on ~30 operators, at the GPT-2-small size, each on a new ``OpSchema`` object. The signature is
+    only read (by the exporter and onnxscript). A schema of the default domain is the one ONNX
+    registers for that (op type, since_version), so that triple names it; other domains' schemas
+    (functions, custom ops) are parsed each time, as before.
+    """
+    import onnx_ir as ir
+
+    cls = ir.schemas.OpSignature
+    parse = _PATCHES.get((id(cls), "from_op_schema"), [cls.__dict__["from_op_schema"]])[0].__func__
+
+    def from_op_schema(klass: type, op_schema: Any) -> Any:
+        if klass is not cls or op_schema.domain not in ("", "ai.onnx"):
+            return parse(klass, op_schema)
+        key = ("", op_schema.name, op_schema.since_version)
+        signature = _OP_SIGNATURES.get(key)
+        if signature is None:
+            signature = _OP_SIGNATURES[key] = parse(klass, op_schema)
+        return signature
+
+    return _patched(cls, "from_op_schema", classmethod(from_op_schema))
+
+
 def translate_exported(program: torch.export.ExportedProgram, registry: Any) -> Any:
     """The exporter's translation of ``program`` with ``registry`` (its ``ONNXProgram``).
 
@@ -811,7 +902,8 @@ def translate_exported(program: torch.export.ExportedProgram, registry: Any) -> 
     if added:
         dtypes[torch.complex32] = ir.DataType.COMPLEX64
     try:
-        return _resolve(_DYN_TRANSLATE)(program, registry=registry)
+        with _op_signatures_memoized():
+            return _resolve(_DYN_TRANSLATE)(program, registry=registry)
     finally:
         if added:
             dtypes.pop(torch.complex32, None)

@@ -150,7 +150,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
 
 def finish_export(
     adapter: Adapter,
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | ir.Model,
     input_names: list[str],
     state_inputs: dict[str, torch.Tensor],
     *,
@@ -163,7 +163,8 @@ def finish_export(
 
     Args:
         adapter: the adapter that was captured (its trace found the output structure).
-        model: the captured graph; its inputs are ``input_names`` then state inputs.
+        model: the captured graph (a proto, or the dynamo exporter's onnx_ir model, taken over);
+            its inputs are ``input_names`` then state inputs.
         input_names: graph input name of each flat user input.
         state_inputs: graph input name -> parameter or buffer tensor.
         static_reasons: the exporter's own reasons for static spatial shapes.
@@ -242,7 +243,7 @@ def _inferred_rank(model: onnx.ModelProto, index: int) -> int | None:
 
 
 def name_outputs(
-    model: onnx.ModelProto, names: list[str], dtypes: list[torch.dtype] = (), ranks: list[int] = ()
+    model: onnx.ModelProto | ir.Model, names: list[str], dtypes: list[torch.dtype] = (), ranks: list[int] = ()
 ) -> onnx.ModelProto:
     """Rename the graph outputs to ``names``; an output that is a graph input or repeats an earlier
     output first gets its own Identity node, so every output is a distinct value. A floating-point
@@ -253,8 +254,15 @@ def name_outputs(
     ``ranks``: the rank of each output the module returned. A 0-d output is reshaped to 0-d, as the
     graph may compute it with another rank (torch's symbolics write constants such as ``log(10)``
     as ``[1]`` tensors, and broadcasting makes ``log10`` of a 0-d input ``[1]``); any other rank
-    difference is a wrong translation, refused (:class:`ExportError`)."""
-    ir_model = ir.serde.deserialize_model(model)
+    difference is a wrong translation, refused (:class:`ExportError`).
+
+    ``model`` may be an onnx_ir model (the dynamo exporter's), edited in place: that saves a
+    serialization and a parse of the whole graph (the same nodes; onnx_ir may name the values
+    added here otherwise)."""
+    if isinstance(model, ir.Model):
+        ir_model, proto = model, None
+    else:
+        ir_model, proto = ir.serde.deserialize_model(model), model
     graph = ir_model.graph
     for i, rank in enumerate(ranks):
         value = graph.outputs[i]
@@ -276,7 +284,10 @@ def name_outputs(
             node.outputs[0].dtype = value.dtype
             node.outputs[0].shape = ir.Shape([])
             graph.outputs[i] = node.outputs[0]
-        elif have is not None and _inferred_rank(model, i) == rank:
+        elif (
+            have is not None
+            and _inferred_rank(ir.serde.serialize_model(ir_model) if proto is None else proto, i) == rank
+        ):
             # The exporter declared a wrong shape for a value its op computes right (dynamo's
             # ``nll_loss(reduction="none")`` is declared 0-d, like the loss it usually is): ONNX's
             # inference from the node itself gives the module's rank, and the declaration goes.

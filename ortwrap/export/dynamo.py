@@ -37,6 +37,7 @@ import onnx_ir as ir
 import torch
 from torch import nn
 
+from .._compat import torch as compat
 from ..bridge import dynamo as bridge_dynamo
 from ..errors import ExportError, UnsupportedOutputError, output_error_in
 from ..graph.model import ExportedModel
@@ -170,6 +171,7 @@ def capture_dynamo(
         dynamic_shapes = (tuple({d: Dim.AUTO for d in dims(t)} or None for t in flat_inputs),)
         with (
             _quiet_exporter(),
+            compat.lazy_stack_trace_lines(),
             preserved_state(module),
             no_ambient_autocast(),
             capture_context(),
@@ -324,7 +326,12 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
         try:
             # The exporter's decompositions retrace the graph, running each Function's forward again on
             # fake tensors (its placeholder's fake implementation): with the collective stubs, as in the capture.
-            with bridge_dynamo.translating(bridge), _quiet_exporter(), capture_context():
+            with (
+                bridge_dynamo.translating(bridge),
+                _quiet_exporter(),
+                compat.lazy_stack_trace_lines(),
+                capture_context(),
+            ):
                 ir_model, _decomposed = dynamo_to_onnx(
                     program,
                     table={**training_translations(), **bridge.translation_table()},
@@ -390,7 +397,7 @@ def translate_dynamo(capture: DynamoCapture) -> ExportedModel:
     state_inputs = {value.name: named_state[name] for value, name in state_values}
     return finish_export(
         adapter,
-        ir.serde.serialize_model(ir_model),
+        ir_model,
         input_names,
         state_inputs,
         static_reasons=list(capture.static_reasons),
