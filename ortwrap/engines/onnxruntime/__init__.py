@@ -176,7 +176,7 @@ class OnnxRuntimeEngine:
             in_spec,
             tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in leaves),
             tuple((id(t), t.requires_grad) for t in state),
-            torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"),
+            _autocast_state(),
         )
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -202,8 +202,6 @@ class OnnxRuntimeEngine:
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
     def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
-        if key[-1]:
-            raise ExportError("autocast is not supported by the onnxruntime engine yet")
         compiled = _Compiled()
         device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
         options = self.options
@@ -268,6 +266,14 @@ class OnnxRuntimeEngine:
         self._compiled[key] = compiled
         self.last = compiled
         return compiled
+
+
+def _autocast_state() -> tuple:
+    """The autocast state a trace writes into the graphs: per device, whether it is on and its dtype
+    (AOTAutograd traces under the caller's autocast, so autocast's casts are in the graphs)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+    )
 
 
 def _first_line(e: BaseException) -> str:

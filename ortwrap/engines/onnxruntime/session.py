@@ -17,6 +17,7 @@ import torch
 from ..._logging import ort_log_wanted
 from ..._ort import ort
 from ...errors import RuntimeRunError, SessionError
+from .half import compute_in_float32
 from .translate import TranslatedGraph
 
 _NUMPY = {
@@ -72,8 +73,13 @@ class GraphRunner:
         self.device = device
         self.what = what
         self._ort_device = ("cuda", device.index or 0) if device.type == "cuda" else ("cpu", 0)
+        model = graph.model
+        #: nodes computed in float32 between Casts (autocast's bf16/fp16 ops on the CPU provider: half.py)
+        self.half_rewritten = 0
+        if device.type == "cpu":
+            model, self.half_rewritten = compute_in_float32(model)
         try:
-            self.session = ort.InferenceSession(graph.model, session_options(options), providers=providers_for(device))
+            self.session = ort.InferenceSession(model, session_options(options), providers=providers_for(device))
         except Exception as e:
             raise SessionError(f"onnxruntime could not create the session of the {what} graph: {e}") from e
         self._in_types = None
