@@ -15,6 +15,10 @@ identity):
    autograd.Function calls the forward session in ``forward`` and the backward session in
    ``backward``, keeping the saved values (tensors ORT wrote in place) in between.
 
+Under ``torch.autocast`` the trace writes autocast's casts into the graphs (the autocast dtype is in
+the signature; the backward traced with autocast off, as eager's); on the CPU provider each bf16/fp16
+op computes in float32 between Casts (``half.py``).
+
 Shapes are static: a new shape signature builds again (``build_count``). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
