@@ -158,10 +158,17 @@ ENGINE_AMP_FAST = ("gpt2",)
 
 
 def _engine_autocast_params():
-    from ortwrap.engines import is_training_available
+    from ortwrap.engines import is_onnxruntime_available, is_training_available
 
+    bf16 = False
+    if is_onnxruntime_available():
+        from ortwrap.engines.onnxruntime.session import binds_bfloat16
+
+        bf16 = binds_bfloat16()
     for case in CASES:
         marks = [] if case.name in ENGINE_AMP_FAST and not is_training_available() else [pytest.mark.slow]
+        if not bf16:  # (the training build's 1.19.2 binds no bfloat16 tensor: the engine falls back there)
+            marks.append(pytest.mark.skip(reason="bfloat16 IOBinding needs onnxruntime >= 1.20"))
         why = ENGINE_XFAIL.get(case.name) or AMP_XFAIL.get(case.name)
         if why:
             marks.append(pytest.mark.xfail(strict=False, reason=why))

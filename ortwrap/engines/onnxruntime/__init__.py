@@ -47,7 +47,7 @@ from ..._logging import logger, warn_at_user_line
 from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
 from .functions import FunctionTracer
-from .session import GraphRunner
+from .session import GraphRunner, binds_bfloat16, ort_version
 from .split import SplitRunner, untranslatable
 from .translate import translate_cached
 
@@ -206,6 +206,11 @@ class OnnxRuntimeEngine:
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
     def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
+        if any(dtype == torch.bfloat16 for _, dtype in key[-1]) and not binds_bfloat16():
+            raise ExportError(
+                f"bfloat16 autocast on engine='onnxruntime' needs onnxruntime >= 1.20 (its IOBinding binds bfloat16 "
+                f"tensors); this is {ort_version()}"
+            )
         compiled = _Compiled()
         device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
         options = self.options

@@ -48,6 +48,15 @@ def numpy_dtype(dtype: torch.dtype) -> type | int:
 _BINDS_ONNX_TYPES = tuple(int(x) for x in ort.__version__.split(".")[:2]) >= (1, 20)
 
 
+def binds_bfloat16() -> bool:
+    """Whether this onnxruntime's IOBinding binds bfloat16 tensors (1.20 on)."""
+    return _BINDS_ONNX_TYPES
+
+
+def ort_version() -> str:
+    return f"onnxruntime {ort.__version__}"
+
+
 def providers_for(device: torch.device) -> list:
     if device.type == "cuda":
         return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
