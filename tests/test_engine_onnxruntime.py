@@ -733,3 +733,19 @@ def test_float16_autocast_with_grad_scaler():
     assert sides[0][1].get_scale() == sides[1][1].get_scale()
     for a, b in zip(w.parameters(), eager.parameters()):
         assert_close(a.detach(), b.detach(), "parameter", FP16, FP16)
+
+
+@pytest.mark.skipif(binds_bfloat16(), reason="onnxruntime >= 1.20 binds bfloat16: the engine trains it")
+def test_bfloat16_autocast_falls_back_where_onnxruntime_cannot_bind_it():
+    """The training build's onnxruntime 1.19.2 binds no bfloat16 tensor: the call runs in PyTorch,
+    saying why (float16 autocast trains there)."""
+    from ortwrap.errors import FallbackWarning
+
+    torch.manual_seed(0)
+    eager = MLP()
+    w = ORTWrap(copy.deepcopy(eager), engine="onnxruntime")
+    x = torch.randn(4, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(FallbackWarning, match=r"bfloat16 autocast .* needs onnxruntime >= 1\.20"):
+            y = w(x)
+        assert torch.equal(y, eager(x)) and w._engine.fallback_calls == 1
