@@ -656,8 +656,10 @@ def test_autocast_trains_like_eager_autocast(model, inputs, dtype, loss, optimiz
     )
     assert w._engine.fallback_calls == 0 and w._engine.build_count == 3
     assert _rewritten(w) > 0  # (half-precision nodes computed in float32 between Casts: half.py)
-    # (all on ORT: batch norm's var_mean was left to PyTorch by the split before it was decomposed)
-    assert not any(isinstance(r, SplitRunner) for r in w._engine.last.runners.values())
+    # (batch norm's var_mean was left to PyTorch by the split before it was decomposed; max pooling's
+    # backward, which torchlib does not translate, still runs in PyTorch between two ORT segments)
+    in_torch = [op for r in w._engine.last.runners.values() if isinstance(r, SplitRunner) for op in r.in_torch]
+    assert set(in_torch) <= {"aten.max_pool2d_with_indices_backward.default"}, in_torch
 
 
 class Rounds(nn.Module):
