@@ -76,6 +76,7 @@ def compute_in_float32(model: bytes, provider: str = "CPUExecutionProvider") -> 
         if (
             node.domain in ("", "ai.onnx")
             and node.op_type in EXACT
+            and not any(a.name == "reduction" and a.s not in (b"", b"none") for a in node.attribute)  # (scatter-add)
             and _has_kernel(provider, opsets, node, tuple(ins), tuple(outs))
         ):
             nodes.append(node)
