@@ -751,3 +751,37 @@ def test_bfloat16_autocast_falls_back_where_onnxruntime_cannot_bind_it():
         with pytest.warns(FallbackWarning, match=r"bfloat16 autocast .* needs onnxruntime >= 1\.20"):
             y = w(x)
         assert torch.equal(y, eager(x)) and w._engine.fallback_calls == 1
+
+
+@NEEDS_BF16
+def test_bfloat16_scatter_add_computes_in_float32():
+    """onnxruntime's CPU ScatterND has a bfloat16 kernel (the session builds) but refuses
+    ``reduction='add'`` when it runs (Qwen2-MoE's experts' backward under autocast): a scatter with
+    a reduction is not data movement, half.py computes it in float32 between Casts."""
+    from onnx import TensorProto, helper
+
+    from ortwrap._ort import ort
+    from ortwrap.engines.onnxruntime.half import compute_in_float32
+
+    BF16 = TensorProto.BFLOAT16
+    node = helper.make_node("ScatterND", ["data", "idx", "upd"], ["out"], reduction="add")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("data", BF16, [4, 3]), helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 1]),
+         helper.make_tensor_value_info("upd", BF16, [2, 3])],
+        [helper.make_tensor_value_info("out", BF16, [4, 3])],
+    )  # fmt: skip
+    model, rewritten = compute_in_float32(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    )
+    assert rewritten == 1
+    data, upd, idx = torch.randn(4, 3).bfloat16(), torch.randn(2, 3).bfloat16(), torch.tensor([[1], [3]])
+    out = torch.empty(4, 3, dtype=torch.bfloat16)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    for name, t, onnx_type in (("data", data, BF16), ("idx", idx, np.int64), ("upd", upd, BF16)):
+        binding.bind_input(name, "cpu", 0, onnx_type, list(t.shape), t.data_ptr())
+    binding.bind_output("out", "cpu", 0, BF16, [4, 3], out.data_ptr())
+    session.run_with_iobinding(binding)  # (refused before: "BFloat16 ... not supported with ScatterND ... 'add'")
+    assert torch.equal(out, data.clone().index_add_(0, idx[:, 0], upd))
