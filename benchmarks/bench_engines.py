@@ -9,6 +9,8 @@ from one interleaved run (``--cpu-time``: CPU seconds of the process, steadier o
 at 1 thread).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_engines.py --threads 1 --cpu-time
+
+``--bf16`` adds eager and each engine under ``torch.autocast("cpu", dtype=torch.bfloat16)``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ortwrap import ORTWrap
 from ortwrap.engines import onnxruntime_distribution
 
 
-def main(iters: int = 20, cpu_time: bool = False, compile: bool = True, threads: int | None = None) -> None:
+def main(
+    iters: int = 20, cpu_time: bool = False, compile: bool = True, threads: int | None = None, bf16: bool = False
+) -> None:
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -35,6 +39,14 @@ def main(iters: int = 20, cpu_time: bool = False, compile: bool = True, threads:
     ids, tgt = batch(cfg, 8, 128, torch.Generator().manual_seed(0))
     print(f"torch {torch.__version__}, {onnxruntime_distribution()}, {torch.get_num_threads()} threads")
     steps = {"eager": train_step(eager, torch.optim.SGD(eager.parameters(), lr=0.01), lambda m: m(ids, tgt)[0])}
+
+    def amp_loss(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(ids, tgt)[0]
+
+    if bf16:
+        model = copy.deepcopy(eager)
+        steps["eager bf16"] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.01), amp_loss)
     if compile:
         model = copy.deepcopy(eager)
         compiled = torch.compile(model)
@@ -51,6 +63,13 @@ def main(iters: int = 20, cpu_time: bool = False, compile: bool = True, threads:
         step()
         print(f"  engine={engine}: first step (build + run) {time.perf_counter() - t0:.2f} s")
         steps[f"ortwrap engine={engine}"] = step
+        if bf16:
+            ours = ORTWrap(copy.deepcopy(eager), fallback=False, engine=engine)
+            step = train_step(ours, torch.optim.SGD(ours.parameters(), lr=0.01), amp_loss)
+            t0 = time.perf_counter()
+            step()
+            print(f"  engine={engine} bf16: first step (build + run) {time.perf_counter() - t0:.2f} s")
+            steps[f"ortwrap engine={engine} bf16"] = step
     clock = time.process_time if cpu_time else time.perf_counter
     report("GPT LM 4x256, T=128, batch 8, SGD", interleaved(steps, warmup=3, iters=iters, clock=clock))
 
@@ -63,5 +82,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (and the engines' ORT threads)"
     )
+    parser.add_argument("--bf16", action="store_true", help="also eager and each engine under bf16 autocast")
     a = parser.parse_args()
-    main(a.iters, a.cpu_time, not a.no_compile, a.threads)
+    main(a.iters, a.cpu_time, not a.no_compile, a.threads, a.bf16)

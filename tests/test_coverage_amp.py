@@ -47,6 +47,7 @@ import pytest
 import torch
 from model_zoo import BATCH_SIZES, BY_NAME, CASES
 from parity import check_parity, default_loss
+from test_coverage import ENGINE_XFAIL
 
 pytest.importorskip("transformers")
 
@@ -149,6 +150,37 @@ def test_architecture_trains_under_autocast_on_the_float32_route(case, exporter)
         wrap_options={"exporter": exporter, "half_compute": "float32"},
     )
     assert "TorchGemmOnCPUPass" not in [p.name for p in w.last_artifacts.passes if p.modified]
+
+
+#: engine="onnxruntime" under bf16 autocast (docs/engines.md): cases run by default in the engine's own
+#: venv (beside the training build they are slow, as tests/test_coverage.py's ENGINE_FAST).
+ENGINE_AMP_FAST = ("gpt2",)
+
+
+def _engine_autocast_params():
+    from ortwrap.engines import is_onnxruntime_available, is_training_available
+
+    bf16 = False
+    if is_onnxruntime_available():
+        from ortwrap.engines.onnxruntime.session import binds_bfloat16
+
+        bf16 = binds_bfloat16()
+    for case in CASES:
+        marks = [] if case.name in ENGINE_AMP_FAST and not is_training_available() else [pytest.mark.slow]
+        if not bf16:  # (the training build's 1.19.2 binds no bfloat16 tensor: the engine falls back there)
+            marks.append(pytest.mark.skip(reason="bfloat16 IOBinding needs onnxruntime >= 1.20"))
+        why = ENGINE_XFAIL.get(case.name) or AMP_XFAIL.get(case.name)
+        if why:
+            marks.append(pytest.mark.xfail(strict=False, reason=why))
+        yield pytest.param(case, "onnxruntime", id=f"{case.name}-onnxruntime", marks=marks)
+
+
+@pytest.mark.parametrize("case, engine", list(_engine_autocast_params()), indirect=["engine"])
+def test_architecture_trains_under_autocast_on_the_onnxruntime_engine(case, engine):
+    """AOTAutograd's graphs with autocast's casts, each half-precision op computed in float32 between
+    Casts on onnxruntime's CPU provider (engines/onnxruntime/half.py), against eager autocast."""
+    w = _train_case(case, AMP_TOL.get(case.name, BF16), autocast=bf16_autocast, wrap_options={})
+    assert w._engine.fallback_calls == 0
 
 
 #: cases also run under float16 autocast (eager's LSTM has no float16 oneDNN kernel on CPU).

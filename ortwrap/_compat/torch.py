@@ -251,6 +251,9 @@ _LINALG_CHECK_ERRORS = _declare("torch.ops.aten._linalg_check_errors")
 _AOT_MODULE = _declare("torch._functorch.aot_autograd.aot_module_simplified", ("2.13.0", "2.14.1"))
 #: AOTAutograd's training partitioner (its default for training in torch.compile): min-cut with recompute
 _MIN_CUT = _declare("torch._functorch.partitioners.min_cut_rematerialization_partition", ("2.13.0", "2.14.1"))
+#: whether AOTAutograd traces the backward under the forward's autocast state (``"same_as_forward"``,
+#: its default) or with autocast off (``"off"``: eager's, where ``backward()`` runs outside autocast)
+_BACKWARD_AUTOCAST = _declare("torch._functorch.config.backward_pass_autocast", ("2.13.0", "2.14.1"))
 # (AOTAutograd calls a compiled graph with its argument list when the callable has ``_boxed_call``: ``boxed``)
 # Pytrees ----------------------------------------------------------------------------------------
 _PYTREE_NODES = _declare("torch.utils._pytree.SUPPORTED_NODES")
@@ -1070,15 +1073,20 @@ def aot_module(
     which recomputes cheap ops in the backward) instead of the default partition (saves what the
     backward reads, recomputes nothing)."""
     partition = _resolve(_MIN_CUT) if recompute else _resolve("torch._functorch.partitioners.default_partition")
-    return _resolve(_AOT_MODULE)(
-        module,
-        example_inputs,
-        fw_compiler=fw_compiler,
-        bw_compiler=bw_compiler,
-        inference_compiler=inference_compiler,
-        partition_fn=partition,
-        decompositions=decompositions,
-    )
+    _resolve(_BACKWARD_AUTOCAST)  # (the option exists)
+    config = importlib.import_module("torch._functorch.config")
+    # NOTE: the backward is traced with autocast off, as eager's ``loss.backward()`` runs outside the
+    # autocast block (AOTAutograd's default traces it under the forward's autocast state).
+    with config.patch(backward_pass_autocast="off"):
+        return _resolve(_AOT_MODULE)(
+            module,
+            example_inputs,
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
+            inference_compiler=inference_compiler,
+            partition_fn=partition,
+            decompositions=decompositions,
+        )
 
 
 _declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))

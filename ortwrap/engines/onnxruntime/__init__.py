@@ -15,6 +15,10 @@ identity):
    autograd.Function calls the forward session in ``forward`` and the backward session in
    ``backward``, keeping the saved values (tensors ORT wrote in place) in between.
 
+Under ``torch.autocast`` the trace writes autocast's casts into the graphs (the autocast dtype is in
+the signature; the backward traced with autocast off, as eager's); on the CPU provider each bf16/fp16
+op computes in float32 between Casts (``half.py``).
+
 Shapes are static: a new shape signature builds again (``build_count``). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
@@ -44,7 +48,7 @@ from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
 from .fragments import EngineSplitCapture, data_dependent_error, shapeless_key
 from .functions import FunctionTracer
-from .session import GraphRunner
+from .session import GraphRunner, binds_bfloat16, ort_version
 from .split import SplitRunner, untranslatable
 from .translate import translate_cached
 
@@ -185,7 +189,7 @@ class OnnxRuntimeEngine:
             in_spec,
             tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in leaves),
             tuple((id(t), t.requires_grad) for t in state),
-            torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"),
+            _autocast_state(),
         )
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -220,8 +224,11 @@ class OnnxRuntimeEngine:
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
     def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
-        if key[-1]:
-            raise ExportError("autocast is not supported by the onnxruntime engine yet")
+        if any(dtype == torch.bfloat16 for _, dtype in key[-1]) and not binds_bfloat16():
+            raise ExportError(
+                f"bfloat16 autocast on engine='onnxruntime' needs onnxruntime >= 1.20 (its IOBinding binds bfloat16 "
+                f"tensors); this is {ort_version()}"
+            )
         compiled = _Compiled()
         device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
         options = self.options
@@ -288,6 +295,14 @@ class OnnxRuntimeEngine:
         self._compiled[key] = compiled
         self.last = compiled
         return compiled
+
+
+def _autocast_state() -> tuple:
+    """The autocast state a trace writes into the graphs: per device, whether it is on and its dtype
+    (AOTAutograd traces under the caller's autocast, so autocast's casts are in the graphs)."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
+    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -88,6 +88,21 @@ def empty_permuted(size, physical_layout, dtype=None, layout=None, device=None, 
     return aten.empty.memory_format(list(size), dtype=dtype, device=device)
 
 
+def var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """``aten.var_mean.correction`` (batch norm's decomposition computes its statistics with it) as a
+    mean and a sum of squared deviations: torchlib translates neither it nor ``aten.var``, so the
+    graph split ran it in PyTorch between ORT segments (shapes are static: the count is a number)."""
+    dims = list(range(x.dim())) if dim is None else [d % max(x.dim(), 1) for d in dim]
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    mean = aten.mean.dim(x, dims, True)
+    deviation = aten.sub.Tensor(x, mean)
+    squares = aten.sum.dim_IntList(aten.mul.Tensor(deviation, deviation), dims, keepdim)
+    var = aten.div.Tensor(squares, max(count - (1 if correction is None else correction), 0))
+    return var, mean if keepdim else aten.squeeze.dims(mean, dims)
+
+
 def engine_decompositions() -> dict:
     """op -> decomposition, for the AOTAutograd trace (added to torch.export's defaults).
 
@@ -107,6 +122,7 @@ def engine_decompositions() -> dict:
         **table,
         aten.convolution_backward.default: convolution_backward,
         aten.copy.default: copy,
+        aten.var_mean.correction: var_mean,
         aten.empty_permuted.default: empty_permuted,
         aten._weight_norm_interface_backward.default: weight_norm_backward,
     }

@@ -17,6 +17,7 @@ import torch
 from ..._logging import ort_log_wanted
 from ..._ort import ort
 from ...errors import RuntimeRunError, SessionError
+from .half import compute_in_float32
 from .translate import TranslatedGraph
 
 _NUMPY = {
@@ -47,6 +48,15 @@ def numpy_dtype(dtype: torch.dtype) -> type | int:
 _BINDS_ONNX_TYPES = tuple(int(x) for x in ort.__version__.split(".")[:2]) >= (1, 20)
 
 
+def binds_bfloat16() -> bool:
+    """Whether this onnxruntime's IOBinding binds bfloat16 tensors (1.20 on)."""
+    return _BINDS_ONNX_TYPES
+
+
+def ort_version() -> str:
+    return f"onnxruntime {ort.__version__}"
+
+
 def providers_for(device: torch.device) -> list:
     if device.type == "cuda":
         return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
@@ -72,8 +82,13 @@ class GraphRunner:
         self.device = device
         self.what = what
         self._ort_device = ("cuda", device.index or 0) if device.type == "cuda" else ("cpu", 0)
+        model = graph.model
+        #: nodes computed in float32 between Casts (autocast's bf16/fp16 ops on the CPU provider: half.py)
+        self.half_rewritten = 0
+        if device.type == "cpu":
+            model, self.half_rewritten = compute_in_float32(model)
         try:
-            self.session = ort.InferenceSession(graph.model, session_options(options), providers=providers_for(device))
+            self.session = ort.InferenceSession(model, session_options(options), providers=providers_for(device))
         except Exception as e:
             raise SessionError(f"onnxruntime could not create the session of the {what} graph: {e}") from e
         self._in_types = None
