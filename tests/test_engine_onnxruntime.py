@@ -580,3 +580,39 @@ def test_grouped_mm_backward_of_transformers_experts():
         return (torch.randn(2 * b, 4, generator=g), torch.randint(0, 2 + b % 2, (2 * b,), generator=g).sort()[0]), {}
 
     check_parity(GroupedExperts, inputs, wrap_options=ORT, optimizer=adamw)
+
+
+# ------------------------------------------------------------------------------------ dynamic dims
+
+#: 4 steps, batch and length (or image size) changing at each
+DYNAMIC_STEPS = (4, 7, 3, 5)
+_LENGTHS = {4: 12, 7: 9, 3: 16, 5: 11}
+
+
+def _dynamic_built(w) -> None:
+    # one build with static sizes (the first shape), one with symbolic sizes (every later shape)
+    assert w._engine.build_count == 2
+    assert w._engine._shapes.find  # (the dynamic build serves the later calls)
+    assert any(w._engine._shapes._builds.values())
+
+
+def test_dynamic_dims_mlp():
+    w = check_parity(MLP, lambda b, g: ((torch.randn(b, 12, generator=g),), {}), batch_sizes=DYNAMIC_STEPS,
+                     wrap_options=ORT, optimizer=adamw)  # fmt: skip
+    _dynamic_built(w)
+
+
+def test_dynamic_dims_gpt_lm_with_the_loss_inside():
+    def inputs(b, g):
+        ids, tgt = batch(GPTConfig(vocab=64), b, _LENGTHS[b], g)
+        return (ids, tgt), {}
+
+    w = check_parity(lm_model, inputs, batch_sizes=DYNAMIC_STEPS, wrap_options=ORT, optimizer=adamw,
+                     loss_fn=lambda out: out[0])  # fmt: skip
+    _dynamic_built(w)
+
+
+def test_dynamic_dims_cnn():
+    w = check_parity(SmallCNN, lambda b, g: ((torch.randn(b, 3, _LENGTHS[b], _LENGTHS[b] + 1, generator=g),), {}),
+                     batch_sizes=DYNAMIC_STEPS, wrap_options=ORT, optimizer=adamw)  # fmt: skip
+    _dynamic_built(w)

@@ -42,6 +42,7 @@ from ..._compat import torch as compat
 from ..._logging import logger, warn_at_user_line
 from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
+from .dynamic import DynamicRunner, DynamicShapes, NotDynamic, family_of
 from .functions import FunctionTracer
 from .session import GraphRunner
 from .split import SplitRunner, untranslatable
@@ -111,6 +112,8 @@ class OnnxRuntimeEngine:
         self.last: _Compiled | None = None
         #: autograd.Functions AOTAutograd could not trace: opaque ops run in PyTorch (functions.py)
         self._opaque: set[type] = set()
+        #: builds with symbolic sizes, per family of signatures (dynamic.py)
+        self._shapes = DynamicShapes()
         if options.aggressive_cpu_fallback:
             # (the host shape program moves shape computations out of the graph; static shapes leave none)
             logger.info(
@@ -131,6 +134,8 @@ class OnnxRuntimeEngine:
             return self._aot(flat, leaves, compiler, tracer)
 
     def _aot(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
+        # (symbolic sizes: the backward, which AOTAutograd may compile on its first call, compiled now)
+        eager_backward = any(isinstance(s, torch.SymInt) for t in leaves for s in t.shape)
         with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session(), tracer.tracing():
             return compat.aot_module(
                 flat,
@@ -140,11 +145,13 @@ class OnnxRuntimeEngine:
                 inference_compiler=compiler("inference"),
                 decompositions=_decompositions(),
                 recompute=self.options.recompute != "none",
+                eager_backward=eager_backward,
             )
 
     def clear(self) -> None:
         self._compiled.clear()
         self._failed.clear()
+        self._shapes.clear()
 
     def __call__(self, wrapper: Any, args: tuple, kwargs: dict) -> Any:
         integration = integrations.step_integration(wrapper)
@@ -183,9 +190,12 @@ class OnnxRuntimeEngine:
             if key in self._failed or any(t.numel() == 0 for t in leaves):
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
+            compiled = self._dynamic(wrapper, module, leaves, in_spec, key)
+        if compiled is None:
             try:
                 with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
                     compiled = self._build(module, leaves, in_spec, key)
+                self._shapes.seen(family_of(key), leaves)
             except ORTWrapError as e:
                 if not self.options.fallback:
                     raise
@@ -201,10 +211,38 @@ class OnnxRuntimeEngine:
         outputs = compiled.fn(*leaves)
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
-    def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
+    def _dynamic(self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple):
+        """The build with symbolic sizes that serves this call (built now if the family's sizes changed),
+        or None: a per-shape build (dynamic.py)."""
+        family = family_of(key)
+        compiled = self._shapes.find(family, leaves)
+        if compiled is not None:
+            self._compiled[key] = compiled
+            return compiled
+        dims = self._shapes.dims(family, leaves)
+        if dims is None:
+            return None
+        try:
+            with integrations.export_context(wrapper):
+                return self._build(module, leaves, in_spec, key, dims)
+        except Exception as e:
+            if self._shapes.refuse(family):
+                logger.warning(
+                    "onnxruntime engine: %s cannot run with symbolic sizes (%s: %s); it builds once per input shape",
+                    type(module).__name__, type(e).__name__, _first_line(e),
+                )  # fmt: skip
+            return None
+
+    def _build(
+        self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple, dynamic: list | None = None
+    ) -> _Compiled:
+        """One build: static sizes, or symbolic ones in the ``dynamic`` dims of each input (dynamic.py)."""
         if key[-1]:
             raise ExportError("autocast is not supported by the onnxruntime engine yet")
         compiled = _Compiled()
+        example = leaves
+        if dynamic is not None:
+            shape_env, example = compat.symbolic_inputs(leaves, dynamic)
         device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
         options = self.options
 
@@ -213,8 +251,10 @@ class OnnxRuntimeEngine:
                 compiled.graphs[what] = gm
                 fusions = options.fusions and what != "backward"
                 with compat.no_fake_mode():  # (AOTAutograd calls compilers in its fake mode)
-                    in_torch = untranslatable(gm)
-                    if in_torch:
+                    in_torch = None if dynamic is not None else untranslatable(gm)
+                    if dynamic is not None:
+                        runner = DynamicRunner(gm, what, device, options, fusions)
+                    elif in_torch:
                         runner = SplitRunner(gm, what, device, options, fusions, in_torch)
                         logger.info(
                             "onnxruntime engine: the %s graph of %s runs in %d ORT segments, with %s in PyTorch",
@@ -233,11 +273,13 @@ class OnnxRuntimeEngine:
         while True:
             tracer = FunctionTracer(self._opaque)
             try:
-                compiled.fn = self._trace(flat, leaves, compiler, tracer)
+                compiled.fn = self._trace(flat, example, compiler, tracer)
                 break
             except ORTWrapError:
                 raise
             except Exception as e:
+                if dynamic is not None:
+                    raise NotDynamic(f"AOTAutograd could not trace it: {type(e).__name__}: {_first_line(e)}") from e
                 untraceable = next((c for c in tracer.failed if c not in self._opaque), None)
                 if untraceable is not None:
                     # NOTE: traced again with the Function as one opaque op (functions.py), run in
@@ -264,6 +306,12 @@ class OnnxRuntimeEngine:
                     f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
                 ) from e
         compiled.out_spec = flat.out_spec
+        if dynamic is not None:
+            guards = compat.shape_guards(shape_env, example)
+            if not guards(leaves):
+                raise NotDynamic("the trace's guards do not hold for the inputs it traced")
+            self._shapes.add(family_of(key), compiled, dynamic, leaves, guards)
+            logger.info("onnxruntime engine: %s built with symbolic sizes", type(module).__name__)
         self.build_count += 1
         self._compiled[key] = compiled
         self.last = compiled
