@@ -15,7 +15,10 @@ identity):
    autograd.Function calls the forward session in ``forward`` and the backward session in
    ``backward``, keeping the saved values (tensors ORT wrote in place) in between.
 
-Shapes are static: a new shape signature builds again (``build_count``). Buffer updates
+Dynamic dims (``dynamic.py``): a family of signatures' first shape builds with static sizes; once a size
+changes, one build with symbolic sizes (the changed dims and every input's first) serves the family's
+later shapes, where the trace's guards hold (``build_count`` counts both). A graph that cannot be dynamic
+keeps one build per shape (said once in the log). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
@@ -115,10 +118,11 @@ class OnnxRuntimeEngine:
         #: builds with symbolic sizes, per family of signatures (dynamic.py)
         self._shapes = DynamicShapes()
         if options.aggressive_cpu_fallback:
-            # (the host shape program moves shape computations out of the graph; static shapes leave none)
+            # (the host shape program moves shape computations out of the graph; static builds have none, and
+            # dynamic builds compute their shapes in the graph: not carried over yet)
             logger.info(
-                "onnxruntime engine: aggressive_cpu_fallback does not apply: each build has static shapes, so its "
-                "graphs compute no shapes (every Reshape/Expand/Slice shape is a constant)"
+                "onnxruntime engine: aggressive_cpu_fallback does not apply: static builds compute no shapes, "
+                "and builds with symbolic sizes compute theirs inside the ORT graph (not moved to the host yet)"
             )
 
     def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
