@@ -1073,9 +1073,7 @@ def symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tup
     fakes = [
         mode.from_tensor(
             t,
-            symbolic_context=context(
-                dynamic_sizes=[dim.DYNAMIC if d in dims else dim.STATIC for d in range(t.dim())]
-            ),
+            symbolic_context=context(dynamic_sizes=[dim.DYNAMIC if d in dims else dim.STATIC for d in range(t.dim())]),
         )
         for t, dims in zip(tensors, dynamic)
     ]
