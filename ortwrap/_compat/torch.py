@@ -1082,8 +1082,10 @@ def symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tup
 
 def shape_guards(shape_env: Any, fakes: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
     """The guards the trace put on the symbolic sizes of ``fakes`` (``ShapeEnv.produce_guards_expression``:
-    relations, specializations, the ``>= 2`` of every dynamic size), as a check of real inputs."""
-    code = shape_env.produce_guards_expression(fakes, ignore_static=True)
+    relations, specializations, the ``>= 2`` of every dynamic size), as a check of real inputs. Static
+    dims are checked too: with ``ignore_static`` a symbolic dim the trace specialized (an LSTM's loop over
+    the length fixes it) would go unchecked."""
+    code = shape_env.produce_guards_expression(fakes, ignore_static=False)
     if not code:
         return lambda args: True
     return lambda args: bool(shape_env.evaluate_guards_expression(code, args))
