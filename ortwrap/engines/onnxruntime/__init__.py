@@ -315,6 +315,7 @@ class OnnxRuntimeEngine:
             if not guards(leaves):
                 raise NotDynamic("the trace's guards do not hold for the inputs it traced")
             self._shapes.add(family_of(key), compiled, dynamic, leaves, guards)
+            self._shapes.fix(family_of(key), compiled.graphs.get("forward", compiled.graphs.get("inference")), dynamic)
             logger.info("onnxruntime engine: %s built with symbolic sizes", type(module).__name__)
         self.build_count += 1
         self._compiled[key] = compiled

@@ -298,9 +298,10 @@ class DynamicShapes:
         self._seen: dict[tuple, list[tuple]] = {}
         self._builds: dict[tuple, list[tuple[Any, list, Any]]] = {}
         self._refused: set[tuple] = set()
+        self._fixed: dict[tuple, list[set[int]]] = {}
 
     def clear(self) -> None:
-        self._seen.clear(), self._builds.clear(), self._refused.clear()
+        self._seen.clear(), self._builds.clear(), self._refused.clear(), self._fixed.clear()
 
     def find(self, family: tuple, leaves: list[torch.Tensor]) -> Any:
         """The dynamic build that serves ``leaves``, or None."""
@@ -315,11 +316,12 @@ class DynamicShapes:
         if not seen or family in self._refused or any(t.numel() == 0 for t in leaves):
             return None
         shapes = [*seen, tuple(tuple(t.shape) for t in leaves)]
+        fixed = self._fixed.get(family) or [set() for _ in leaves]
         out = []
         for i, t in enumerate(leaves):
             changed = {d for d in range(t.dim()) if len({s[i][d] for s in shapes}) > 1}
-            out.append(changed | ({0} if t.dim() else set()))
-        return out
+            out.append((changed | ({0} if t.dim() else set())) - fixed[i])
+        return out if any(out) else None
 
     def seen(self, family: tuple, leaves: list[torch.Tensor]) -> None:
         self._seen.setdefault(family, []).append(tuple(tuple(t.shape) for t in leaves))
@@ -327,6 +329,18 @@ class DynamicShapes:
     def add(self, family: tuple, compiled: Any, dims: list[set[int]], leaves: list[torch.Tensor], guards) -> None:
         static = [tuple((d, t.shape[d]) for d in range(t.dim()) if d not in ds) for t, ds in zip(leaves, dims)]
         self._builds.setdefault(family, []).append((compiled, static, guards))
+
+    def fix(self, family: tuple, graph: torch.fx.GraphModule | None, dims: list[set[int]]) -> None:
+        """Note the dims the trace specialized (an LSTM's loop over the length): later builds of the family
+        keep them static (a build per size, as the guards require anyway)."""
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"] if graph is not None else []
+        if len(placeholders) < len(dims):
+            return
+        fixed = self._fixed.setdefault(family, [set() for _ in dims])
+        for n, ds, f in zip(placeholders[len(placeholders) - len(dims) :], dims, fixed):
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                f.update(d for d in ds if d < val.dim() and isinstance(val.shape[d], int))
 
     def refuse(self, family: tuple) -> bool:
         """Keep per-shape builds for ``family``; True the first time (to say so once)."""
