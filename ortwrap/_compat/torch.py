@@ -1066,6 +1066,7 @@ def aot_module(
     inference_compiler: Callable[..., Any],
     decompositions: dict[Any, Callable[..., Any]],
     recompute: bool = True,
+    eager_backward: bool = False,
 ) -> Callable[..., Any]:
     """AOTAutograd over ``module`` (``aot_module_simplified``): the compilers get the partitioned
     forward and backward FX graphs (or the inference graph) and return boxed callables
@@ -1073,6 +1074,14 @@ def aot_module(
     which recomputes cheap ops in the backward) instead of the default partition (saves what the
     backward reads, recomputes nothing)."""
     partition = _resolve(_MIN_CUT) if recompute else _resolve("torch._functorch.partitioners.default_partition")
+    if eager_backward:
+        # (AOTAutograd compiles a backward with saved SymInts at trace time, but keeps a failure for the
+        # first backward call: this flag makes it raise here, where the engine can fall back)
+        module_name, _, flag = _EAGER_BACKWARD.rpartition(".")
+        with importlib.import_module(module_name).patch({flag: True}):
+            return aot_module(module, example_inputs, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                              inference_compiler=inference_compiler, decompositions=decompositions,
+                              recompute=recompute)  # fmt: skip
     _resolve(_BACKWARD_AUTOCAST)  # (the option exists)
     config = importlib.import_module("torch._functorch.config")
     # NOTE: the backward is traced with autocast off, as eager's ``loss.backward()`` runs outside the
@@ -1090,6 +1099,7 @@ def aot_module(
 
 
 _declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
+_EAGER_BACKWARD = _declare("torch._functorch.config.force_non_lazy_backward_lowering", ("2.13.0", "2.14.1"))
 _COMPILE_SESSION = _declare("torch.compiler._compile_session_context", ("2.13.0", "2.14.1"))
 _UNSET_FAKE = _declare("torch._subclasses.fake_tensor.unset_fake_temporarily", ("2.13.0", "2.14.1"))
 _NO_DISPATCH_MODES = _declare("torch.utils._python_dispatch._disable_current_modes", ("2.13.0", "2.14.1"))
@@ -1166,3 +1176,57 @@ def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+# ----------------------------------------------------------- symbolic sizes (the onnxruntime engine)
+
+_FAKE_MODE = _declare("torch._subclasses.fake_tensor.FakeTensorMode", ("2.13.0", "2.14.1"))
+_STATELESS_CONTEXT = _declare("torch.fx.experimental.symbolic_shapes.StatelessSymbolicContext", ("2.13.0", "2.14.1"))
+_DIM_DYNAMIC = _declare("torch.fx.experimental.symbolic_shapes.DimDynamic", ("2.13.0", "2.14.1"))
+_FLOOR_DIV = _declare("torch.utils._sympy.functions.FloorDiv", ("2.13.0", "2.14.1"))
+
+
+def symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tuple[Any, list[torch.Tensor]]:
+    """Fake copies of ``tensors`` in a new FakeTensorMode with a ShapeEnv, the dims in ``dynamic[i]``
+    of tensor ``i`` symbolic (each its own symbol: no duck sizing), the others static. AOTAutograd
+    traces with the mode it finds in its example inputs, so its graphs get symbolic sizes. Returns
+    ``(shape_env, fakes)``."""
+    shape_env = _resolve(_SHAPE_ENV)(duck_shape=False, tracked_fakes=[])
+    mode = _resolve(_FAKE_MODE)(shape_env=shape_env)
+    context, dim = _resolve(_STATELESS_CONTEXT), _resolve(_DIM_DYNAMIC)
+    fakes = [
+        mode.from_tensor(
+            t,
+            symbolic_context=context(dynamic_sizes=[dim.DYNAMIC if d in dims else dim.STATIC for d in range(t.dim())]),
+        )
+        for t, dims in zip(tensors, dynamic)
+    ]
+    return shape_env, fakes
+
+
+def shape_guards(shape_env: Any, fakes: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
+    """The guards the trace put on the symbolic sizes of ``fakes`` (``ShapeEnv.produce_guards_expression``:
+    relations, specializations, the ``>= 2`` of every dynamic size), as a check of real inputs. Static
+    dims are checked too: with ``ignore_static`` a symbolic dim the trace specialized (an LSTM's loop over
+    the length fixes it) would go unchecked."""
+    code = shape_env.produce_guards_expression(fakes, ignore_static=False)
+    if not code:
+        return lambda args: True
+    return lambda args: bool(shape_env.evaluate_guards_expression(code, args))
+
+
+def sym_expr(value: Any) -> Any:
+    """The sympy expression of a SymInt (``value.node.expr``), or the int itself."""
+    return value.node.expr if isinstance(value, torch.SymInt) else value
+
+
+def sym_hint(value: Any) -> int:
+    """The value a SymInt had in the trace's example (its hint), or the int itself."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint)
+    return int(value)
+
+
+def floor_div_type() -> type:
+    """torch's sympy ``FloorDiv`` (the ``//`` of symbolic sizes)."""
+    return _resolve(_FLOOR_DIV)

@@ -19,7 +19,10 @@ Under ``torch.autocast`` the trace writes autocast's casts into the graphs (the 
 the signature; the backward traced with autocast off, as eager's); on the CPU provider each bf16/fp16
 op computes in float32 between Casts (``half.py``).
 
-Shapes are static: a new shape signature builds again (``build_count``). Buffer updates
+Dynamic dims (``dynamic.py``): a family of signatures' first shape builds with static sizes; once a size
+changes, one build with symbolic sizes (the changed dims and every input's first) serves the family's
+later shapes, where the trace's guards hold (``build_count`` counts both). A graph that cannot be dynamic
+keeps one build per shape (said once in the log). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
@@ -46,6 +49,7 @@ from ..._compat import torch as compat
 from ..._logging import logger, warn_at_user_line
 from ...bridge.state import qualified_name
 from ...errors import ExportError, ORTWrapError, UnsupportedFunctionError, UnsupportedInputError, sentence
+from .dynamic import DynamicRunner, DynamicShapes, NotDynamic, family_of
 from .fragments import EngineSplitCapture, data_dependent_error, shapeless_key
 from .functions import FunctionTracer
 from .session import GraphRunner, binds_bfloat16, ort_version
@@ -118,11 +122,14 @@ class OnnxRuntimeEngine:
         self._opaque: set[type] = set()
         #: signature without shapes -> its split capture (a trace that stopped on a value: fragments.py)
         self._split: dict[tuple, EngineSplitCapture] = {}
+        #: builds with symbolic sizes, per family of signatures (dynamic.py)
+        self._shapes = DynamicShapes()
         if options.aggressive_cpu_fallback:
-            # (the host shape program moves shape computations out of the graph; static shapes leave none)
+            # (the host shape program moves shape computations out of the graph; static builds have none, and
+            # dynamic builds compute their shapes in the graph: not carried over yet)
             logger.info(
-                "onnxruntime engine: aggressive_cpu_fallback does not apply: each build has static shapes, so its "
-                "graphs compute no shapes (every Reshape/Expand/Slice shape is a constant)"
+                "onnxruntime engine: aggressive_cpu_fallback does not apply: static builds compute no shapes, "
+                "and builds with symbolic sizes compute theirs inside the ORT graph (not moved to the host yet)"
             )
 
     def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
@@ -138,6 +145,8 @@ class OnnxRuntimeEngine:
             return self._aot(flat, leaves, compiler, tracer)
 
     def _aot(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
+        # (symbolic sizes: the backward, which AOTAutograd may compile on its first call, compiled now)
+        eager_backward = any(isinstance(s, torch.SymInt) for t in leaves for s in t.shape)
         with sdpa_kernel([SDPBackend.MATH]), _mkldnn_off(), compat.compile_session(), tracer.tracing():
             return compat.aot_module(
                 flat,
@@ -147,12 +156,14 @@ class OnnxRuntimeEngine:
                 inference_compiler=compiler("inference"),
                 decompositions=_decompositions(),
                 recompute=self.options.recompute != "none",
+                eager_backward=eager_backward,
             )
 
     def clear(self) -> None:
         self._compiled.clear()
         self._failed.clear()
         self._split.clear()
+        self._shapes.clear()
 
     @property
     def split_capture(self) -> EngineSplitCapture | None:
@@ -199,9 +210,12 @@ class OnnxRuntimeEngine:
             if key in self._failed or any(t.numel() == 0 for t in leaves):
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
+            compiled = self._dynamic(wrapper, module, leaves, in_spec, key)
+        if compiled is None:
             try:
                 with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
                     compiled = self._build(module, leaves, in_spec, key)
+                self._shapes.seen(family_of(key), leaves)
             except ORTWrapError as e:
                 if compat.data_dependent_trace_error(e) is not None:
                     # NOTE: no one graph (the module's Python reads a value, an op's shape depends on
@@ -223,13 +237,41 @@ class OnnxRuntimeEngine:
         outputs = compiled.fn(*leaves)
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
-    def _build(self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple) -> _Compiled:
+    def _dynamic(self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple):
+        """The build with symbolic sizes that serves this call (built now if the family's sizes changed),
+        or None: a per-shape build (dynamic.py)."""
+        family = family_of(key)
+        compiled = self._shapes.find(family, leaves)
+        if compiled is not None:
+            self._compiled[key] = compiled
+            return compiled
+        dims = self._shapes.dims(family, leaves)
+        if dims is None:
+            return None
+        try:
+            with integrations.export_context(wrapper):
+                return self._build(module, leaves, in_spec, key, dims)
+        except Exception as e:
+            if self._shapes.refuse(family):
+                logger.warning(
+                    "onnxruntime engine: %s cannot run with symbolic sizes (%s: %s); it builds once per input shape",
+                    type(module).__name__, type(e).__name__, _first_line(e),
+                )  # fmt: skip
+            return None
+
+    def _build(
+        self, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple, dynamic: list | None = None
+    ) -> _Compiled:
+        """One build: static sizes, or symbolic ones in the ``dynamic`` dims of each input (dynamic.py)."""
         if any(dtype == torch.bfloat16 for _, dtype in key[-1]) and not binds_bfloat16():
             raise ExportError(
                 f"bfloat16 autocast on engine='onnxruntime' needs onnxruntime >= 1.20 (its IOBinding binds bfloat16 "
                 f"tensors); this is {ort_version()}"
             )
         compiled = _Compiled()
+        example = leaves
+        if dynamic is not None:
+            shape_env, example = compat.symbolic_inputs(leaves, dynamic)
         device = leaves[0].device if leaves else next(module.parameters(), torch.empty(0)).device
         options = self.options
 
@@ -238,8 +280,10 @@ class OnnxRuntimeEngine:
                 compiled.graphs[what] = gm
                 fusions = options.fusions and what != "backward"
                 with compat.no_fake_mode():  # (AOTAutograd calls compilers in its fake mode)
-                    in_torch = untranslatable(gm)
-                    if in_torch:
+                    in_torch = None if dynamic is not None else untranslatable(gm)
+                    if dynamic is not None:
+                        runner = DynamicRunner(gm, what, device, options, fusions)
+                    elif in_torch:
                         runner = SplitRunner(gm, what, device, options, fusions, in_torch)
                         logger.info(
                             "onnxruntime engine: the %s graph of %s runs in %d ORT segments, with %s in PyTorch",
@@ -258,11 +302,13 @@ class OnnxRuntimeEngine:
         while True:
             tracer = FunctionTracer(self._opaque)
             try:
-                compiled.fn = self._trace(flat, leaves, compiler, tracer)
+                compiled.fn = self._trace(flat, example, compiler, tracer)
                 break
             except ORTWrapError:
                 raise
             except Exception as e:
+                if dynamic is not None:
+                    raise NotDynamic(f"AOTAutograd could not trace it: {type(e).__name__}: {_first_line(e)}") from e
                 untraceable = next((c for c in tracer.failed if c not in self._opaque), None)
                 if untraceable is not None:
                     # NOTE: traced again with the Function as one opaque op (functions.py), run in
@@ -291,6 +337,13 @@ class OnnxRuntimeEngine:
                     f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
                 ) from e
         compiled.out_spec = flat.out_spec
+        if dynamic is not None:
+            guards = compat.shape_guards(shape_env, example)
+            if not guards(leaves):
+                raise NotDynamic("the trace's guards do not hold for the inputs it traced")
+            self._shapes.add(family_of(key), compiled, dynamic, leaves, guards)
+            self._shapes.fix(family_of(key), compiled.graphs.get("forward", compiled.graphs.get("inference")), dynamic)
+            logger.info("onnxruntime engine: %s built with symbolic sizes", type(module).__name__)
         self.build_count += 1
         self._compiled[key] = compiled
         self.last = compiled

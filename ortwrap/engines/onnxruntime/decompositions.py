@@ -26,6 +26,8 @@ def convolution_backward(
             # y = conv_transpose(x, w) is the input's gradient of a convolution by w: x's gradient is that
             # convolution of y's gradient (its output size is x's; output_padding's extra rows are not read)
             grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation, False, [0] * nd, groups)
+        elif any(isinstance(input.shape[2 + i], torch.SymInt) for i in range(nd)):
+            grad_input = _input_grad_symbolic(grad_out, weight, stride, padding, dilation, groups, input.shape, nd)
         else:
             extra = [
                 input.shape[2 + i]
@@ -60,6 +62,20 @@ def convolution_backward(
     if output_mask[2]:
         grad_bias = grad_out.sum([0, *range(2, grad_out.dim())])
     return grad_input, grad_weight, grad_bias
+
+
+def _input_grad_symbolic(grad_out, weight, stride, padding, dilation, groups, size, nd):
+    """A convolution's input gradient when the input's sizes are symbolic (the engine's dynamic builds):
+    the output padding would be a computed size, which ONNX's ConvTranspose takes only as a number. So the
+    full transposed convolution (no padding), padded at the end by ``stride - 1`` (the input reaches at
+    most that far past it), then the input's window cut out (``padding`` on, ``size`` long)."""
+    full = aten.convolution(grad_out, weight, None, stride, [0] * nd, dilation, True, [0] * nd, groups)
+    pads = [p for i in reversed(range(nd)) for p in (0, stride[i] - 1)]
+    if any(pads):
+        full = aten.constant_pad_nd(full, pads, 0.0)
+    for i in range(nd):
+        full = aten.slice(full, 2 + i, padding[i], padding[i] + size[2 + i])
+    return full
 
 
 def copy(self, src, non_blocking=False):

@@ -142,10 +142,15 @@ def _identity_transposes(model: ir.Model) -> None:
             model.graph.remove(node, safe=True)
 
 
-def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False) -> TranslatedGraph:
+def translate(
+    gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False, dynamic: bool = False
+) -> TranslatedGraph:
     """``gm`` (an AOTAutograd graph) as ONNX. ``what`` names the graph in errors. ``fusions``: ortwrap's
     GELU / LayerNorm / RMSNorm fusions (``passes/fusions.py``; its rules leave a pattern whose
-    intermediate values are graph outputs, saved for the backward, alone)."""
+    intermediate values are graph outputs, saved for the backward, alone). ``dynamic``: ``gm``'s
+    inputs have symbolic sizes (tensor inputs only: ``dynamic.py`` prepares it), captured with
+    ``Dim.AUTO`` on each, so the ONNX graph has symbolic dims; ``output_meta`` then holds the trace's
+    example sizes."""
     from ...export.dynamo import _cleanup, _quiet_exporter
     from ...export.dynamo_translate import dynamo_to_onnx
     from ...passes.stop_gradient import ResolveStopGradientPass
@@ -164,10 +169,21 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
         positions.append(len(kept))
         kept.append(r)
     metas = [_meta(n) for n in placeholders]
-    for m in metas:
-        if any(not isinstance(d, int) for d in m.shape):
-            raise ExportError(f"the {what} graph has symbolic shapes; this engine builds per shape signature")
-    output_meta = [(tuple(int(d) for d in _meta(n).shape), _meta(n).dtype) for n in kept]
+    dynamic_shapes = None
+    if dynamic:
+        from ..._compat import torch as compat
+
+        hint = compat.sym_hint
+        dynamic_shapes = tuple(
+            {d: torch.export.Dim.AUTO for d, s in enumerate(m.shape) if isinstance(s, torch.SymInt)} or None
+            for m in metas
+        )
+    else:
+        for m in metas:
+            if any(not isinstance(d, int) for d in m.shape):
+                raise ExportError(f"the {what} graph has symbolic shapes; this engine builds per shape signature")
+        hint = int
+    output_meta = [(tuple(hint(d) for d in _meta(n).shape), _meta(n).dtype) for n in kept]
 
     # A copy of the graph that returns only the tensor outputs, as a tuple (torch.export's contract).
     graph = torch.fx.Graph()
@@ -180,10 +196,10 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     module = torch.fx.GraphModule(gm, graph)
-    example = tuple(torch.zeros(m.shape, dtype=m.dtype) for m in metas)
+    example = tuple(torch.zeros([hint(d) for d in m.shape], dtype=m.dtype) for m in metas)
     try:
         with _quiet_exporter():
-            program = torch.export.export(module, example, strict=False)
+            program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
             ir_model, _ = dynamo_to_onnx(program, table=_engine_translations(), opset=opset, decompose=False)
         _cleanup(ir_model)
         # ortwrap's translations mark detach (and an embedding's padding row) ortwrap::StopGradient for
@@ -207,6 +223,12 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
         raise ExportError(f"the {what} graph's ONNX has {len(g.inputs)} inputs, its FX graph {len(placeholders)}")
     if len(g.outputs) != len(kept):
         raise ExportError(f"the {what} graph's ONNX has {len(g.outputs)} outputs, its FX graph {len(kept)}")
+    if dynamic_shapes is not None:
+        # (Dim.AUTO specializes silently: a dim the capture fixed would give wrong shapes at other sizes)
+        for v, dims in zip(g.inputs, dynamic_shapes):
+            fixed = [d for d in dims or () if v.shape is None or isinstance(v.shape[d], int)]
+            if fixed:
+                raise ExportError(f"torch.export fixed dims {fixed} of the {what} graph's input {v.name}")
     input_names = [f"in{i}" for i in range(len(g.inputs))]
     for v, name in zip(g.inputs, input_names):
         v.name = name
@@ -228,25 +250,27 @@ def translate(gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: boo
     )
 
 
-def translate_cached(gm: torch.fx.GraphModule, what: str, fusions: bool, use_cache: bool) -> TranslatedGraph:
+def translate_cached(
+    gm: torch.fx.GraphModule, what: str, fusions: bool, use_cache: bool, dynamic: bool = False
+) -> TranslatedGraph:
     """:func:`translate`, through the build cache (``Options.build_cache``, ``build/cache.py``: signed
     entries keyed by the FX graph with its constants, the options that shape the ONNX and the
     versions). A second process still traces with AOTAutograd, and skips the translation (its
     ``torch.export``, torchlib and the cleanup: most of a graph's build time)."""
     if not use_cache:
-        return translate(gm, what, fusions=fusions)
+        return translate(gm, what, fusions=fusions, dynamic=dynamic)
     from ...build import cache
     from ...options import build_cache_dir
 
     try:
-        key = cache.fx_graph_key("engine=onnxruntime", gm, OPSET, fusions)
+        key = cache.fx_graph_key("engine=onnxruntime", gm, OPSET, fusions, *(("dynamic",) if dynamic else ()))
     except cache.Uncacheable as e:
         logger.info("build cache: the %s graph is not cached: %s", what, e)
-        return translate(gm, what, fusions=fusions)
+        return translate(gm, what, fusions=fusions, dynamic=dynamic)
     entries = cache.load(build_cache_dir(), key)
     if entries and isinstance(entries[0].graph, TranslatedGraph):
         return dataclasses.replace(entries[0].graph, from_cache=True)
-    graph = translate(gm, what, fusions=fusions)
+    graph = translate(gm, what, fusions=fusions, dynamic=dynamic)
     # (the training engine's entry type, with the translated graph in ``graph`` and nothing else)
     entry = cache.CacheEntry(
         model_bytes=b"", graph=graph, exported=b"", pre_grad=b"", user_input_names=[], output_names=[], out_spec=(),
