@@ -142,6 +142,28 @@ def test_gpt_lm_with_the_loss_inside():
     check_parity(lm_model, lm_inputs, wrap_options=ORT, optimizer=adamw, loss_fn=lambda out: out[0])
 
 
+class _BatchFirstAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_backward_of_a_transposed_saved_value_translates():
+    # nn.MultiheadAttention(batch_first=True)'s backward views a permute of a saved value that the
+    # forward laid out transposed: translated on contiguous stand-ins, the view was illegal
+    # ("Cannot view a tensor with shape [6, 4, 16] and strides (16, 96, 1)"); the stand-ins now keep
+    # the traced strides
+    check_parity(
+        _BatchFirstAttention,
+        lambda b, g: ((torch.randn(b, 6, 16, generator=g, requires_grad=True),), {}),
+        wrap_options=ORT,
+        batch_sizes=(4, 3),
+    )  # (SGD: the key bias's gradient is rounding noise, which AdamW would turn into full steps)
+
+
 def test_translated_graphs_come_from_the_build_cache(tmp_path, monkeypatch):
     """The translation (most of a graph's build) is cached on disk, keyed by the AOTAutograd graph with
     its constants: a second wrapper (as a second process) loads both graphs, with eager's numbers."""

@@ -13,6 +13,7 @@ an input that needs none) are dropped and put back by the runner.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import onnx_ir as ir
@@ -142,6 +143,19 @@ def _identity_transposes(model: ir.Model) -> None:
             model.graph.remove(node, safe=True)
 
 
+def _example(meta: torch.Tensor, hint: Callable[[Any], int]) -> torch.Tensor:
+    """A zero tensor like the placeholder's value, with its strides: AOTAutograd traced the graph on
+    tensors laid out so (a saved value that is a transposed view, say), and a ``view`` in the graph that
+    is legal on that layout is not on a contiguous one (nn.MultiheadAttention's backward: ``view`` of a
+    ``permute`` of a saved batch-first output). ONNX has no strides: only the trace needs them."""
+    shape = [hint(d) for d in meta.shape]
+    try:
+        stride = [hint(s) for s in meta.stride()]
+    except Exception:  # (a layout without strides: sparse, or a size hint missing)
+        return torch.zeros(shape, dtype=meta.dtype)
+    return torch.empty_strided(shape, stride, dtype=meta.dtype).zero_()
+
+
 def translate(
     gm: torch.fx.GraphModule, what: str, opset: int = 20, fusions: bool = False, dynamic: bool = False
 ) -> TranslatedGraph:
@@ -196,7 +210,7 @@ def translate(
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     module = torch.fx.GraphModule(gm, graph)
-    example = tuple(torch.zeros([hint(d) for d in m.shape], dtype=m.dtype) for m in metas)
+    example = tuple(_example(m, hint) for m in metas)
     try:
         with _quiet_exporter():
             program = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
