@@ -835,7 +835,8 @@ def test_autocast_trains_like_eager_autocast(model, inputs, dtype, loss, optimiz
     w = check_parity(
         model, inputs, wrap_options=ORT, optimizer=optimizer, autocast=_amp(dtype), atol=tol, rtol=tol, **kw
     )
-    assert w._engine.fallback_calls == 0 and w._engine.build_count == 3
+    # (3 batch sizes: the first builds with static sizes, the next with symbolic ones that serve the third)
+    assert w._engine.fallback_calls == 0 and w._engine.build_count == 2
     assert _rewritten(w) > 0  # (half-precision nodes computed in float32 between Casts: half.py)
     # (batch norm's var_mean was left to PyTorch by the split before it was decomposed; max pooling's
     # backward, which torchlib does not translate, still runs in PyTorch between two ORT segments)
