@@ -14,7 +14,7 @@ ENGINE_VENV := -$(ORT_EXTRA)
 # test_coverage_amp.ENGINE_AMP_FAST (gpt2 under bf16 autocast); issue 28's families on the engine:
 # `.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`; and DDP and DeepSpeed
 # ZeRO 1/2/3 on two ranks, about 1 minute)
-ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py \
+ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py \
 	tests/test_coverage.py::test_architecture_trains_like_eager \
 	tests/test_coverage_amp.py::test_architecture_trains_under_autocast_on_the_onnxruntime_engine \
 	tests/test_distributed.py::test_ddp_of_ortwrap_on_the_onnxruntime_engine_matches_eager_ddp \

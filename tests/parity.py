@@ -23,6 +23,17 @@ EXPORTER = "torchscript"
 ENGINE: str | None = None
 
 
+def signature_builds(wrapped) -> tuple[int, int]:
+    """How many graphs ``wrapped`` built for its calls, and the most one call signature whose sizes
+    change may take on its engine: the training engine exports once (its dims are dynamic from the
+    start); ``engine="onnxruntime"`` builds the first shape with static sizes, then once with
+    symbolic sizes that serve the later ones (docs/engines.md, "Dynamic dims")."""
+    engine = getattr(wrapped, "_engine", None)
+    if engine is None:
+        return wrapped.export_count, 1
+    return engine.build_count, 2
+
+
 def engine_missing(engine: str) -> str | None:
     """Why ``engine`` cannot run in this environment (its runtime is not installed), or None."""
     from ortwrap.engines import is_onnxruntime_available, is_training_available

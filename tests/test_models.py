@@ -1,10 +1,14 @@
-"""Parity with eager PyTorch for whole models over several steps with changing batch sizes."""
+"""Parity with eager PyTorch for whole models over several steps with changing batch sizes.
+
+Runs on whichever engine the environment resolves (``engine="auto"``): the training engine in
+``.venv``, ``engine="onnxruntime"`` in the engine's venv, where ``ORT_EXTRA=ort make test`` runs this
+file too (the exporter fixture's two settings mean nothing there: the graphs come from AOTAutograd)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from parity import check_parity, seq_len
+from parity import check_parity, seq_len, signature_builds
 from tiny_gpt import GPTConfig, TinyGPT
 from torch import nn
 
@@ -17,7 +21,8 @@ def mlp() -> nn.Module:
 
 def test_mlp():
     w = check_parity(mlp, lambda b, g: ((torch.randn(b, 20, generator=g),), {}))
-    assert w.export_count == 1, "changing only the batch size must not re-export"
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most, "changing only the batch size must not re-export"
 
 
 class SmallCNN(nn.Module):
@@ -62,7 +67,8 @@ def test_transformer_encoder_layer_with_padding_mask():
     # The fast path of TransformerEncoderLayer is off in training and under autograd; both sides
     # take the same math path.
     w = check_parity(EncoderWithMask, inputs)
-    assert w.export_count == 1, "a new sequence length must not re-export"
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most, "a new sequence length must not re-export"
 
 
 class Attention(nn.Module):
@@ -95,7 +101,8 @@ def test_multihead_attention_across_sequence_lengths(batch_first, masks):
         return ((x if batch_first else x.transpose(0, 1).contiguous()), pad), {}
 
     w = check_parity(lambda: Attention(batch_first, masks), inputs)
-    assert w.export_count == 1
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most
 
 
 def test_gpt_lm_with_loss_inside():
@@ -108,7 +115,8 @@ def test_gpt_lm_with_loss_inside():
         return (data[:, :-1], data[:, 1:]), {}
 
     w = check_parity(lambda: TinyGPT(cfg), inputs, batch_sizes=(2, 3, 2), loss_fn=lambda out: out[0])
-    assert w.export_count == 1
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most
 
 
 class ScaledByBuffers(nn.Module):
