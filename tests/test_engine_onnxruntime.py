@@ -162,6 +162,22 @@ def test_backward_of_a_transposed_saved_value_translates():
     )  # (SGD: the key bias's gradient is rounding noise, which AdamW would turn into full steps)
 
 
+class _UnfoldLastDim(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l(x)
+        return h.unfold(-1, 4, 2).sum(-1).repeat(1, 3)[:, :8] * h  # (overlapping windows: uneven weights)
+
+
+def test_unfold_backward_with_a_negative_dim():
+    # aten.unfold_backward's decomposition gave ScatterND int32 indices, which onnxruntime refuses
+    # (ONNX: int64 only): "Type 'tensor(int32)' of input parameter ... of operator (ScatterND) is invalid"
+    check_parity(_UnfoldLastDim, lambda b, g: ((torch.randn(b, 8, generator=g),), {}), wrap_options=ORT)
+
+
 def test_translated_graphs_come_from_the_build_cache(tmp_path, monkeypatch):
     """The translation (most of a graph's build) is cached on disk, keyed by the AOTAutograd graph with
     its constants: a second wrapper (as a second process) loads both graphs, with eager's numbers."""

@@ -143,6 +143,22 @@ def _identity_transposes(model: ir.Model) -> None:
             model.graph.remove(node, safe=True)
 
 
+def _int64_nd_indices(model: ir.Model) -> None:
+    """``ScatterND`` and ``GatherND`` take int64 indices only (ONNX's schema); torchlib writes the int32
+    indices of a decomposition as they come (``aten.unfold_backward`` with a negative dim), which
+    onnxruntime refuses when it creates the session: a Cast to int64 goes in front."""
+    for node in list(model.graph):
+        if node.domain != "" or node.op_type not in ("ScatterND", "GatherND"):
+            continue
+        indices = node.inputs[1]
+        if indices is None or indices.dtype != ir.DataType.INT32:
+            continue
+        cast = ir.node("Cast", [indices], attributes={"to": ir.DataType.INT64})
+        model.graph.insert_before(node, cast)
+        cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.INT64, indices.shape
+        node.replace_input_with(1, cast.outputs[0])
+
+
 def _example(meta: torch.Tensor, hint: Callable[[Any], int]) -> torch.Tensor:
     """A zero tensor like the placeholder's value, with its strides: AOTAutograd traced the graph on
     tensors laid out so (a saved value that is a transposed view, say), and a ``view`` in the graph that
@@ -220,6 +236,7 @@ def translate(
         # ORT's gradient builder; AOTAutograd's graphs are differentiated already: the markers go.
         ResolveStopGradientPass(with_backward=False)(ir_model)
         _identity_transposes(ir_model)
+        _int64_nd_indices(ir_model)
         # (a graph of no ops but the Identity below, a backward that hands its gradient through,
         # imports no opset: ORT refuses a model without one)
         ir_model.opset_imports.setdefault("", opset)
