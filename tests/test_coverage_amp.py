@@ -153,7 +153,7 @@ def test_architecture_trains_under_autocast_on_the_float32_route(case, exporter)
 
 
 #: engine="onnxruntime" under bf16 autocast (docs/engines.md): cases run by default in the engine's own
-#: venv (beside the training build they are slow, as tests/test_coverage.py's ENGINE_FAST).
+#: venv (beside the training build they are slow, as tests/test_coverage.py's engine cases).
 ENGINE_AMP_FAST = ("gpt2",)
 
 
