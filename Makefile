@@ -13,8 +13,9 @@ ENGINE_VENV := -$(ORT_EXTRA)
 # (and the whole coverage suite's CASES on the engine, not slow there, about 5 minutes, and
 # test_coverage_amp.ENGINE_AMP_FAST (gpt2 under bf16 autocast); issue 28's families on the engine:
 # `.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`; and DDP and DeepSpeed
-# ZeRO 1/2/3 on two ranks, about 1 minute)
-ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py \
+# ZeRO 1/2/3 on two ranks, about 1 minute; and test_gradients.py's fast cases, the `slow` marker's
+# subset of each table: 30 on the engine, under a minute of CPU; all 88 take over 2 minutes of CPU)
+ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py tests/test_gradients.py \
 	tests/test_coverage.py::test_architecture_trains_like_eager \
 	tests/test_coverage_amp.py::test_architecture_trains_under_autocast_on_the_onnxruntime_engine \
 	tests/test_distributed.py::test_ddp_of_ortwrap_on_the_onnxruntime_engine_matches_eager_ddp \
@@ -28,7 +29,8 @@ VENV ?= .venv$(ENGINE_VENV)-$(TORCH)
 endif
 PY := $(VENV)/bin/python
 # `make test` leaves out the tests marked slow (model sweeps); `make test-slow` runs only those. In an
-# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests (none of them is slow there).
+# engine venv (ORT_EXTRA=ort), `make test` runs the engine's tests (not slow there, but for
+# test_gradients.py's slow cases, which run by hand: `.venv-ort/bin/python -m pytest tests/test_gradients.py`).
 ifdef ENGINE_TESTS
 PYTEST_ARGS ?= -m "not slow" $(ENGINE_TESTS)
 else
