@@ -125,11 +125,12 @@ class OnnxRuntimeEngine:
         #: builds with symbolic sizes, per family of signatures (dynamic.py)
         self._shapes = DynamicShapes()
         if options.aggressive_cpu_fallback:
-            # (the host shape program moves shape computations out of the graph; static builds have none, and
-            # dynamic builds compute their shapes in the graph: not carried over yet)
+            # (the host shape program moves shape computations out of the graph: a build with symbolic sizes
+            # has them, dynamic.py splits them off; a build with static sizes has none)
             logger.info(
-                "onnxruntime engine: aggressive_cpu_fallback does not apply: static builds compute no shapes, "
-                "and builds with symbolic sizes compute theirs inside the ORT graph (not moved to the host yet)"
+                "onnxruntime engine: aggressive_cpu_fallback applies to builds with symbolic sizes (their shape "
+                "computations move to a host shape program); a build with static sizes (a signature's first "
+                "shape) computes no shapes, so nothing moves there"
             )
 
     def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:
