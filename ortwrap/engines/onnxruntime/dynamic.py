@@ -319,9 +319,7 @@ def split_shapes(graph: TranslatedGraph, what: str) -> tuple[TranslatedGraph, Ho
     try:
         model = onnx.load_from_string(graph.model)
         symbolic = {
-            v.name
-            for v in model.graph.input
-            if any(not d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
+            v.name for v in model.graph.input if any(not d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
         }
         main, split = split_host_shapes(model, symbolic)
     except Exception as e:
