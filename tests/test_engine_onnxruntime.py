@@ -1051,6 +1051,7 @@ def _onnx_ops(runner) -> dict[str, int]:
     return counts
 
 
+@SLOW_BESIDE_TRAINING
 def test_aggressive_cpu_fallback_moves_symbolic_shapes_to_the_host(caplog):
     """``aggressive_cpu_fallback`` on a build with symbolic sizes: the shape computations of the forward
     and backward graphs (Shape of the inputs, and the Gather/Squeeze/Mul/Concat that build Reshape,
@@ -1089,6 +1090,7 @@ def test_aggressive_cpu_fallback_moves_symbolic_shapes_to_the_host(caplog):
     assert len(said) == 1 and "static sizes" in said[0] and "nothing moves" in said[0]
 
 
+@SLOW_BESIDE_TRAINING
 def test_aggressive_cpu_fallback_keeps_the_numbers_and_off_keeps_the_shape_nodes():
     """The same block with the option off and on: bit-identical outputs and gradients at every sequence
     length; off, the symbolic graphs keep their shape nodes and no host program runs."""
