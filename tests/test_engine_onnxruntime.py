@@ -1088,6 +1088,16 @@ def test_aggressive_cpu_fallback_moves_symbolic_shapes_to_the_host(caplog):
         assert not split.feeds and not split.moved
     said = [r.getMessage() for r in caplog.records if "aggressive_cpu_fallback applies" in r.getMessage()]
     assert len(said) == 1 and "static sizes" in said[0] and "nothing moves" in said[0]
+    # inference (no_grad, eval): its graph with symbolic sizes is split too, eager's outputs
+    eager = copy.deepcopy(w.module).eval()
+    w.eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for b in (4, 3, 5):
+            (x,), _ = _llama_inputs(b, gen)
+            assert_close(w(x), eager(x), f"inference output, batch {b}")
+    inference = w._engine.last.runners["inference"]
+    assert isinstance(inference, DynamicRunner) and inference.host_split.moved
 
 
 @SLOW_BESIDE_TRAINING

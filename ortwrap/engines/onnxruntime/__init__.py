@@ -22,7 +22,8 @@ op computes in float32 between Casts (``half.py``).
 Dynamic dims (``dynamic.py``): a family of signatures' first shape builds with static sizes; once a size
 changes, one build with symbolic sizes (the changed dims and every input's first) serves the family's
 later shapes, where the trace's guards hold (``build_count`` counts both). A graph that cannot be dynamic
-keeps one build per shape (said once in the log). Buffer updates
+keeps one build per shape (said once in the log). With ``aggressive_cpu_fallback``, the symbolic build's
+shape computations move to the training engine's host shape program (``dynamic.split_shapes``). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
