@@ -12,12 +12,14 @@ import gc
 import logging
 
 import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn.functional as F
 from model_zoo import ResNetish, image_inputs
 from parity import assert_close, check_parity
 from tiny_gpt import GPTConfig, TinyGPT, batch
+from tiny_llama import LlamaBlock, LlamaConfig
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,7 +27,7 @@ import ortwrap
 from ortwrap import Options, ORTWrap
 from ortwrap.engines import available_engines, is_onnxruntime_available, is_training_available, resolve
 from ortwrap.engines.onnxruntime import functions
-from ortwrap.engines.onnxruntime.dynamic import DynamicRunner
+from ortwrap.engines.onnxruntime.dynamic import DynamicRunner, split_shapes
 from ortwrap.engines.onnxruntime.session import GraphRunner, binds_bfloat16
 from ortwrap.engines.onnxruntime.split import SplitRunner
 
@@ -1029,3 +1031,106 @@ def test_graph_that_cannot_be_dynamic_keeps_per_shape_builds(caplog):
     assert w._engine.build_count == 4
     said = [r.getMessage() for r in caplog.records if "cannot run with symbolic sizes" in r.getMessage()]
     assert len(said) == 1 and "WithCustomOp" in said[0] and "numpy_softsign" in said[0]
+
+
+# ------------------------------------------------------------------------ aggressive CPU fallback
+
+_LLAMA = LlamaConfig(d=32, heads=4, hidden=64, max_len=16)
+
+
+def _llama_inputs(b, g):
+    # (the batch and the sequence length change at each step: the second step builds with symbolic sizes)
+    return (torch.randn(b, {4: 8, 7: 5, 3: 11, 5: 16}[b], _LLAMA.d, generator=g),), {}
+
+
+def _onnx_ops(runner) -> dict[str, int]:
+    """Op type -> count in the graph the runner's session runs (the main graph, after any split)."""
+    counts: dict[str, int] = {}
+    for n in onnx.load_from_string(runner.graph.model).graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return counts
+
+
+@SLOW_BESIDE_TRAINING
+def test_aggressive_cpu_fallback_moves_symbolic_shapes_to_the_host(caplog):
+    """``aggressive_cpu_fallback`` on a build with symbolic sizes: the shape computations of the forward
+    and backward graphs (Shape of the inputs, and the Gather/Squeeze/Mul/Concat that build Reshape,
+    Expand, Range and Slice inputs from it) leave the graph for the training engine's host shape program;
+    eager's outputs and gradients at every sequence length."""
+    caplog.set_level(logging.INFO, logger="ortwrap")
+    w = check_parity(lambda: LlamaBlock(_LLAMA), _llama_inputs, batch_sizes=DYNAMIC_STEPS, lr=0.01,
+                     wrap_options={**ORT, "aggressive_cpu_fallback": True})  # fmt: skip
+    _dynamic_built(w)
+    runners = w._engine.last.runners
+    assert set(runners) == {"forward", "backward"}
+    for what, runner in runners.items():
+        split = runner.host_split
+        assert split is not None and split.moved and split.feeds, what
+        moved = [p.op_type for p in split.moved.values()]
+        assert "Shape" in moved and {"Concat", "Mul"} & set(moved), (what, moved)
+        # every Shape/Size of an input left the main graph: its dims come from tensor.shape on the host
+        main = onnx.load_from_string(runner.graph.model)
+        inputs = {v.name for v in main.graph.input}
+        assert not [n.name for n in main.graph.node if n.op_type in ("Shape", "Size") and n.input[0] in inputs], what
+        assert {f.name for f in split.feeds} <= inputs
+        assert all(f.source in runner.graph.input_names for f in (*split.feeds, *split.program_inputs) if f.source)
+        # the shape program ran once per distinct shape the symbolic build served (7, 3 and 5)
+        assert runner.host_shapes_runner.runs == 3, what
+    reasons = {r for p in runners["forward"].host_split.moved.values() for r in p.reasons}
+    assert any("(shape)" in r for r in reasons) and any("(limit)" in r for r in reasons), reasons
+    # the first shape's static build: nothing to move (every shape a constant), as the log says once
+    static = [c for c in w._engine._compiled.values() if c is not w._engine.last]
+    assert static and all(isinstance(r, GraphRunner) and not isinstance(r, DynamicRunner)
+                          for c in static for r in c.runners.values())  # fmt: skip
+    for runner in static[0].runners.values():
+        assert "Shape" not in _onnx_ops(runner)
+        _, split = split_shapes(runner.graph, runner.what)
+        assert not split.feeds and not split.moved
+    said = [r.getMessage() for r in caplog.records if "aggressive_cpu_fallback applies" in r.getMessage()]
+    assert len(said) == 1 and "static sizes" in said[0] and "nothing moves" in said[0]
+    # inference (no_grad, eval): its graph with symbolic sizes is split too, eager's outputs
+    eager = copy.deepcopy(w.module).eval()
+    w.eval()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for b in (4, 3, 5):
+            (x,), _ = _llama_inputs(b, gen)
+            assert_close(w(x), eager(x), f"inference output, batch {b}")
+    inference = w._engine.last.runners["inference"]
+    assert isinstance(inference, DynamicRunner) and inference.host_split.moved
+
+
+@SLOW_BESIDE_TRAINING
+def test_aggressive_cpu_fallback_keeps_the_numbers_and_off_keeps_the_shape_nodes():
+    """The same block with the option off and on: bit-identical outputs and gradients at every sequence
+    length; off, the symbolic graphs keep their shape nodes and no host program runs."""
+    torch.manual_seed(0)
+    base = LlamaBlock(_LLAMA)
+    results = {}
+    for flag in (False, True):
+        w = ORTWrap(copy.deepcopy(base), engine="onnxruntime", fallback=False, aggressive_cpu_fallback=flag)
+        gen = torch.Generator().manual_seed(3)
+        steps = []
+        for b in DYNAMIC_STEPS:
+            (x,), _ = _llama_inputs(b, gen)
+            x.requires_grad_(True)
+            y = w(x)
+            (y * y).sum().backward()
+            steps.append((y.detach(), x.grad, [p.grad.clone() for p in w.parameters()]))
+            w.zero_grad()
+        results[flag] = (steps, w._engine.last.runners)
+    (off, off_runners), (on, on_runners) = results[False], results[True]
+    for (y0, gx0, g0), (y1, gx1, g1) in zip(off, on):
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1)
+        assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    for what in ("forward", "backward"):
+        runner_off, runner_on = off_runners[what], on_runners[what]
+        assert isinstance(runner_off, DynamicRunner) and runner_off.host_split is None
+        assert runner_off.host_shapes_runner is None
+        ops_off, ops_on = _onnx_ops(runner_off), _onnx_ops(runner_on)
+        assert ops_off.get("Shape", 0) >= 2, (what, ops_off)
+        shape_ops = ("Shape", "Gather", "Squeeze", "Unsqueeze", "Concat")
+        assert sum(ops_on.get(k, 0) for k in shape_ops) < sum(ops_off.get(k, 0) for k in shape_ops), what
+        assert ops_on.get("Shape", 0) < ops_off["Shape"], what
+        moved = len(runner_on.host_split.moved)
+        assert sum(ops_off.values()) - sum(ops_on.values()) >= moved - len(runner_on.host_split.feeds), what

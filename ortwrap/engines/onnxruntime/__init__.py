@@ -22,7 +22,8 @@ op computes in float32 between Casts (``half.py``).
 Dynamic dims (``dynamic.py``): a family of signatures' first shape builds with static sizes; once a size
 changes, one build with symbolic sizes (the changed dims and every input's first) serves the family's
 later shapes, where the trace's guards hold (``build_count`` counts both). A graph that cannot be dynamic
-keeps one build per shape (said once in the log). Buffer updates
+keeps one build per shape (said once in the log). With ``aggressive_cpu_fallback``, the symbolic build's
+shape computations move to the training engine's host shape program (``dynamic.split_shapes``). Buffer updates
 (BatchNorm's running statistics) are AOTAutograd's input mutations, written back by its runtime.
 
 NOTE: an autograd.Function is traced into the joint graph (its forward's ops, and its backward's
@@ -125,11 +126,12 @@ class OnnxRuntimeEngine:
         #: builds with symbolic sizes, per family of signatures (dynamic.py)
         self._shapes = DynamicShapes()
         if options.aggressive_cpu_fallback:
-            # (the host shape program moves shape computations out of the graph; static builds have none, and
-            # dynamic builds compute their shapes in the graph: not carried over yet)
+            # (the host shape program moves shape computations out of the graph: a build with symbolic sizes
+            # has them, dynamic.py splits them off; a build with static sizes has none)
             logger.info(
-                "onnxruntime engine: aggressive_cpu_fallback does not apply: static builds compute no shapes, "
-                "and builds with symbolic sizes compute theirs inside the ORT graph (not moved to the host yet)"
+                "onnxruntime engine: aggressive_cpu_fallback applies to builds with symbolic sizes (their shape "
+                "computations move to a host shape program); a build with static sizes (a signature's first "
+                "shape) computes no shapes, so nothing moves there"
             )
 
     def _trace(self, flat: nn.Module, leaves: list[torch.Tensor], compiler, tracer: FunctionTracer) -> Any:

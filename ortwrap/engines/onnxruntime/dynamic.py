@@ -14,6 +14,15 @@ with ``Dim.AUTO``). The runner (:class:`DynamicRunner`) binds the symbols from t
 static runner does, and returns the SymInt outputs as ints computed in Python. The shapes per set of
 symbol values are remembered (a model sees few).
 
+With ``aggressive_cpu_fallback`` (``ORT_AGGRESSIVE_CPU_FALLBACK``), each of these graphs goes through the
+training engine's :class:`~ortwrap.passes.host_shapes.HostShapeSplitPass` (:func:`split_shapes`): the
+shape computations its symbolic sizes bring (``Shape`` of an input with symbolic dims, and the
+``Gather``/``Squeeze``/``Mul``/``Concat``/... that build ``Reshape``/``Expand``/``Range``/``Slice``
+inputs from it) move into a host shape program, which the runner computes before each run
+(:class:`~ortwrap.runtime.host_shapes.HostShapeRunner`, cached by the input shapes) and binds as CPU
+tensors to the main graph's new inputs. The inputs with symbolic dims are the pass's "user inputs"
+(their ``tensor.shape`` is read on the host); inputs with static shapes (parameters) are constants.
+
 NOTE: what is not dynamic. A graph that must be split (untranslatable ops, opaque Functions), a SymInt
 that the graph's tensor inputs' sizes do not give, an expression other than ``+ * //`` of sizes, or a
 dim torch.export fixes: the build raises :class:`NotDynamic`, and the engine keeps its per-shape builds
@@ -22,6 +31,7 @@ for that call signature (said once in the log).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -29,12 +39,15 @@ import sympy
 import torch
 
 from ..._compat import torch as compat
+from ..._logging import logger
 from ...errors import ExportError
+from ...graph.host_shapes import HostShapeSplit
+from ...runtime.host_shapes import HostShapeRunner
 from .session import GraphRunner, numpy_dtype
 from .split import untranslatable
 from .translate import TranslatedGraph, translate_cached
 
-__all__ = ["DynamicRunner", "DynamicShapes", "NotDynamic", "family_of", "prepare"]
+__all__ = ["DynamicRunner", "DynamicShapes", "NotDynamic", "family_of", "prepare", "split_shapes"]
 
 
 class NotDynamic(ExportError):
@@ -242,6 +255,18 @@ class DynamicRunner(GraphRunner):
         if in_torch:
             raise NotDynamic(f"the {what} graph runs {', '.join(sorted(set(in_torch.values())))} in PyTorch")
         graph: TranslatedGraph = translate_cached(prepared, what, fusions, options.build_cache, dynamic=True)
+        #: with ``aggressive_cpu_fallback``: the split off the host shape program (its ``moved`` nodes,
+        #: ``program`` and ``feeds``), else None
+        self.host_split = None
+        #: computes the main graph's host-fed inputs from the bound tensors (None: nothing moved)
+        self.host_shapes_runner: HostShapeRunner | None = None
+        if options.aggressive_cpu_fallback:
+            # (after the build cache: the cached translation is the same with the option on or off)
+            graph, self.host_split = split_shapes(graph, what)
+            if self.host_split is not None and self.host_split.feeds:
+                self.host_shapes_runner = HostShapeRunner(
+                    self.host_split, {name: i for i, name in enumerate(graph.input_names)}
+                )
         super().__init__(graph, device, options, what)
 
     def __call__(self, args: list) -> list:
@@ -256,6 +281,11 @@ class DynamicRunner(GraphRunner):
                 t = t.contiguous()
             held.append(t)
             binding.bind_input(name, device_type, device_id, numpy_dtype(t.dtype), list(t.shape), t.data_ptr())
+        if self.host_shapes_runner is not None:
+            # the host shape program's values, CPU tensors (ORT's CUDA kernels read shape inputs from host memory)
+            for feed, t in zip(self.host_split.feeds, self.host_shapes_runner(held)):
+                held.append(t)
+                binding.bind_input(feed.name, "cpu", 0, numpy_dtype(t.dtype), list(t.shape), t.data_ptr())
         args.clear()  # (boxed convention: the caller's references go, ours stay until the run ends)
         result: list = []
         outs = []
@@ -276,6 +306,32 @@ class DynamicRunner(GraphRunner):
             raise RuntimeRunError(f"onnxruntime failed to run the {self.what} graph: {e}") from e
         del held, outs
         return result
+
+
+def split_shapes(graph: TranslatedGraph, what: str) -> tuple[TranslatedGraph, HostShapeSplit | None]:
+    """``graph`` with its host-computable shape computations split off (the aggressive CPU fallback: the
+    training engine's ``split_host_shapes``), and the split; the inputs with symbolic dims are read on the
+    host. A split that fails leaves the graph whole (said in the log) and gives None."""
+    import onnx
+
+    from ...passes.host_shapes import split_host_shapes
+
+    try:
+        model = onnx.load_from_string(graph.model)
+        symbolic = {
+            v.name for v in model.graph.input if any(not d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)
+        }
+        main, split = split_host_shapes(model, symbolic)
+    except Exception as e:
+        logger.warning(
+            "onnxruntime engine: aggressive_cpu_fallback: the %s graph's shape computations stay in it: "
+            "the split failed (%s: %s)", what, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "",
+        )  # fmt: skip
+        return graph, None
+    logger.info("onnxruntime engine: the %s graph's %s", what, split.summary().splitlines()[0])
+    if not split.feeds:
+        return graph, split
+    return dataclasses.replace(graph, model=main.SerializeToString()), split
 
 
 def family_of(key: tuple) -> tuple:
