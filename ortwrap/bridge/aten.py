@@ -10,6 +10,8 @@ Gradients: for every ATen op in a graph that gets a backward, ortwrap registers 
 definition with one node, ``ATen(operator="ortwrap_vjp::<op>")`` taking the output gradients and
 the forward inputs (``grad/aten.py``); the executor here recomputes the op under autograd and
 returns PyTorch's own vector-Jacobian product. Integer inputs (dims, flags) are stop-gradient edges.
+An op with a declared backward op (``ops.TORCH_OP_GRADIENTS``: ortwrap's own ops, and PyTorch
+activations such as ``elu`` in ``ops.ATEN_GRADIENTS``) gets one node of that op instead, no recompute.
 This module is the runner; the type inference through ATen nodes before the passes is
 ``export/type_inference.py``'s, the graph fix-ups around the gradient build and the registration of
 gradient definitions are ``grad/aten.py``'s.
