@@ -171,6 +171,36 @@ def test_declared_aten_backward_ops_match_autograd():
     assert got.shape == x0.shape
 
 
+def test_declared_aten_backward_reads_defaults_of_absent_arguments():
+    """An ATen node that leaves out trailing arguments (their defaults) gets them as absent inputs
+    before its declared gradient is registered, and the backward op, called as ORT calls it, takes the
+    forward's defaults for them."""
+    import onnx
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    from ortwrap.bridge import aten
+    from ortwrap.grad.aten import register_gradients
+
+    node = onnx.helper.make_node("ATen", ["x"], ["y"], domain="org.pytorch.aten", operator="elu")
+    graph = onnx.helper.make_graph(
+        [node],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])],
+    )
+    model = onnx.helper.make_model(graph)
+    register_gradients(model)
+    assert list(model.graph.node[0].input) == ["x", "", "", ""]
+    x = torch.tensor([-2.0, -0.5, 0.0, 3.0], requires_grad=True)
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for op, forward, absent in (("elu_backward", F.elu, 3), ("softplus_backward", F.softplus, 2)):
+        (want,) = torch.autograd.grad(forward(x), x, g)
+        # as ORT calls it: the output gradient, the forward's inputs (absent ones None)
+        out = aten._execute(f"ortwrap_ops::{op}", "used=1", (to_dlpack(g), to_dlpack(x.detach()), *[None] * absent), 1)
+        assert out is not None
+        torch.testing.assert_close(from_dlpack(out[0]), want, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 def test_prelu_per_channel():
     check_parity(lambda: ConvThen(nn.PReLU(4)), img(2))
