@@ -9,7 +9,8 @@ Three kinds: composites with ONNX semantics where no PyTorch op has them (``prel
 ORT cannot differentiate as; their autograd is that of their decomposition), the GEMMs and
 attention of the native bf16 and torch-GEMM routes (``passes/half_matmul.py``,
 ``passes/half_values.py``) with their explicit backward ops, and helpers other passes write
-(``cat2``, ``squeeze_ones``, ``gelu``).
+(``cat2``, ``squeeze_ones``, ``gelu``). And the backward ops of some of PyTorch's own ops
+(:data:`ATEN_GRADIENTS`: ``elu``, ``softplus``, ``mish``, ...), which run as ATen nodes of their own name.
 
 Each op costs a Python call per node per step (forward, and one for its gradient), and runs where
 ORT's ATen kernel runs; the CPU ones are tested, CUDA is not.
@@ -18,6 +19,8 @@ ORT's ATen kernel runs; the CPU ones are tested, CUDA is not.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from .declare import OPS_NAMESPACE, Gradient, Op, gradient
 
@@ -804,18 +807,18 @@ OPS: tuple[Op, ...] = (
 
 #: PyTorch's own ops, as ATen nodes name them (``torch.ops.aten.<name>``), whose gradient is one of
 #: the backward ops above instead of the ATen bridge's vjp (which recomputes the op under autograd
-#: and calls ``torch.autograd.grad``: ~31 us a node against ~2 us for the backward op itself,
-#: docs/performance.md). The ONNX ops ORT cannot differentiate that ``ops/mappers.py`` runs as these
+#: and calls ``torch.autograd.grad``: ~23 us a call against ~8 us for the backward op's, as the bridge
+#: runs them; docs/performance.md). The ONNX ops ORT cannot differentiate that ``ops/mappers.py`` runs as these
 #: (Elu, Selu, Celu, Softplus, Mish; LeakyRelu and Gelu in float64), and TorchScript's ATen nodes
 #: (``softplus`` with a threshold, ``threshold``). The forward's scalars are stop-gradient inputs.
-ATEN_GRADIENTS: dict[str, Gradient] = {
+ATEN_GRADIENTS: Mapping[str, Gradient] = MappingProxyType({
     "elu": gradient("elu_backward", ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], stop=[1, 2, 3]),
     "softplus": gradient("softplus_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
     "mish": gradient("mish_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
     "threshold": gradient("threshold_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
     "leaky_relu": gradient("leaky_relu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
     "gelu": gradient("aten_gelu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
-}
+})  # fmt: skip
 
 
 @functools.cache
