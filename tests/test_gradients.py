@@ -118,6 +118,116 @@ def test_activation(name):
     check_parity(lambda: Pre(ACTIVATIONS[name]()), seq)
 
 
+class ActivationBranches(nn.Module):
+    """PyTorch's activations whose gradient is one declared ATen backward op (``ops.ATEN_GRADIENTS``),
+    each on its own slice of one Linear's output (scaled to reach every kink and softplus's threshold),
+    concatenated into a second Linear."""
+
+    ACTS = (
+        lambda h: F.elu(h, 0.7),
+        F.selu,
+        lambda h: F.celu(h, 0.5),
+        F.softplus,
+        lambda h: F.softplus(h, beta=2.0, threshold=1.0),
+        F.mish,
+        lambda h: F.threshold(h, 0.1, 2.0),
+    )
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d * len(self.ACTS))
+        self.b = nn.Linear(d * len(self.ACTS), 3)
+
+    def forward(self, x):
+        parts = (self.a(x) * 4).chunk(len(self.ACTS), -1)
+        return self.b(torch.cat([act(h) for act, h in zip(self.ACTS, parts)], -1))
+
+
+def test_activations_run_their_declared_backward_ops(exporter):
+    """elu/selu/celu, softplus (any beta and threshold), mish and threshold train as ATen nodes whose
+    gradient is the one ATen backward op eager's autograd calls (``ortwrap_ops::<op>_backward``), never
+    a vjp recomputing them under autograd; outputs and every gradient as eager's."""
+    w = check_parity(ActivationBranches, seq, wrap_options={"build_cache": False})
+    ops = _aten_operators(w.last_artifacts.graph.model())
+    assert not [op for op in ops if op.startswith("ortwrap_vjp::")], ops
+    assert ops.count("elu") == 3 and ops.count("ortwrap_ops::elu_backward") == 3, ops
+    if exporter == "torchscript":  # mish as x * tanh(softplus(x)); threshold as an ATen node
+        want = {"softplus": 3, "ortwrap_ops::softplus_backward": 3, "ortwrap_ops::threshold_backward": 1}
+    else:  # mish as an ATen node; threshold as Where
+        want = {"softplus": 2, "ortwrap_ops::softplus_backward": 2, "ortwrap_ops::mish_backward": 1}
+    assert {op: ops.count(op) for op in want} == want, ops
+
+
+def test_declared_aten_backward_ops_match_autograd():
+    """Each declared backward op of ``ops.ATEN_GRADIENTS`` gives autograd's gradient of its forward
+    bit for bit, at the kinks (0, the threshold), on both sides of softplus's threshold, for large
+    and negative values, in float32 and float64; a [1] gradient of a 0-d input keeps its shape."""
+    from ortwrap.ops import define_ops
+    from ortwrap.ops.torch_ops import ATEN_GRADIENTS
+
+    define_ops()
+    aten, own = torch.ops.aten, torch.ops.ortwrap_ops
+    cases = {
+        "elu": [(0.7, 1.0, 1.0), (1.6732632423543772, 1.0507009873554805, 1.0), (0.5, 1.0, 2.0), ()],
+        "softplus": [(1.0, 20.0), (2.0, 1.0), (1.0, float("inf")), (0.5, 3.0), ()],
+        "mish": [()],
+        "threshold": [(0.1, 2.0), (0.0, 0.0)],
+        "leaky_relu": [(0.01,), (0.3,), ()],
+        "gelu": [("none",), ("tanh",)],
+    }
+    assert set(cases) == set(ATEN_GRADIENTS)
+    for dtype in (torch.float32, torch.float64):
+        base = torch.cat(
+            [torch.linspace(-30, 30, 241), torch.tensor([0.0, -0.0, 0.1, 0.5, 1.0, 1.5, 10.0, 20.0, 40.0, 88.0, -88.0])]
+        ).to(dtype)
+        g = torch.randn(base.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+        for name, consts in cases.items():
+            backward = getattr(own, ATEN_GRADIENTS[name].backward)
+            for c in consts:
+                x = base.clone().requires_grad_()
+                forward = getattr(aten, name)
+                y = forward(x, approximate=c[0]) if name == "gelu" else forward(x, *c)
+                (want,) = torch.autograd.grad(y, x, g)
+                args = [g, x.detach(), *c]
+                if name == "gelu":  # (the bridge passes every argument positionally)
+                    args = [g, x.detach(), c[0]]
+                (got,) = backward(*args, output_mask=[True])
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}{c} {dtype}")
+    x0 = torch.tensor(-0.5)
+    (got,) = own.elu_backward(torch.ones(1), x0, 1.0, 1.0, 1.0, [True])
+    assert got.shape == x0.shape
+
+
+def test_declared_aten_backward_reads_defaults_of_absent_arguments():
+    """An ATen node that leaves out trailing arguments (their defaults) gets them as absent inputs
+    before its declared gradient is registered, and the backward op, called as ORT calls it, takes the
+    forward's defaults for them."""
+    import onnx
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    from ortwrap.bridge import aten
+    from ortwrap.grad.aten import register_gradients
+
+    node = onnx.helper.make_node("ATen", ["x"], ["y"], domain="org.pytorch.aten", operator="elu")
+    graph = onnx.helper.make_graph(
+        [node],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])],
+    )
+    model = onnx.helper.make_model(graph)
+    register_gradients(model)
+    assert list(model.graph.node[0].input) == ["x", "", "", ""]
+    x = torch.tensor([-2.0, -0.5, 0.0, 3.0], requires_grad=True)
+    g = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for op, forward, absent in (("elu_backward", F.elu, 3), ("softplus_backward", F.softplus, 2)):
+        (want,) = torch.autograd.grad(forward(x), x, g)
+        # as ORT calls it: the output gradient, the forward's inputs (absent ones None)
+        out = aten._execute(f"ortwrap_ops::{op}", "used=1", (to_dlpack(g), to_dlpack(x.detach()), *[None] * absent), 1)
+        assert out is not None
+        torch.testing.assert_close(from_dlpack(out[0]), want, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 def test_prelu_per_channel():
     check_parity(lambda: ConvThen(nn.PReLU(4)), img(2))

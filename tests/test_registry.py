@@ -10,6 +10,7 @@ from onnx_text import run_pass
 from ortwrap import kernels
 from ortwrap.bridge.aten import NATIVE_PREFIX
 from ortwrap.ops import (
+    ATEN_GRADIENTS,
     GRADIENTS,
     KERNELS,
     OPS,
@@ -263,7 +264,7 @@ def test_the_stages_read_the_derived_tables_and_cannot_change_them():
     from ortwrap.passes import half_precision, half_values
     from ortwrap.runtime import session
 
-    assert ops.TABLES == ops.derive(KERNELS, OPS)
+    assert ops.TABLES == ops.derive(KERNELS, OPS, ATEN_GRADIENTS)
     assert half_values._OPERANDS is ops.DTYPE_OPERANDS
     assert half_values.DTYPE_ARGUMENT_OPS is half_precision.DTYPE_ARGUMENT_OPS is session.DTYPE_ARGUMENT_OPS
     assert recompute._WEIGHT_COPY_OUTPUT is ops.WEIGHT_COPY_OUTPUT

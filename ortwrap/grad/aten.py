@@ -136,6 +136,9 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             continue
         grad = TORCH_OP_GRADIENTS.get(op)
         if grad is not None:  # one explicit backward op (no recompute)
+            if "::" not in op:  # PyTorch's own op (ops.ATEN_GRADIENTS): every input its gradient may read
+                # (an absent trailing argument is one the backward op's schema defaults as the forward's)
+                node.input.extend([""] * (resolve(op, overload).n_args - len(node.input)))
             keys.append(
                 register_gradient(op, overload, list(grad.inputs), list(grad.outputs), grad.backward, set(grad.stop))
             )

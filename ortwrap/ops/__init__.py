@@ -6,7 +6,8 @@
 ``ops/kernels.py``          :data:`KERNELS`: ortwrap's CPU kernels (``kernels/_cpu.c`` holds their C, and
                             ``kernels/`` builds and loads it)
 ``ops/torch_ops.py``        :data:`OPS`: ortwrap's PyTorch ops (``torch.ops.ortwrap_ops``), each one's
-                            implementation next to its declaration; :func:`define_ops`
+                            implementation next to its declaration; :data:`ATEN_GRADIENTS` (PyTorch ops
+                            whose gradient is one of them); :func:`define_ops`
 ``ops/tables.py``           every table the stages read (``TORCH_OP_GRADIENTS``, ``DTYPE_ARGUMENT_OPS``,
                             ``HEAVY_OPERATORS``, ...), derived from :data:`KERNELS` and :data:`OPS`
 ``ops/mappers.py``          ONNX ops and ATen ops run as PyTorch ops (``GRADIENTS``, ``DOUBLE_PRECISION``,
@@ -47,10 +48,11 @@ from .tables import (
     Tables,
     derive,
 )
-from .torch_ops import NO_WEIGHT_COPY, OPS, define_ops, op
+from .torch_ops import ATEN_GRADIENTS, NO_WEIGHT_COPY, OPS, define_ops, op
 from .values import constant_array, constant_value, written
 
 __all__ = [
+    "ATEN_GRADIENTS",
     "ATEN_OPS",
     "CPU_NAMESPACE",
     "DOUBLE_PRECISION",

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from .declare import OPS_NAMESPACE, ZERO3_MAX_ARITY, ZERO3_NAMESPACE, Gradient, Kernel, Op
 from .kernels import KERNELS
-from .torch_ops import OPS
+from .torch_ops import ATEN_GRADIENTS, OPS
 
 __all__ = [
     "DTYPE_ARGUMENT_OPS",
@@ -45,6 +45,8 @@ class Tables:
         dtype_operands: op -> how many of its first inputs its ``dtypes`` names (``passes/half_values.py``).
         torch_op_gradients: op -> its explicit backward (:class:`Gradient`, ``backward`` the full
             operator); the ATen gradient build registers these instead of a vjp (``grad/aten.py``).
+            Also PyTorch's own ops of ``aten_gradients`` (keyed by their bare name, as ATen nodes
+            name them), whose backward is one of ``ops``.
         optional_gradient_ops: backward ops whose output gradients may be absent (``Op.optional_gradients``).
         weight_copy_output: op -> the output that is its weight's copy (``grad/recompute.py``).
         weight_copy_input: backward op -> the input that reads that copy (from the forward's gradient wiring).
@@ -63,8 +65,10 @@ class Tables:
     own_gradient_ops: frozenset[str]
 
 
-def derive(kernels: Iterable[Kernel], ops: Iterable[Op]) -> Tables:
-    """The tables of these declarations."""
+def derive(
+    kernels: Iterable[Kernel], ops: Iterable[Op], aten_gradients: Mapping[str, Gradient] = MappingProxyType({})
+) -> Tables:
+    """The tables of these declarations (``aten_gradients``: PyTorch ops -> a backward op of ``ops``)."""
     kernels, ops = tuple(kernels), tuple(ops)
     declared = (*kernels, *ops)
     seen: set[str] = set()
@@ -77,6 +81,13 @@ def derive(kernels: Iterable[Kernel], ops: Iterable[Op]) -> Tables:
         for o in ops
         if o.gradient is not None
     }
+    names = {o.name for o in ops}
+    for aten_op, g in aten_gradients.items():
+        if g.backward not in names:
+            raise ValueError(f"the gradient of {aten_op} names {g.backward}, which no op declares")
+        if "::" in aten_op or aten_op in gradients:
+            raise ValueError(f"aten_gradients: {aten_op!r} is not a bare PyTorch op name, or is declared twice")
+        gradients[aten_op] = dataclasses.replace(g, backward=f"{OPS_NAMESPACE}::{g.backward}")
     copy_input: dict[str, int] = {}
     for o in ops:
         if o.weight_copy_output is not None and o.gradient is not None:
@@ -100,7 +111,7 @@ def derive(kernels: Iterable[Kernel], ops: Iterable[Op]) -> Tables:
 
 
 #: The tables of ortwrap's declarations.
-TABLES = derive(KERNELS, OPS)
+TABLES = derive(KERNELS, OPS, ATEN_GRADIENTS)
 OPERATORS = TABLES.operators
 HEAVY_OPERATORS = TABLES.heavy
 DTYPE_ARGUMENT_OPS = TABLES.dtype_argument_ops

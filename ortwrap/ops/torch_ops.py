@@ -9,7 +9,8 @@ Three kinds: composites with ONNX semantics where no PyTorch op has them (``prel
 ORT cannot differentiate as; their autograd is that of their decomposition), the GEMMs and
 attention of the native bf16 and torch-GEMM routes (``passes/half_matmul.py``,
 ``passes/half_values.py``) with their explicit backward ops, and helpers other passes write
-(``cat2``, ``squeeze_ones``, ``gelu``).
+(``cat2``, ``squeeze_ones``, ``gelu``). And the backward ops of some of PyTorch's own ops
+(:data:`ATEN_GRADIENTS`: ``elu``, ``softplus``, ``mish``, ...), which run as ATen nodes of their own name.
 
 Each op costs a Python call per node per step (forward, and one for its gradient), and runs where
 ORT's ATen kernel runs; the CPU ones are tested, CUDA is not.
@@ -18,10 +19,12 @@ ORT's ATen kernel runs; the CPU ones are tested, CUDA is not.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
-from .declare import OPS_NAMESPACE, Op, gradient
+from .declare import OPS_NAMESPACE, Gradient, Op, gradient
 
-__all__ = ["NO_WEIGHT_COPY", "OPS", "define_ops", "op"]
+__all__ = ["ATEN_GRADIENTS", "NO_WEIGHT_COPY", "OPS", "define_ops", "op"]
 
 
 def _prelu(x, slope):
@@ -104,6 +107,53 @@ def _hardswish_backward(grad, x, output_mask: list[bool]):
     import torch
 
     return [torch.ops.aten.hardswish_backward(grad.to(x.dtype), x)]
+
+
+def _like_input(grad, x):
+    """``grad`` in x's dtype and shape (ORT may hand a 0-d value's gradient over as [1])."""
+    grad = grad.to(x.dtype)
+    return grad.reshape(x.shape) if grad.shape != x.shape and grad.numel() == x.numel() else grad
+
+
+# The backward ops of PyTorch's own activations (ATEN_GRADIENTS): each is the one ATen backward op
+# eager's autograd calls (derivatives.yaml), so the gradient is eager's, bit for bit. NOTE: the
+# Python defaults repeat the schemas': torch leaves an argument equal to its schema default out of a
+# Python kernel's call.
+def _elu_backward(grad, x, alpha=1, scale=1, input_scale=1, output_mask: list[bool] = (True,)):
+    """dx of ``elu`` (``selu`` and ``celu`` are ``elu`` of other constants), from the input as eager's."""
+    import torch
+
+    return [torch.ops.aten.elu_backward(_like_input(grad, x), alpha, scale, input_scale, False, x)]
+
+
+def _softplus_backward(grad, x, beta=1, threshold=20, output_mask: list[bool] = (True,)):
+    import torch
+
+    return [torch.ops.aten.softplus_backward(_like_input(grad, x), x, beta, threshold)]
+
+
+def _mish_backward(grad, x, output_mask: list[bool]):
+    import torch
+
+    return [torch.ops.aten.mish_backward(_like_input(grad, x), x)]
+
+
+def _threshold_backward(grad, x, threshold, value, output_mask: list[bool]):
+    import torch
+
+    return [torch.ops.aten.threshold_backward(_like_input(grad, x), x, threshold)]
+
+
+def _leaky_relu_backward(grad, x, negative_slope=0.01, output_mask: list[bool] = (True,)):
+    import torch
+
+    return [torch.ops.aten.leaky_relu_backward(_like_input(grad, x), x, negative_slope, False)]
+
+
+def _aten_gelu_backward(grad, x, approximate: str = "none", output_mask: list[bool] = (True,)):
+    import torch
+
+    return [torch.ops.aten.gelu_backward(_like_input(grad, x), x, approximate=approximate)]
 
 
 def _shrink(x, lambd: float, bias: float):
@@ -729,7 +779,46 @@ OPS: tuple[Op, ...] = (
     Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),
     Op("hardswish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _hardswish_backward),
     Op("shrink(Tensor x, float lambd, float bias) -> Tensor", _shrink),
+    # The backward ops of ATEN_GRADIENTS (PyTorch's activations): their arguments after x have the
+    # forward's defaults, for an ATen node that leaves trailing defaults out.
+    Op(
+        "elu_backward(Tensor grad, Tensor x, Scalar alpha=1, Scalar scale=1, Scalar input_scale=1, "
+        "bool[1] output_mask) -> Tensor[]",
+        _elu_backward,
+    ),
+    Op(
+        "softplus_backward(Tensor grad, Tensor x, Scalar beta=1, Scalar threshold=20, bool[1] output_mask) -> Tensor[]",
+        _softplus_backward,
+    ),
+    Op("mish_backward(Tensor grad, Tensor x, bool[1] output_mask) -> Tensor[]", _mish_backward),
+    Op(
+        "threshold_backward(Tensor grad, Tensor x, Scalar threshold, Scalar value, bool[1] output_mask) -> Tensor[]",
+        _threshold_backward,
+    ),
+    Op(
+        "leaky_relu_backward(Tensor grad, Tensor x, Scalar negative_slope=0.01, bool[1] output_mask) -> Tensor[]",
+        _leaky_relu_backward,
+    ),
+    Op(
+        'aten_gelu_backward(Tensor grad, Tensor x, str approximate="none", bool[1] output_mask) -> Tensor[]',
+        _aten_gelu_backward,
+    ),
 )
+
+#: PyTorch's own ops, as ATen nodes name them (``torch.ops.aten.<name>``), whose gradient is one of
+#: the backward ops above instead of the ATen bridge's vjp (which recomputes the op under autograd
+#: and calls ``torch.autograd.grad``: ~23 us a call against ~8 us for the backward op's, as the bridge
+#: runs them; docs/performance.md). The ONNX ops ORT cannot differentiate that ``ops/mappers.py`` runs as these
+#: (Elu, Selu, Celu, Softplus, Mish; LeakyRelu and Gelu in float64), and TorchScript's ATen nodes
+#: (``softplus`` with a threshold, ``threshold``). The forward's scalars are stop-gradient inputs.
+ATEN_GRADIENTS: Mapping[str, Gradient] = MappingProxyType({
+    "elu": gradient("elu_backward", ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)"], ["GI(0)"], stop=[1, 2, 3]),
+    "softplus": gradient("softplus_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
+    "mish": gradient("mish_backward", ["GO(0)", "I(0)"], ["GI(0)"]),
+    "threshold": gradient("threshold_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
+    "leaky_relu": gradient("leaky_relu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
+    "gelu": gradient("aten_gelu_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
+})  # fmt: skip
 
 
 @functools.cache
