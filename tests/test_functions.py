@@ -42,6 +42,10 @@ from ortwrap.engines import is_training_available
 #: (outputs, every gradient against eager) are checked on both; PythonOp nodes, ``last_artifacts``
 #: and ORT's context map are the training engine's.
 ON_ENGINE = not is_training_available()
+pytestmark = pytest.mark.usefixtures("one_exporter_on_the_engine")
+#: On the onnxruntime engine, the tests beyond a representative subset (which `ORT_EXTRA=ort make test`
+#: runs, about 2 minutes) are slow: `.venv-ort/bin/python -m pytest -m slow tests/test_functions.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 
 BACKWARD_CALLS: collections.Counter[str] = collections.Counter()
 
@@ -233,6 +237,7 @@ class MaskedSelfAttentionFlat(MaskedSelfAttention):
 
 @pytest.mark.usefixtures("exporter")
 @pytest.mark.parametrize("recompute", ["none", "cheap"])
+@ENGINE_SLOW
 def test_function_output_shapes_follow_the_inputs(recompute):
     """The TorchScript exporter records the traced sizes of a PythonOp's outputs, and every value
     computed from them inherited those numbers. ORT folded the ``Shape`` that the ``Reshape``'s
@@ -436,6 +441,7 @@ class ScalarAndTupleFunction(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_scalar_and_tuple_function():
     def body(h):
         return ScalarAndTupleFunction.apply(h, 5.0, (-1.5, 2.0), 0.25)
@@ -511,6 +517,7 @@ class KeepsInputModel(nn.Module):
 
 @pytest.mark.parametrize("how", ["attribute", "in_a_dict", "in_an_object"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_input_kept_as_a_plain_ctx_attribute(how):
     # Equal batch sizes first: later runs of a node reuse what its first run learned.
     run_parity(lambda: KeepsInputModel(how), randn_inputs(6), {KeepsInputOnCtx: 1}, batch_sizes=(4, 4, 4, 7, 3))
@@ -568,6 +575,7 @@ class SameTensorTwice(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_same_tensor_passed_twice():
     NeedsInputGrad.seen = []
     run_parity(SameTensorTwice, randn_inputs(6), {NeedsInputGrad: 1})
@@ -777,6 +785,7 @@ def test_set_materialize_grads_false_unused_output_is_none():
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_several_outputs_some_unused_get_zero_grads():
     ThreeOutputs.seen = []
     run_parity(lambda: MiddleOutputUnused(ThreeOutputs), randn_inputs(6), {ThreeOutputs: 1})
@@ -798,6 +807,7 @@ class OnceDifferentiableSquare(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_once_differentiable_backward():
     run_parity(lambda: Sandwich(OnceDifferentiableSquare.apply), randn_inputs(6), {OnceDifferentiableSquare: 1})
 
@@ -843,6 +853,7 @@ class ViewOutputModel(nn.Module):
 
 @pytest.mark.parametrize("fn", [SliceView, ReshapeView], ids=["slice", "view_reshape"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_output_is_a_view_of_the_input(fn):
     run_parity(lambda: ViewOutputModel(fn), randn_inputs(6), {fn: 1})
 
@@ -870,6 +881,7 @@ class ShapeOpsAfterFunction(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_output_shapes_stay_dynamic():
     # Only the batch size changes between steps: one export must serve them all.
     w = run_parity(ShapeOpsAfterFunction, randn_inputs(6), {Double: 1})
@@ -934,11 +946,13 @@ class OuterUsesInner(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_called_inside_another_functions_forward():
     run_parity(lambda: Sandwich(OuterUsesInner.apply), randn_inputs(6), {OuterUsesInner: 1})
     assert BACKWARD_CALLS["InnerRound"] == 0  # neither eager nor ORT calls the inner backward
 
 
+@ENGINE_SLOW
 def test_function_inside_an_inlined_function_is_bridged(exporter):
     """Inline the outer Function: its ops are exported and ORT differentiates them, and the inner
     Function it calls is still a PythonOp whose own backward runs. y = Inner(4x)/4 + x with
@@ -1093,6 +1107,7 @@ class ScaleByFloat(Function):
     reason="documented in ortwrap/bridge/symbolic.py: float arguments travel as float32 ONNX attributes "
     "(0.1 arrives as 0.10000000149011612); remove this marker when floats are passed exactly",
 )
+@ENGINE_SLOW
 def test_float_argument_reaches_forward_exactly(exporter):
     ScaleByFloat.seen = []
     w = ORTWrap(Sandwich(lambda h: ScaleByFloat.apply(h, 0.1)), fallback=False, exporter=exporter)
@@ -1184,6 +1199,7 @@ def _loop_functions() -> list[type]:
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_same_qualname_different_classes_do_not_collide():
     first, second = _loop_functions()
     assert first.__qualname__ == second.__qualname__ and first is not second
@@ -1228,6 +1244,7 @@ class ScaledByFour(_ScaledBase):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_that_is_not_a_direct_subclass():
     run_parity(lambda: Sandwich(lambda h: ScaledByFour.apply(h, 1.5)), randn_inputs(6), {ScaledByFour: 1})
 
@@ -1299,6 +1316,7 @@ class BiasModel(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_backward_returns_broadcast_shape_and_other_dtype():
     run_parity(BiasModel, randn_inputs(6), {AddBias: 1})
 
@@ -1335,6 +1353,7 @@ class QuantizedWeightModel(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_functions_on_parameters_and_an_int64_index_input():
     def inputs(b, g):
         return (torch.randint(0, 10, (b, seq_len(b, 5)), generator=g),), {}
@@ -1522,7 +1541,7 @@ def _explosive_on_the_engine(eager: nn.Module, w: ORTWrap, ours: nn.Module, g: t
     _step_and_compare(eager, w, ours, torch.randn(5, 6, generator=g), "step after a failed build")
     assert not w._engine._opaque, "a Function that raised its own error was kept opaque"
     # a built signature runs its graphs: the flag is not read there (the engine's documented difference)
-    x = torch.randn(5, 6, generator=g)
+    x = torch.randn(5, 6, generator=g).requires_grad_()  # (the signature _step_and_compare built)
     with explosive_forward():
         out = w(x)
     assert_close(out.detach(), eager(x).detach(), "a built signature's output while the flag is set")
@@ -1594,6 +1613,7 @@ class PayloadModel(nn.Module):
         return self.l2(UsesPayload.apply(self.l1(x), self.payload))
 
 
+@ENGINE_SLOW
 def test_object_argument_lives_as_long_as_the_wrapper(exporter):
     torch.manual_seed(0)
     payload = Payload(2.5)
@@ -1667,6 +1687,7 @@ def _live_contexts() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is cls)
 
 
+@ENGINE_SLOW
 def test_no_accumulation_over_thousands_of_runs(exporter):
     torch.manual_seed(0)
     eager = Sandwich(SavesMarker.apply, d_in=4, d_mid=4, d_out=4)
@@ -1747,6 +1768,7 @@ class InlineAndBridge(nn.Module):
 
 @pytest.mark.parametrize("how", ["option", "env"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_option(how, monkeypatch):
     if how == "option":
         options = {"inline_functions": [qualified_name(TanhScaled)]}
@@ -1777,6 +1799,7 @@ tanh_scaled = TanhScaled.apply  # the common `my_op = MyFunction.apply` alias, b
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_applies_to_an_apply_alias_bound_before_wrapping():
     BACKWARD_CALLS.clear()
     w = check_parity(
@@ -1810,6 +1833,7 @@ class SinScaledSetupContext(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_with_a_setup_context_style_function():
     w = check_parity(
         lambda: Sandwich(lambda h: SinScaledSetupContext.apply(h, 1.5)),
@@ -1859,6 +1883,7 @@ def user_export(model):
 """
 
 
+@ENGINE_SLOW
 def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
     # What the user's export gives in a process that never imported ortwrap...
     done = subprocess.run(
@@ -1888,6 +1913,7 @@ def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
     def user_symbolic(g, *args, **kwargs):
         return g.op("user.domain::UserPythonOp", *[a for a in args if isinstance(a, torch._C.Value)])
@@ -1910,6 +1936,7 @@ def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
         torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
 
 
+@ENGINE_SLOW
 def test_kept_outputs_without_backward_do_not_pile_up_contexts_in_ort(exporter):
     # The previous output is alive while the next forward runs (a forward is always awaiting its
     # backward), so ORT's context map cannot be emptied wholesale: abandoned entries are erased one
