@@ -15,7 +15,7 @@ ENGINE_VENV := -$(ORT_EXTRA)
 # `.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`; and DDP and DeepSpeed
 # ZeRO 1/2/3 on two ranks, about 1 minute)
 # test_functions.py: its not-slow subset there (its ENGINE_SLOW tests: `-m slow`); test_ops.py: one test per
-# op family below (the whole file: `.venv-ort/bin/python -m pytest tests/test_ops.py`, about 4 minutes)
+# op family below (the whole file: `.venv-ort/bin/python -m pytest tests/test_ops.py`, 7 minutes loaded)
 ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py tests/test_functions.py \
 	tests/test_ops.py::test_layer_norm tests/test_ops.py::test_gelu tests/test_ops.py::test_scaled_dot_product_attention \
 	tests/test_ops.py::test_embedding tests/test_ops.py::test_nll_loss_on_non_log_softmax_input \
