@@ -4,6 +4,9 @@
 Almost every Function here has a backward that is NOT the derivative of its forward (or one that
 counts its calls), so a graph where ORT differentiated the forward's ops instead of calling the
 Function's backward gives different numbers than eager PyTorch, and the tests fail.
+
+Runs on whichever engine the venv resolves; on ``engine="onnxruntime"`` (``ORT_EXTRA=ort make test``)
+the Functions are traced into AOTAutograd's graphs, with the same numbers (``ON_ENGINE`` below).
 """
 
 from __future__ import annotations
