@@ -14,8 +14,14 @@ ENGINE_VENV := -$(ORT_EXTRA)
 # test_coverage_amp.ENGINE_AMP_FAST (gpt2 under bf16 autocast); issue 28's families on the engine:
 # `.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`; and DDP and DeepSpeed
 # ZeRO 1/2/3 on two ranks, about 1 minute; and test_gradients.py's fast cases, the `slow` marker's
-# subset of each table: 30 on the engine, under a minute of CPU; all 88 take over 2 minutes of CPU)
+# subset of each table: 30 on the engine, under a minute of CPU; all 88 take over 2 minutes of CPU;
+# test_functions.py: its not-slow subset there (its ENGINE_SLOW tests: `-m slow`); test_ops.py: one test per
+# op family below (the whole file: `.venv-ort/bin/python -m pytest tests/test_ops.py`, 7 minutes loaded)
 ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py tests/test_gradients.py \
+	tests/test_functions.py \
+	tests/test_ops.py::test_layer_norm tests/test_ops.py::test_gelu tests/test_ops.py::test_scaled_dot_product_attention \
+	tests/test_ops.py::test_embedding tests/test_ops.py::test_nll_loss_on_non_log_softmax_input \
+	tests/test_ops.py::test_cnn_ops tests/test_ops.py::test_einsum \
 	tests/test_coverage.py::test_architecture_trains_like_eager \
 	tests/test_coverage_amp.py::test_architecture_trains_under_autocast_on_the_onnxruntime_engine \
 	tests/test_distributed.py::test_ddp_of_ortwrap_on_the_onnxruntime_engine_matches_eager_ddp \

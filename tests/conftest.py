@@ -84,3 +84,15 @@ def engine(request):
         yield request.param
     finally:
         parity.ENGINE = saved
+
+
+@pytest.fixture
+def one_exporter_on_the_engine(request):
+    """For a module that runs on whichever engine the venv resolves: where that is ``onnxruntime`` (no
+    training build), its graphs come from AOTAutograd whatever ``exporter`` says, so the two exporter
+    settings are one test: the ``[torchscript]`` variant is skipped, saying so, and ``[dynamo]`` runs."""
+    import parity
+
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("exporter") == "torchscript" and parity.engine_missing("training"):
+        pytest.skip("engine=onnxruntime: exporter= does not apply (the [dynamo] variant runs this test)")

@@ -315,6 +315,109 @@ def test_untraceable_function_without_grad_and_unbackpropagated():
     assert not functions._STATES
 
 
+class RaisesOnFlag(torch.autograd.Function):
+    """Raises its own error in the forward while ``fail`` is set (a check of its arguments, say)."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x, k):
+        if RaisesOnFlag.fail:
+            raise ValueError("boom 42: input too large")
+        return x * k
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2, None
+
+
+def test_function_raising_its_own_error_while_a_signature_builds():
+    """Was: the build took the Function for untraceable, made it opaque for good, and raised
+    UnsupportedFunctionError (its probe raised too). Now the caller gets the Function's exception, type
+    and message, as eager; the Function is traced again at the next build, with eager's numbers."""
+    torch.manual_seed(0)
+    eager = WithFunction(RaisesOnFlag)
+    w = ORTWrap(copy.deepcopy(eager), engine="onnxruntime", fallback=False)
+    RaisesOnFlag.fail = True
+    try:
+        with pytest.raises(ValueError, match="boom 42") as eager_error:
+            eager(torch.randn(4, 6))
+        with pytest.raises(ValueError, match="boom 42") as error:
+            w(torch.randn(4, 6))
+    finally:
+        RaisesOnFlag.fail = False
+    assert type(error.value) is ValueError and error.value.args == eager_error.value.args
+    assert not w._engine._opaque
+    x = torch.randn(4, 6, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    out, out_e = w(x), eager(xe)
+    assert_close(out.detach(), out_e.detach(), "output")
+    out.sum().backward(), out_e.sum().backward()
+    assert_close(x.grad, xe.grad, "input grad")
+    for (name, p), (_, q) in zip(w.module.named_parameters(), eager.named_parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
+    assert isinstance(w._engine.last.runners["forward"], GraphRunner)  # traced, not opaque
+
+
+class DoubleInPlaceNumpy(torch.autograd.Function):
+    """Untraceable (numpy) and in place (``ctx.mark_dirty``)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        x.mul_(k * float(np.abs(x.detach().numpy()).max() >= 0))  # (numpy: k)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 5, None
+
+
+class SinNumpySetupContext(torch.autograd.Function):
+    """Untraceable (numpy), ``setup_context`` style."""
+
+    @staticmethod
+    def forward(x, k):
+        return torch.from_numpy(np.sin(x.detach().numpy())) * k
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.k = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x) * ctx.k * 2, None
+
+
+class InPlaceOn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.fn = fn
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = self.fn.apply(h, 1.5)
+        return self.head(torch.relu(a) + torch.sigmoid(h))  # (h is a after an in-place Function)
+
+
+@pytest.mark.parametrize("fn", [DoubleInPlaceNumpy, SinNumpySetupContext], ids=["mark_dirty", "setup_context"])
+def test_untraceable_function_that_cannot_be_opaque_is_refused_or_falls_back(fn):
+    """docs/engines.md: an untraceable in-place (``mark_dirty``) or ``setup_context`` Function cannot run
+    opaque yet. Refused naming it, and why; with fallback, its calls run in PyTorch with eager's numbers.
+    (mark_dirty was: the trace held, and the first call failed in PyTorch's in-place check of a leaf.)"""
+    why = {DoubleInPlaceNumpy: "modifies an input in place", SinNumpySetupContext: "setup_context"}[fn]
+    w = ORTWrap(InPlaceOn(fn), engine="onnxruntime", fallback=False)
+    with pytest.raises(ortwrap.RuntimeRunError, match=f"{fn.__name__}.*{why}"):
+        w(torch.randn(4, 6))
+    with pytest.warns(ortwrap.FallbackWarning, match=fn.__name__):
+        w = check_parity(lambda: InPlaceOn(fn), _inputs_with_grad, wrap_options={**ORT, "fallback": True})
+    assert w._engine.fallback_calls == 3 and w._engine.build_count == 0
+
+
 class NumpyBackward(torch.autograd.Function):
     """A traceable forward, an untraceable backward (numpy, a Python float from ``.item()``)."""
 

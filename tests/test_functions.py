@@ -4,6 +4,9 @@
 Almost every Function here has a backward that is NOT the derivative of its forward (or one that
 counts its calls), so a graph where ORT differentiated the forward's ops instead of calling the
 Function's backward gives different numbers than eager PyTorch, and the tests fail.
+
+Runs on whichever engine the venv resolves; on ``engine="onnxruntime"`` (``ORT_EXTRA=ort make test``)
+the Functions are traced into AOTAutograd's graphs, with the same numbers (``ON_ENGINE`` below).
 """
 
 from __future__ import annotations
@@ -25,14 +28,27 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import assert_close, check_parity, seq_len
+from parity import assert_close, check_parity, seq_len, signature_builds
 from torch import nn
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from ortwrap import FallbackWarning, ORTWrap, ORTWrapError
+from ortwrap import FallbackWarning, ORTWrap, ORTWrapError, UnsupportedFunctionError
+from ortwrap.engines import is_training_available
 
 # ----------------------------------------------------------------------------------------- helpers
+
+#: The engine ``ORTWrap`` resolves here (``engine="auto"``): the training engine in ``.venv``, where
+#: each Function is a PythonOp; ``"onnxruntime"`` in the engine's venv (``ORT_EXTRA=ort make test``
+#: runs this file), where a traceable Function is traced into AOTAutograd's joint graph and an
+#: untraceable one runs in PyTorch between ORT segments (docs/engines.md, "Functions"). The numbers
+#: (outputs, every gradient against eager) are checked on both; PythonOp nodes, ``last_artifacts``
+#: and ORT's context map are the training engine's.
+ON_ENGINE = not is_training_available()
+pytestmark = pytest.mark.usefixtures("one_exporter_on_the_engine")
+#: On the onnxruntime engine, the tests beyond a representative subset (which `ORT_EXTRA=ort make test`
+#: runs, about 2 minutes) are slow: `.venv-ort/bin/python -m pytest -m slow tests/test_functions.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 
 BACKWARD_CALLS: collections.Counter[str] = collections.Counter()
 
@@ -68,7 +84,13 @@ def _names_of(names: list[str], fn: type) -> list[str]:
 
 def assert_bridged(wrapped: ORTWrap, *fns: type, calls: dict[type, int] | None = None, grad: bool = True) -> None:
     """Each Function of ``fns`` is a PythonOp of the pre-gradient graph (``calls[fn]`` nodes, default 1)
-    and, with ``grad``, has a PythonOpGrad in the built forward+backward graph."""
+    and, with ``grad``, has a PythonOpGrad in the built forward+backward graph. On the onnxruntime
+    engine (no PythonOp there): the call ran on the engine's build, none of it fell back to PyTorch."""
+    if ON_ENGINE:
+        engine = wrapped._engine
+        assert engine is not None and engine.last is not None, "no build: did ORTWrap fall back?"
+        assert engine.fallback_calls == 0, f"{engine.fallback_calls} calls fell back to PyTorch"
+        return
     artifacts = wrapped.last_artifacts
     assert artifacts is not None, "no build artifacts: did ORTWrap fall back?"
     pre = pythonop_names(artifacts.pre_grad)
@@ -84,6 +106,13 @@ def assert_bridged(wrapped: ORTWrap, *fns: type, calls: dict[type, int] | None =
             assert _names_of(grads, fn), f"{fn.__name__}: no PythonOpGrad in the built graph; PythonOpGrads: {grads}"
 
 
+def ran_on_both_sides(calls: int, eager: int) -> bool:
+    """Whether a Function's backward ran ``calls`` times where eager alone ran it ``eager`` times: as
+    often again under the training engine (PythonOpGrad at each step); at least once more on the
+    onnxruntime engine (a traced Function's backward runs while a signature builds)."""
+    return calls >= eager + 1 if ON_ENGINE else calls == 2 * eager
+
+
 def run_parity(make_model, make_inputs, fns: dict[type, int], **kwargs) -> ORTWrap:
     """check_parity, then: every Function in ``fns`` is bridged (``fns[fn]`` calls per forward) and its
     backward ran as often under ORT as in eager (``check_parity`` runs both sides every step)."""
@@ -93,6 +122,14 @@ def run_parity(make_model, make_inputs, fns: dict[type, int], **kwargs) -> ORTWr
     steps = len(kwargs.get("batch_sizes", (4, 7, 3)))
     for fn, uses in fns.items():
         if fn.__module__ != __name__:  # a library's Function: its backward does not count its calls
+            continue
+        if ON_ENGINE:
+            # a traced Function's backward runs while a signature builds (traced into the backward
+            # graph), an opaque one's at each step: eager's calls and at least one more
+            assert BACKWARD_CALLS[fn.__name__] >= uses * steps + uses, (
+                f"{fn.__name__}.backward ran {BACKWARD_CALLS[fn.__name__]} times; eager alone runs it "
+                f"{uses * steps} times: the engine never called it"
+            )
             continue
         assert BACKWARD_CALLS[fn.__name__] == 2 * uses * steps, (
             f"{fn.__name__}.backward ran {BACKWARD_CALLS[fn.__name__]} times over {steps} steps of eager and "
@@ -203,6 +240,7 @@ class MaskedSelfAttentionFlat(MaskedSelfAttention):
 
 @pytest.mark.usefixtures("exporter")
 @pytest.mark.parametrize("recompute", ["none", "cheap"])
+@ENGINE_SLOW
 def test_function_output_shapes_follow_the_inputs(recompute):
     """The TorchScript exporter records the traced sizes of a PythonOp's outputs, and every value
     computed from them inherited those numbers. ORT folded the ``Shape`` that the ``Reshape``'s
@@ -406,6 +444,7 @@ class ScalarAndTupleFunction(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_scalar_and_tuple_function():
     def body(h):
         return ScalarAndTupleFunction.apply(h, 5.0, (-1.5, 2.0), 0.25)
@@ -481,6 +520,7 @@ class KeepsInputModel(nn.Module):
 
 @pytest.mark.parametrize("how", ["attribute", "in_a_dict", "in_an_object"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_input_kept_as_a_plain_ctx_attribute(how):
     # Equal batch sizes first: later runs of a node reuse what its first run learned.
     run_parity(lambda: KeepsInputModel(how), randn_inputs(6), {KeepsInputOnCtx: 1}, batch_sizes=(4, 4, 4, 7, 3))
@@ -538,6 +578,7 @@ class SameTensorTwice(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_same_tensor_passed_twice():
     NeedsInputGrad.seen = []
     run_parity(SameTensorTwice, randn_inputs(6), {NeedsInputGrad: 1})
@@ -747,6 +788,7 @@ def test_set_materialize_grads_false_unused_output_is_none():
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_several_outputs_some_unused_get_zero_grads():
     ThreeOutputs.seen = []
     run_parity(lambda: MiddleOutputUnused(ThreeOutputs), randn_inputs(6), {ThreeOutputs: 1})
@@ -768,6 +810,7 @@ class OnceDifferentiableSquare(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_once_differentiable_backward():
     run_parity(lambda: Sandwich(OnceDifferentiableSquare.apply), randn_inputs(6), {OnceDifferentiableSquare: 1})
 
@@ -813,6 +856,7 @@ class ViewOutputModel(nn.Module):
 
 @pytest.mark.parametrize("fn", [SliceView, ReshapeView], ids=["slice", "view_reshape"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_output_is_a_view_of_the_input(fn):
     run_parity(lambda: ViewOutputModel(fn), randn_inputs(6), {fn: 1})
 
@@ -840,10 +884,12 @@ class ShapeOpsAfterFunction(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_output_shapes_stay_dynamic():
     # Only the batch size changes between steps: one export must serve them all.
     w = run_parity(ShapeOpsAfterFunction, randn_inputs(6), {Double: 1})
-    assert w.export_count == 1
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most
 
 
 class ScaleBy(Function):
@@ -876,7 +922,8 @@ class RepeatedCalls(nn.Module):
 @pytest.mark.usefixtures("exporter")
 def test_same_function_called_several_times():
     w = run_parity(RepeatedCalls, randn_inputs(6), {ScaleBy: 3})
-    assert w.export_count == 1
+    builds, most = signature_builds(w)
+    assert 1 <= builds <= most
 
 
 class InnerRound(Function):
@@ -902,11 +949,13 @@ class OuterUsesInner(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_called_inside_another_functions_forward():
     run_parity(lambda: Sandwich(OuterUsesInner.apply), randn_inputs(6), {OuterUsesInner: 1})
     assert BACKWARD_CALLS["InnerRound"] == 0  # neither eager nor ORT calls the inner backward
 
 
+@ENGINE_SLOW
 def test_function_inside_an_inlined_function_is_bridged(exporter):
     """Inline the outer Function: its ops are exported and ORT differentiates them, and the inner
     Function it calls is still a PythonOp whose own backward runs. y = Inner(4x)/4 + x with
@@ -920,6 +969,12 @@ def test_function_inside_an_inlined_function_is_bridged(exporter):
     y = w(x)
     torch.testing.assert_close(y.detach(), (x * 4.0).round() / 4.0 + x.detach())
     y.sum().backward()
+    if ON_ENGINE:
+        # inline_functions does not apply on the onnxruntime engine (docs/engines.md): the outer Function is
+        # traced with its own backward, as eager runs it (g * 7); Inner is plain compute in its forward
+        torch.testing.assert_close(x.grad, torch.full_like(x, 7.0))
+        assert BACKWARD_CALLS["InnerRound"] == 0 and BACKWARD_CALLS["OuterUsesInner"] >= 1
+        return
     torch.testing.assert_close(x.grad, torch.full_like(x, 101.0))
     assert BACKWARD_CALLS["InnerRound"] == 1 and BACKWARD_CALLS.get("OuterUsesInner", 0) == 0
     names = pythonop_names(w.last_artifacts.pre_grad)
@@ -1050,14 +1105,19 @@ class ScaleByFloat(Function):
 
 
 @pytest.mark.xfail(
+    not ON_ENGINE,
     strict=True,
     reason="documented in ortwrap/bridge/symbolic.py: float arguments travel as float32 ONNX attributes "
     "(0.1 arrives as 0.10000000149011612); remove this marker when floats are passed exactly",
 )
+@ENGINE_SLOW
 def test_float_argument_reaches_forward_exactly(exporter):
     ScaleByFloat.seen = []
     w = ORTWrap(Sandwich(lambda h: ScaleByFloat.apply(h, 0.1)), fallback=False, exporter=exporter)
     w(torch.randn(3, 6)).sum().backward()
+    if ON_ENGINE:  # traced: the forward runs while the signature builds, with the Python float itself
+        assert ScaleByFloat.seen and set(ScaleByFloat.seen) == {0.1}, ScaleByFloat.seen
+        return
     ScaleByFloat.seen = []
     w(torch.randn(3, 6)).sum().backward()
     assert ScaleByFloat.seen == [0.1]
@@ -1104,6 +1164,12 @@ class NonTensorOutputModel(nn.Module):
 @pytest.mark.parametrize("fn", [ReturnsIntToo, ReturnsList], ids=["tuple_with_int", "python_list"])
 @pytest.mark.usefixtures("exporter")
 def test_non_tensor_output_falls_back_or_raises(exporter, fn, fallback):
+    if ON_ENGINE:
+        # traced into AOTAutograd's graph, a Python int or a list out of a Function is no graph output
+        # (a PythonOp's, on the training engine): it trains with eager's numbers, nothing falls back
+        w = check_parity(lambda: NonTensorOutputModel(fn), randn_inputs(6), wrap_options={"fallback": fallback})
+        assert w.fallback_reason is None and w._engine.fallback_calls == 0
+        return
     if fallback:
         with pytest.warns(FallbackWarning, match=fn.__name__):
             w = check_parity(lambda: NonTensorOutputModel(fn), randn_inputs(6), wrap_options={"fallback": True})
@@ -1136,6 +1202,7 @@ def _loop_functions() -> list[type]:
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_same_qualname_different_classes_do_not_collide():
     first, second = _loop_functions()
     assert first.__qualname__ == second.__qualname__ and first is not second
@@ -1152,14 +1219,15 @@ def test_same_qualname_different_classes_do_not_collide():
 
     BACKWARD_CALLS.clear()
     w = check_parity(BothInOneModel, randn_inputs(6))
-    names = pythonop_names(w.last_artifacts.pre_grad)
-    assert len(names) == 2 and names[0] != names[1], f"two classes share one func_name: {names}"
-    assert BACKWARD_CALLS["LoopFn2.0"] == BACKWARD_CALLS["LoopFn-3.0"] == 6
+    if not ON_ENGINE:  # (PythonOp func_names: the training engine's)
+        names = pythonop_names(w.last_artifacts.pre_grad)
+        assert len(names) == 2 and names[0] != names[1], f"two classes share one func_name: {names}"
+    assert ran_on_both_sides(BACKWARD_CALLS["LoopFn2.0"], 3) and ran_on_both_sides(BACKWARD_CALLS["LoopFn-3.0"], 3)
     # ... and each one alone, in its own model, in either order
     for fn in (second, first):
         BACKWARD_CALLS.clear()
         check_parity(lambda fn=fn: Sandwich(fn.apply), randn_inputs(6))
-        assert BACKWARD_CALLS[f"LoopFn{fn.K}"] == 6, dict(BACKWARD_CALLS)
+        assert ran_on_both_sides(BACKWARD_CALLS[f"LoopFn{fn.K}"], 3), dict(BACKWARD_CALLS)
 
 
 class _ScaledBase(Function):
@@ -1179,6 +1247,7 @@ class ScaledByFour(_ScaledBase):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_function_that_is_not_a_direct_subclass():
     run_parity(lambda: Sandwich(lambda h: ScaledByFour.apply(h, 1.5)), randn_inputs(6), {ScaledByFour: 1})
 
@@ -1250,6 +1319,7 @@ class BiasModel(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_backward_returns_broadcast_shape_and_other_dtype():
     run_parity(BiasModel, randn_inputs(6), {AddBias: 1})
 
@@ -1286,6 +1356,7 @@ class QuantizedWeightModel(nn.Module):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_functions_on_parameters_and_an_int64_index_input():
     def inputs(b, g):
         return (torch.randint(0, 10, (b, seq_len(b, 5)), generator=g),), {}
@@ -1341,6 +1412,17 @@ class CheckpointedBlock(nn.Module):
 def test_reentrant_activation_checkpointing():
     from torch.utils.checkpoint import CheckpointFunction
 
+    if ON_ENGINE:
+        # documented (docs/engines.md): CheckpointFunction reads the block's parameters from a closure, so
+        # the onnxruntime engine can neither trace it nor run it opaque: refused naming it, or (fallback)
+        # the call runs in PyTorch with eager's numbers (use_reentrant=False is traced)
+        w = ORTWrap(CheckpointedBlock(), fallback=False)
+        with pytest.raises(UnsupportedFunctionError, match=r"CheckpointFunction.*from a closure"):
+            w(torch.randn(4, 6, requires_grad=True))
+        with pytest.warns(FallbackWarning, match="CheckpointFunction"):
+            w = check_parity(CheckpointedBlock, randn_inputs(6), wrap_options={"fallback": True})
+        assert w._engine.fallback_calls == 3
+        return
     run_parity(CheckpointedBlock, randn_inputs(6), {CheckpointFunction: 1})
 
 
@@ -1354,6 +1436,9 @@ def test_no_grad_forward_matches_eager(exporter):
             out_o, out_e = w(x), eager(x)
         for i, (a, e) in enumerate(zip(out_o, out_e)):
             assert_close(a, e, f"batch {b}: no_grad output {i}")
+    if ON_ENGINE:  # (an inference graph, the Function traced into it)
+        assert set(w._engine.last.runners) == {"inference"} and w._engine.fallback_calls == 0
+        return
     assert "PythonOp" in {n.op_type for n in w.last_artifacts.graph.model().graph.node}
 
 
@@ -1398,6 +1483,9 @@ def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working(ex
     w = ORTWrap(ours, fallback=False, exporter=exporter)
     g = torch.Generator().manual_seed(1)
     _step_and_compare(eager, w, ours, torch.randn(3, 6, generator=g), "first step")
+    if ON_ENGINE:
+        _explosive_on_the_engine(eager, w, ours, g)
+        return
     exports = w.export_count
 
     # forward raises: same type, same message as eager
@@ -1442,7 +1530,30 @@ def test_exceptions_keep_their_type_and_message_and_the_wrapper_keeps_working(ex
     assert w.export_count == exports + 1
 
 
+def _explosive_on_the_engine(eager: nn.Module, w: ORTWrap, ours: nn.Module, g: torch.Generator) -> None:
+    """engine="onnxruntime" traces Explosive into its graphs: its Python runs while a signature builds,
+    not at each call (docs/engines.md). A build during which its forward raises gives the caller that
+    exception, type and message, as eager does; the wrapper keeps working, the Function still traced."""
+    bad = torch.randn(5, 6, generator=g).requires_grad_()  # a shape not built yet
+    with explosive_forward(), pytest.raises(ValueError, match="boom 42") as eager_error:
+        eager(bad)
+    with explosive_forward(), pytest.raises(ValueError, match="boom 42") as ort_error:
+        w(bad)
+    assert type(ort_error.value) is ValueError, f"got {type(ort_error.value).__name__}: {ort_error.value}"
+    assert ort_error.value.args == eager_error.value.args
+    _step_and_compare(eager, w, ours, torch.randn(5, 6, generator=g), "step after a failed build")
+    assert not w._engine._opaque, "a Function that raised its own error was kept opaque"
+    # a built signature runs its graphs: the flag is not read there (the engine's documented difference)
+    x = torch.randn(5, 6, generator=g).requires_grad_()  # (the signature _step_and_compare built)
+    with explosive_forward():
+        out = w(x)
+    assert_close(out.detach(), eager(x).detach(), "a built signature's output while the flag is set")
+    assert w.fallback_reason is None and w._engine.fallback_calls == 0
+
+
 def test_a_kept_exception_does_not_block_context_cleanup(exporter):
+    if ON_ENGINE:
+        pytest.skip("ORT's context map of PythonOp calls is the training engine's (no PythonOp on this engine)")
     # Notebooks (sys.last_value), loggers and retry loops keep exceptions alive. A failed training
     # forward whose exception is still referenced must not stop ortwrap from releasing the contexts
     # that other forwards without backward leave in ORT's (process-wide) context map.
@@ -1505,6 +1616,7 @@ class PayloadModel(nn.Module):
         return self.l2(UsesPayload.apply(self.l1(x), self.payload))
 
 
+@ENGINE_SLOW
 def test_object_argument_lives_as_long_as_the_wrapper(exporter):
     torch.manual_seed(0)
     payload = Payload(2.5)
@@ -1515,6 +1627,17 @@ def test_object_argument_lives_as_long_as_the_wrapper(exporter):
     g = torch.Generator().manual_seed(1)
     BACKWARD_CALLS.clear()
     _step_and_compare(eager, w, m, torch.randn(3, 6, generator=g), "first step")
+    if ON_ENGINE:
+        # traced: the payload is read while the signature builds; the graphs hold no reference to it.
+        # The built signature keeps working after the user drops it, and nothing keeps it past the wrapper.
+        assert BACKWARD_CALLS["UsesPayload"] >= 2
+        del m.payload
+        del payload
+        _step_and_compare(eager, w, m, torch.randn(3, 6, generator=g), "step after the user dropped the payload")
+        del w, m
+        gc.collect()
+        assert ref() is None
+        return
     assert BACKWARD_CALLS["UsesPayload"] == 2
     # The user drops every reference: only the graph (ortwrap) still points to the payload.
     del m.payload
@@ -1567,6 +1690,7 @@ def _live_contexts() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is cls)
 
 
+@ENGINE_SLOW
 def test_no_accumulation_over_thousands_of_runs(exporter):
     torch.manual_seed(0)
     eager = Sandwich(SavesMarker.apply, d_in=4, d_mid=4, d_out=4)
@@ -1647,6 +1771,7 @@ class InlineAndBridge(nn.Module):
 
 @pytest.mark.parametrize("how", ["option", "env"])
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_option(how, monkeypatch):
     if how == "option":
         options = {"inline_functions": [qualified_name(TanhScaled)]}
@@ -1659,16 +1784,17 @@ def test_inline_functions_option(how, monkeypatch):
     BACKWARD_CALLS.clear()
     w = check_parity(InlineAndBridge, randn_inputs(6), wrap_options=options)
     assert qualified_name(TanhScaled) in w.options.inline_functions
-    names = pythonop_names(w.last_artifacts.pre_grad)
-    assert not _names_of(names, TanhScaled), f"an inlined Function is still a PythonOp: {names}"
-    assert "Tanh" in {n.op_type for n in w.last_artifacts.pre_grad.graph.node}
-    assert_bridged(w, RoundClippedSTE)  # Functions not listed are still bridged
-    assert BACKWARD_CALLS["RoundClippedSTE"] == 6
+    if not ON_ENGINE:  # (PythonOp nodes; on the onnxruntime engine every traceable Function is traced)
+        names = pythonop_names(w.last_artifacts.pre_grad)
+        assert not _names_of(names, TanhScaled), f"an inlined Function is still a PythonOp: {names}"
+        assert "Tanh" in {n.op_type for n in w.last_artifacts.pre_grad.graph.node}
+        assert_bridged(w, RoundClippedSTE)  # Functions not listed are still bridged
+    assert ran_on_both_sides(BACKWARD_CALLS["RoundClippedSTE"], 3)
     # the inlined forward runs as ONNX ops: ORT never calls the Python forward
     TanhScaled.forward_calls = 0
-    exports = w.export_count
+    exports = signature_builds(w)[0]
     w(torch.randn(5, 6, requires_grad=True)).sum().backward()
-    assert w.export_count == exports
+    assert signature_builds(w)[0] == exports
     assert TanhScaled.forward_calls == 0
 
 
@@ -1676,6 +1802,7 @@ tanh_scaled = TanhScaled.apply  # the common `my_op = MyFunction.apply` alias, b
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_applies_to_an_apply_alias_bound_before_wrapping():
     BACKWARD_CALLS.clear()
     w = check_parity(
@@ -1683,6 +1810,8 @@ def test_inline_functions_applies_to_an_apply_alias_bound_before_wrapping():
         randn_inputs(6),
         wrap_options={"inline_functions": [qualified_name(TanhScaled)]},
     )
+    if ON_ENGINE:  # (no PythonOp on the onnxruntime engine: check_parity compared the numbers)
+        return
     names = pythonop_names(w.last_artifacts.pre_grad)
     assert not _names_of(names, TanhScaled), f"a Function listed in inline_functions is still a PythonOp: {names}"
 
@@ -1707,12 +1836,15 @@ class SinScaledSetupContext(Function):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_inline_functions_with_a_setup_context_style_function():
     w = check_parity(
         lambda: Sandwich(lambda h: SinScaledSetupContext.apply(h, 1.5)),
         randn_inputs(6),
         wrap_options={"inline_functions": [qualified_name(SinScaledSetupContext)]},
     )
+    if ON_ENGINE:  # (no PythonOp on the onnxruntime engine: check_parity compared the numbers)
+        return
     assert not _names_of(pythonop_names(w.last_artifacts.pre_grad), SinScaledSetupContext)
     assert "Sin" in {n.op_type for n in w.last_artifacts.pre_grad.graph.node}
 
@@ -1754,6 +1886,7 @@ def user_export(model):
 """
 
 
+@ENGINE_SLOW
 def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
     # What the user's export gives in a process that never imported ortwrap...
     done = subprocess.run(
@@ -1772,7 +1905,8 @@ def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
     user_round, model = ns["UserRound"], ns["UserModel"]()
     w = ORTWrap(model, fallback=False, exporter=exporter)
     w(torch.randn(4, 3)).sum().backward()
-    assert _names_of(pythonop_names(w.last_artifacts.pre_grad), user_round)
+    if not ON_ENGINE:  # (the training engine's PythonOp; the onnxruntime engine traces UserRound)
+        assert _names_of(pythonop_names(w.last_artifacts.pre_grad), user_round)
     with torch.no_grad():  # (ORT has no gradient for Round: inline it in an inference graph only)
         ORTWrap(ns["UserModel"](), fallback=False, inline_functions=[qualified_name(user_round)], exporter=exporter)(
             torch.randn(4, 3)
@@ -1782,6 +1916,7 @@ def test_user_torch_onnx_export_of_a_function_is_unaffected(exporter):
 
 
 @pytest.mark.usefixtures("exporter")
+@ENGINE_SLOW
 def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
     def user_symbolic(g, *args, **kwargs):
         return g.op("user.domain::UserPythonOp", *[a for a in args if isinstance(a, torch._C.Value)])
@@ -1804,6 +1939,7 @@ def test_users_own_pythonop_symbolic_survives_and_does_not_capture_ortwrap():
         torch.onnx.unregister_custom_op_symbolic("prim::PythonOp", 1)
 
 
+@ENGINE_SLOW
 def test_kept_outputs_without_backward_do_not_pile_up_contexts_in_ort(exporter):
     # The previous output is alive while the next forward runs (a forward is always awaiting its
     # backward), so ORT's context map cannot be emptied wholesale: abandoned entries are erased one

@@ -1,6 +1,8 @@
 """One parity test per op family that common models need and that ORT must differentiate.
 
-Each model puts trainable parameters in front of the op so its gradient flows through it.
+Each model puts trainable parameters in front of the op so its gradient flows through it. Runs on
+whichever engine the environment resolves, as tests/test_models.py (``ORT_EXTRA=ort make test`` runs it
+on ``engine="onnxruntime"``, once: the exporter does not apply there).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from parity import check_parity, seq_len
 from torch import nn
 
-pytestmark = pytest.mark.usefixtures("exporter")
+pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
 
 
 def seq_inputs(feat: int, seq: int = 5):
@@ -170,6 +172,8 @@ def test_nll_loss_on_non_log_softmax_input():
             return F.nll_loss(z - z.logsumexp(-1, keepdim=True), y, ignore_index=-100)
 
     w = check_parity(M, ce_inputs, loss_fn=lambda out: out)
+    if w.last_artifacts is None:  # (engine="onnxruntime": AOTAutograd's graphs, no training-engine artifacts)
+        return
     assert "NegativeLogLikelihoodLoss" not in {n.op_type for n in w.last_artifacts.pre_grad.graph.node}
 
 

@@ -301,6 +301,8 @@ class OnnxRuntimeEngine:
             return compile_graph
 
         flat = _Flat(module, in_spec)
+        first: tuple | None = None  # (the class made opaque, what its traced forward raised)
+        made_opaque: list[tuple] = []
         while True:
             tracer = FunctionTracer(self._opaque)
             try:
@@ -311,16 +313,21 @@ class OnnxRuntimeEngine:
             except Exception as e:
                 if dynamic is not None:
                     raise NotDynamic(f"AOTAutograd could not trace it: {type(e).__name__}: {_first_line(e)}") from e
+                probe = tracer.probe_error
+                if first is not None and probe is not None and _same_error(probe, first[1]):
+                    # NOTE: the Function raised its own error, run eagerly too (a flag, a check of its
+                    # arguments): not a trace failure. It is not kept opaque, and the caller gets the
+                    # exception itself, as eager raises it (its type, its message), not a refusal.
+                    self._opaque.discard(first[0])
+                    raise probe from None
                 untraceable = next((c for c in tracer.failed if c not in self._opaque), None)
                 if untraceable is not None:
                     # NOTE: traced again with the Function as one opaque op (functions.py), run in
-                    # PyTorch between ORT segments (split.py); said once per Function class.
-                    logger.warning(
-                        "onnxruntime engine: torch.autograd.Function %s cannot be traced (%s: %s); it runs in "
-                        "PyTorch between ORT segments",
-                        qualified_name(untraceable), type(e).__name__, _first_line(e),
-                    )  # fmt: skip
+                    # PyTorch between ORT segments (split.py); said once per Function class, once that
+                    # trace holds (not when the Function raised its own error, above).
                     self._opaque.add(untraceable)
+                    made_opaque.append((untraceable, e))
+                    first = (untraceable, e) if first is None else first
                     compiled.graphs.clear(), compiled.runners.clear()
                     continue
                 opaque = next((c for c in tracer.failed if c in self._opaque), None)
@@ -338,6 +345,12 @@ class OnnxRuntimeEngine:
                 raise ExportError(
                     f"AOTAutograd could not trace {type(module).__name__}: {type(e).__name__}: {str(e)[:500]}"
                 ) from e
+        for cls, e in made_opaque:
+            logger.warning(
+                "onnxruntime engine: torch.autograd.Function %s cannot be traced (%s: %s); it runs in PyTorch "
+                "between ORT segments",
+                qualified_name(cls), type(e).__name__, _first_line(e),
+            )  # fmt: skip
         compiled.out_spec = flat.out_spec
         if dynamic is not None:
             guards = compat.shape_guards(shape_env, example)
@@ -358,6 +371,10 @@ def _autocast_state() -> tuple:
     return tuple(
         (device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda") if torch.is_autocast_enabled(device)
     )
+
+
+def _same_error(a: BaseException, b: BaseException) -> bool:
+    return type(a) is type(b) and a.args == b.args
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,7 +21,8 @@ is dropped when the token tensor is freed (``weakref.finalize``). Output shapes 
 by running the Function on zeros of its inputs' shapes (outside every dispatch mode, without grad): a
 Function whose output shapes depend on its inputs' values is caught at run time (RuntimeRunError).
 Only ctx-style Functions (``forward(ctx, ...)``) can be opaque: a ``setup_context`` Function's ctx is
-out of the forward's reach.
+out of the forward's reach. Nor can one that modifies an input in place (``ctx.mark_dirty``; seen by the
+probe, whose inputs' version counters move): refused, naming it, so the call falls back or raises.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ class FunctionTracer:
     def __init__(self, opaque: set[type]) -> None:
         self.opaque = opaque
         self.failed: list[type] = []
+        #: what an opaque call's probe (the Function run eagerly) raised, if it did
+        self.probe_error: Exception | None = None
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
@@ -246,7 +249,19 @@ class FunctionTracer:
                 torch.zeros(shape, dtype=dtype, device=device).requires_grad_(need)
                 for (shape, dtype, device), need in zip(in_meta, site.needs_grad)
             ]
-            raw = cls.apply(*site.arguments(zeros), **kwargs)
+            versions = [compat.tensor_version(z) for z in zeros]
+            try:
+                raw = cls.apply(*site.arguments(zeros), **kwargs)
+            except Exception as e:
+                self.probe_error = e
+                raise
+        if [compat.tensor_version(z) for z in zeros] != versions:
+            # (its op would write into a tensor the ORT segments and AOTAutograd see as unchanged)
+            raise RuntimeRunError(
+                f"torch.autograd.Function {site.name} cannot be traced, and it modifies an input in place "
+                "(ctx.mark_dirty): an in-place Function cannot run in PyTorch between ORT segments yet; use "
+                "engine='training'"
+            )
         site.single = isinstance(raw, torch.Tensor)
         site.out_meta = [(tuple(o.shape), o.dtype, o.device) for o in ((raw,) if site.single else raw)]
         index = len(_SITES)
