@@ -20,7 +20,7 @@ import torch
 from ..bridge.aten import ONNX_TYPES, TORCH_DTYPES, _as_complex, _complex_positions, _is_complex, resolve
 from ..graph.names import ATEN_DOMAIN, COMPLEX_MARK, NATIVE_PREFIX, VJP_PREFIX
 
-__all__ = ["infer_types", "meta_outputs", "tensor_from_proto"]
+__all__ = ["infer_types", "meta_outputs", "tensor_from_proto", "value_types"]
 
 
 def tensor_from_proto(t: onnx.TensorProto) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
     return out
 
 
-def _types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
+def value_types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
     """name -> (ONNX element type, shape with None for symbolic dims) for every value whose type
     and rank are known."""
     known = {}
@@ -258,7 +258,7 @@ def infer_types(
     changed = False
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-        known = _types(model)
+        known = value_types(model)
         constants = _proto_constants(model)
         example = _example_shapes(model, known, sizes) if sizes else None
         # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims

@@ -16,7 +16,7 @@ import torch
 from .._compat import torch as compat
 from .._ort import C
 from ..bridge.aten import NO_GRADIENT_OPS, resolve
-from ..export.type_inference import _types
+from ..export.type_inference import value_types
 from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
 from ..ops import OWN_GRADIENT_OPS  # ops whose gradient definition their owner registers: no vjp
 
@@ -124,7 +124,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     from ..ops import TORCH_OP_GRADIENTS
 
     keys = []
-    types = _types(model)
+    types = value_types(model)
     constants: dict[str, Any] | None = None  # (read when a random op needs them)
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
