@@ -13,7 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_op_fixes import check
+from test_op_fixes import Fn, check
+
+from ortwrap import ORTWrap
+from ortwrap.ops.torch_ops import clamp_passes_gradient_at_bounds
 
 pytestmark = pytest.mark.usefixtures("exporter")
 
@@ -72,6 +75,8 @@ TENSOR_CASES = {
     "clamp_max": (lambda x, hi: torch.clamp_max(x, hi), "hi"),
     "clamp_only_min": (lambda x, lo: torch.clamp(x, min=lo), "lo"),
     "clamp_only_max": (lambda x, hi: torch.clamp(x, max=hi), "hi"),
+    # computed bounds: a Tensor? argument of an ATen node takes its gradient (grad/aten.py stop edges)
+    "clamp_computed_bounds": (lambda x, lo, hi: torch.clamp(x, lo * 1.0, hi * 1.0), "lo,hi"),
     "maximum": (lambda x, lo: torch.maximum(x, lo), "lo"),
     "minimum": (lambda x, hi: torch.minimum(x, hi), "hi"),
 }
@@ -83,3 +88,28 @@ def test_tensor_bounds(exporter, case, bounds_grad):
     fn, bounds = case
     value = {"lo": -1.0, "hi": 1.0}
     check(fn, [on_bounds(), *(tensor_bound(value[b], bounds_grad) for b in bounds.split(","))], exporter)
+
+
+def test_integer_clamp_keeps_its_onnx_form(exporter):
+    """An integer clamp has no gradient: it keeps its ONNX form (shape inference sees through it,
+    ``aggressive_cpu_fallback`` can move it to the host) while, under TorchScript, a floating one in
+    the same graph follows eager at its bounds (an ATen node where the installed torch needs one).
+    Dynamo writes ATen nodes by op (``AtenViaTorch.floating_only``): its integer clamp is alone."""
+    if exporter == "torchscript":
+
+        def fn(x, idx):
+            return x.clamp(0.0, 1.0) * (idx.clamp(0, 2) + 1)
+
+        want = 0 if clamp_passes_gradient_at_bounds() else 1
+    else:
+
+        def fn(x, idx):
+            return x * (idx.clamp(0, 2) + 1)
+
+        want = 0
+    idx = torch.arange(len(_VALUES)) - 3
+    check(fn, [on_bounds(), idx], exporter)
+    m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
+    m(on_bounds(), idx).sum().backward()
+    ops = [a.s.decode() for n in m.last_artifacts.exported.graph.node for a in n.attribute if a.name == "operator"]
+    assert ops.count("clamp") == want, ops

@@ -260,6 +260,9 @@ def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
         entry = entries.get(name)
         if entry is None or name in found:
             continue
+        first = node.args[0].meta.get("val") if node.args and _is_fx_node(node.args[0]) else None
+        if entry.floating_only and isinstance(first, torch.Tensor) and not first.is_floating_point():
+            continue
         if entry.when is None:
             found.add(name)
             continue

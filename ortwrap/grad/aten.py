@@ -184,7 +184,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                     "forward's. Run it outside the wrapped module, or the module without ORTWrap"
                 )
         if known is None:
-            stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            stop = {i for i in range(n_in) if i >= len(schema_args) or not _is_tensor(schema_args[i].type)}
             if draws_only:
                 # Ops whose result does not depend on their inputs' values take no gradient at all.
                 stop = set(range(n_in))
@@ -205,6 +205,14 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
         keys.append(key)
     return keys
+
+
+def _is_tensor(t: Any) -> bool:
+    """A ``Tensor`` or ``Tensor?`` argument: one that takes a gradient (``clamp.Tensor``'s bounds,
+    ``convolution``'s bias; an absent one stays absent)."""
+    if t.kind() == "OptionalType":
+        t = t.getElementType()
+    return t.kind() == "TensorType"
 
 
 #: Random ops whose results do not depend on their inputs' values (PyTorch gives them zero or no

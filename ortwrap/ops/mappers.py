@@ -626,12 +626,17 @@ class AtenViaTorch:
         when: ``when(constants)`` -> whether this call needs the ATen node; ``constants`` holds the
             call's constant non-tensor arguments by position (None where not constant). None: always.
         why: what the ONNX form gets wrong.
+        floating_only: only where the first argument is floating (what the ONNX form gets wrong is a
+            gradient: an integer ``clamp`` keeps its ONNX form, which shape inference sees through).
+            TorchScript per call; dynamo by op (an integer call becomes an ATen node too where a
+            floating call of the same op needs one).
     """
 
     aten: str
     exporters: tuple[str, ...]
     why: str
     when: Callable[[list[Any]], bool] | None = None
+    floating_only: bool = False
 
 
 #: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript, ``export/aten_fallback.py``
@@ -652,6 +657,7 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
             "half and half) follows one torch release's clamp (2.13 passes it to x, 2.14 gives 0 for number "
             "bounds and splits it with tensor bounds): PyTorch's autograd of the installed torch",
             when=_clamp_needs_aten,
+            floating_only=True,
         )
         for clamp in ("clamp", "clip", "clamp_min", "clamp_max")
     ),
