@@ -32,9 +32,9 @@ repeat_interleave              torch's symbolic normalizes a negative dim in pla
                                gets a constant of its own.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
-``ops.ATEN_OPS``          hardtanh/relu6 and clamp/clip (at their bounds: the installed torch's
-                               gradient), softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
-                               ``divisor_override``, p-norms, index_fill of a tensor value,
+``ops.ATEN_OPS``          hardtanh/relu6 and clamp/clip at their bounds (the installed torch's
+                               gradient), softplus (beta/threshold), threshold, diagonal, cdist,
+                               avg_pool with ``divisor_override``, p-norms, index_fill of a tensor value,
                                pairwise_distance, cosine_similarity, lerp, circular pad, var/std
                                with a fractional correction: torch's ONNX form is wrong or
                                untrainable (cdist: NaN gradient at distance 0); ATen nodes
