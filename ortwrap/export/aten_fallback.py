@@ -31,6 +31,7 @@ import torch
 
 from .._compat import torch as compat
 from ..graph.names import COMPLEX_MARK
+from ..ops.values import constant_array
 
 #: torch dtype -> torch's ScalarType code (the ATen bridge's decoding, inverted).
 _SCALAR_TYPE_CODES = {
@@ -67,28 +68,18 @@ def _kind(t: Any) -> str:
 
 
 def _constant(value: Any, kind: str, where: str) -> np.ndarray:
-    """The ATen bridge's encoding of a non-tensor argument."""
+    """The ATen bridge's encoding of a non-tensor argument (``ops.values.constant_array``; a dtype as
+    torch's ScalarType code)."""
     if isinstance(value, torch.dtype) or str(kind) == "ScalarType":
         if value not in _SCALAR_TYPE_CODES:
             raise NotImplementedError(f"{where}: dtype {value} cannot be passed to an ATen node")
         return np.array(_SCALAR_TYPE_CODES[value], dtype=np.int64)
-    if isinstance(value, bool):
-        return np.array(value, dtype=np.bool_)
-    if isinstance(value, int):
-        return np.array(value, dtype=np.int64)
-    if isinstance(value, float):
-        return np.array(value, dtype=np.float64)
-    if isinstance(value, str):
-        return np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy()
-    if isinstance(value, (list, tuple)) and all(isinstance(v, bool) for v in value):
-        return np.array(value, dtype=np.bool_)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return np.array(value, dtype=np.int64).reshape(len(value))
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
-        return np.array(value, dtype=np.float64).reshape(len(value))
-    raise NotImplementedError(
-        f"{where}: argument {value!r} ({type(value).__name__}) cannot be passed to an ATen node inside ONNX Runtime"
-    )
+    try:
+        return constant_array(value)
+    except TypeError:
+        raise NotImplementedError(
+            f"{where}: argument {value!r} ({type(value).__name__}) cannot be passed to an ATen node inside ONNX Runtime"
+        ) from None
 
 
 def _bind(schema: Any, args: tuple, kwargs: dict) -> list[tuple[Any, Any]]:
@@ -268,6 +259,9 @@ def _wrong_translations(program: torch.export.ExportedProgram) -> set[str]:
         name = schema.name.split("::", 1)[-1]
         entry = entries.get(name)
         if entry is None or name in found:
+            continue
+        first = node.args[0].meta.get("val") if node.args and _is_fx_node(node.args[0]) else None
+        if entry.floating_only and isinstance(first, torch.Tensor) and not first.is_floating_point():
             continue
         if entry.when is None:
             found.add(name)

@@ -65,6 +65,7 @@ def dynamo_to_onnx(
                 for node in list(gm.graph.nodes):  # checks of the capture's own metadata: no value
                     if node.op == "call_function" and node.target is compat.assert_metadata_op() and not node.users:
                         gm.graph.erase_node(node)
+                _float_clamp_bounds(gm)
                 chosen = extra(program, registry.is_registered, False) if extra is not None else {}
                 if chosen is not None:
                     # The type promotion pass re-runs every op on fake tensors, as the retrace does.
@@ -125,6 +126,30 @@ def _all_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             yield from module.graph.nodes
+
+
+def _float_clamp_bounds(gm: torch.fx.GraphModule) -> None:
+    """Int bounds of a floating ``clamp``/``clip``/``clamp_min``/``clamp_max`` as floats (the same
+    numbers: eager casts them to the input's dtype). Type promotion would make the call
+    ``clamp.Tensor`` of 0-d bounds, translated as ``Max``/``Min``, whose ORT gradient splits it half
+    and half at a bound, where eager's number-bound clamp gives all (torch 2.13) or nothing (2.14):
+    a float bound keeps the number overload, which ``ops.ATEN_OPS`` sends to PyTorch where needed."""
+    ops = {torch.ops.aten.clamp.default, torch.ops.aten.clip.default}
+    ops |= {torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default}
+
+    def as_float(v: Any) -> Any:
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target not in ops or not node.args:
+                continue
+            val = getattr(node.args[0], "meta", {}).get("val")
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                node.args = (node.args[0], *map(as_float, node.args[1:]))
+                node.kwargs = {k: as_float(v) for k, v in node.kwargs.items()}
 
 
 def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:

@@ -32,8 +32,9 @@ repeat_interleave              torch's symbolic normalizes a negative dim in pla
                                gets a constant of its own.
 ``aten::unfold``               a negative dim: torch's symbolic puts the window axis last (wrong
                                forward); the dim is made non-negative first.
-``ops.ATEN_OPS``          softplus (beta/threshold), threshold, diagonal, cdist, avg_pool with
-                               ``divisor_override``, p-norms, index_fill of a tensor value,
+``ops.ATEN_OPS``          hardtanh/relu6 and clamp/clip at their bounds (the installed torch's
+                               gradient), softplus (beta/threshold), threshold, diagonal, cdist,
+                               avg_pool with ``divisor_override``, p-norms, index_fill of a tensor value,
                                pairwise_distance, cosine_similarity, lerp, circular pad, var/std
                                with a fractional correction: torch's ONNX form is wrong or
                                untrainable (cdist: NaN gradient at distance 0); ATen nodes
@@ -519,12 +520,15 @@ def _native_layer_norm(default: Callable) -> Callable:
     return symbolic
 
 
-def _aten_when(name: str, when: Callable, default: Callable) -> Callable:
-    """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong; torch's otherwise."""
+def _aten_when(name: str, when: Callable | None, default: Callable, floating_only: bool = False) -> Callable:
+    """``aten::<name>`` as an ATen node where ``when`` says the ONNX form is wrong (and, with
+    ``floating_only``, the first argument is floating); torch's otherwise."""
     aten = _aten_symbolic(name)
 
     def symbolic(g, *args):
-        if when([_ts_argument(a) for a in args]):
+        if floating_only and args and not compat.ts_scalar_type(args[0])[1].is_floating_point:
+            return default(g, *args)
+        if when is None or when([_ts_argument(a) for a in args]):
             return aten(g, *args)
         return default(g, *args)
 
@@ -724,10 +728,10 @@ def ortwrap_symbolics(opset: int, aten_ops: tuple[str, ...] = (), with_backward:
         if "torchscript" not in entry.exporters:
             continue
         default = compat.ts_symbolic(f"aten::{entry.aten}", opset)
-        if entry.when is None or default is None:
+        if (entry.when is None and not entry.floating_only) or default is None:
             symbolics[f"aten::{entry.aten}"] = _aten_symbolic(entry.aten)
         else:
-            symbolics[f"aten::{entry.aten}"] = _aten_when(entry.aten, entry.when, default)
+            symbolics[f"aten::{entry.aten}"] = _aten_when(entry.aten, entry.when, default, entry.floating_only)
     for op in aten_ops:
         symbolics[f"aten::{op}"] = _aten_symbolic(op)
     default_sdpa = compat.ts_symbolic("aten::scaled_dot_product_attention", opset)

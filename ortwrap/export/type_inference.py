@@ -20,7 +20,7 @@ import torch
 from ..bridge.aten import ONNX_TYPES, TORCH_DTYPES, _as_complex, _complex_positions, _is_complex, resolve
 from ..graph.names import ATEN_DOMAIN, COMPLEX_MARK, NATIVE_PREFIX, VJP_PREFIX
 
-__all__ = ["infer_types", "meta_outputs", "tensor_from_proto"]
+__all__ = ["infer_types", "meta_outputs", "tensor_from_proto", "value_types"]
 
 
 def tensor_from_proto(t: onnx.TensorProto) -> torch.Tensor:
@@ -32,10 +32,13 @@ def tensor_from_proto(t: onnx.TensorProto) -> torch.Tensor:
 
 
 def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
-    """Values of Constant nodes (strings as uint8 bytes, the executor's convention)."""
+    """Values of Constant nodes (strings as uint8 bytes, the executor's convention), the TorchScript
+    exporter's ``prim::Constant`` ones included (a device, ``"cpu"``): an ATen node taking one is
+    evaluated like any other, so that an argument it cannot take inside ORT (a ``Device``) is refused
+    here, naming the op, and the complex values downstream are still found (``pairs`` below)."""
     out = {}
     for n in model.graph.node:
-        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx"):
+        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx", "prim"):
             continue
         for a in n.attribute:
             if a.type == onnx.AttributeProto.STRING and a.name in ("value", "value_string"):
@@ -45,7 +48,7 @@ def _proto_constants(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
     return out
 
 
-def _types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
+def value_types(model: onnx.ModelProto) -> dict[str, tuple[int, list[int | None]]]:
     """name -> (ONNX element type, shape with None for symbolic dims) for every value whose type
     and rank are known."""
     known = {}
@@ -255,7 +258,7 @@ def infer_types(
     changed = False
     for _ in range(max_rounds):
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-        known = _types(model)
+        known = value_types(model)
         constants = _proto_constants(model)
         example = _example_shapes(model, known, sizes) if sizes else None
         # Progress only if the refined Slice shapes are new: ONNX re-infers the same unknown dims
@@ -289,10 +292,12 @@ def infer_types(
                 if runs is not None and not op.startswith(COMPLEX_MARK) and any(map(_is_complex, runs[0])):
                     op = _mark_complex(node, op, overload, [])
                     ours.add(tuple(node.output))
-            except Exception:
-                if strict:
-                    raise
-                continue  # best effort (strict=False): its outputs stay unknown
+            except Exception as e:
+                if not strict:
+                    continue  # best effort (strict=False): its outputs stay unknown
+                if isinstance(e, NotImplementedError) and not str(e).startswith("ATen op"):
+                    raise NotImplementedError(f"ATen op {op.rpartition('|')[2]}: {e}") from e
+                raise
             if runs is None:
                 continue
             for i, (name, r) in enumerate(zip(node.output, runs[0])):

@@ -16,7 +16,7 @@ import torch
 from .._compat import torch as compat
 from .._ort import C
 from ..bridge.aten import NO_GRADIENT_OPS, resolve
-from ..export.type_inference import _types
+from ..export.type_inference import value_types
 from ..graph.names import ATEN_BOOL_MARK, ATEN_DOMAIN, NATIVE_PREFIX, OUTS_MARK, USED_MARK, VJP_PREFIX
 from ..ops import OWN_GRADIENT_OPS  # ops whose gradient definition their owner registers: no vjp
 
@@ -124,7 +124,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
     from ..ops import TORCH_OP_GRADIENTS
 
     keys = []
-    types = _types(model)
+    types = value_types(model)
     constants: dict[str, Any] | None = None  # (read when a random op needs them)
     for node in model.graph.node:
         if node.domain != ATEN_DOMAIN or node.op_type != "ATen":
@@ -187,7 +187,7 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
                     "forward's. Run it outside the wrapped module, or the module without ORTWrap"
                 )
         if known is None:
-            stop = {i for i in range(n_in) if i >= len(schema_args) or schema_args[i].type.kind() != "TensorType"}
+            stop = {i for i in range(n_in) if i >= len(schema_args) or not _is_tensor(schema_args[i].type)}
             if draws_only:
                 # Ops whose result does not depend on their inputs' values take no gradient at all.
                 stop = set(range(n_in))
@@ -208,6 +208,14 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             _gradient_arity[key] = (n_in, n_out, tuple(grads_out))
         keys.append(key)
     return keys
+
+
+def _is_tensor(t: Any) -> bool:
+    """A ``Tensor`` or ``Tensor?`` argument: one that takes a gradient (``clamp.Tensor``'s bounds,
+    ``convolution``'s bias; an absent one stays absent)."""
+    if t.kind() == "OptionalType":
+        t = t.getElementType()
+    return t.kind() == "TensorType"
 
 
 #: Random ops whose results do not depend on their inputs' values (PyTorch gives them zero or no

@@ -602,6 +602,19 @@ def _var_needs_aten(c: list[Any]) -> bool:
     return fractional or (c[1] in (None, [], ()) and bool(c[3]))
 
 
+def _clamp_needs_aten(c: list[Any]) -> bool:
+    """``clamp``/``clip``/``clamp_min``/``clamp_max`` (``(self, min[, max])``) whose ONNX form's ORT
+    gradient differs from the installed torch's where ``x`` equals a bound. Number bounds become
+    ``Clip``, whose ORT gradient passes the gradient there (torch 2.13's clamp; 2.14's gives 0; dynamo
+    keeps int bounds numbers: ``export/dynamo_translate._float_clamp_bounds``); tensor bounds (no
+    constant bound) become ``Max``/``Min``, whose ORT gradient splits it half and half (2.14's; 2.13
+    gives it all to ``x``)."""
+    from .torch_ops import clamp_passes_gradient_at_bounds
+
+    number_bounds = any(b is not None for b in c[1:3])
+    return number_bounds != clamp_passes_gradient_at_bounds()
+
+
 @dataclass(frozen=True)
 class AtenViaTorch:
     """An ATen op whose ONNX form loses what training needs: exported as an ATen node instead, so
@@ -613,12 +626,17 @@ class AtenViaTorch:
         when: ``when(constants)`` -> whether this call needs the ATen node; ``constants`` holds the
             call's constant non-tensor arguments by position (None where not constant). None: always.
         why: what the ONNX form gets wrong.
+        floating_only: only where the first argument is floating (what the ONNX form gets wrong is a
+            gradient: an integer ``clamp`` keeps its ONNX form, which shape inference sees through).
+            TorchScript per call; dynamo by op (an integer call becomes an ATen node too where a
+            floating call of the same op needs one).
     """
 
     aten: str
     exporters: tuple[str, ...]
     why: str
     when: Callable[[list[Any]], bool] | None = None
+    floating_only: bool = False
 
 
 #: ATen ops exported as ATen nodes (``export/symbolics.py`` for TorchScript, ``export/aten_fallback.py``
@@ -631,6 +649,27 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
         when=lambda c: not (c[1] in (1, 1.0) and c[2] in (20, 20.0)),
     ),
     AtenViaTorch("threshold", ("torchscript",), "torch writes an org.pytorch.aten::threshold op ORT cannot load"),
+    *(
+        AtenViaTorch(
+            clamp,
+            ("torchscript", "dynamo"),
+            "at a value equal to a bound, the ORT gradient of the ONNX form (Clip: passes it; Max/Min: splits it "
+            "half and half) follows one torch release's clamp (2.13 passes it to x, 2.14 gives 0 for number "
+            "bounds and splits it with tensor bounds): PyTorch's autograd of the installed torch",
+            when=_clamp_needs_aten,
+            floating_only=True,
+        )
+        for clamp in ("clamp", "clip", "clamp_min", "clamp_max")
+    ),
+    *(
+        AtenViaTorch(
+            op,
+            ("torchscript", "dynamo"),
+            "exported as Clip, whose ORT gradient passes the gradient at a value equal to a bound; "
+            "hardtanh_backward gives 0 there (every torch release)",
+        )
+        for op in ("hardtanh", "relu6")
+    ),
     AtenViaTorch("diagonal", ("torchscript",), "torch's symbolic writes an If node, which ORT cannot differentiate"),
     AtenViaTorch(
         "cdist",

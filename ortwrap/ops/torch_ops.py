@@ -54,15 +54,17 @@ def _hard_sigmoid_backward(grad, x, alpha: float, beta: float, output_mask: list
     if _is_torch_hardsigmoid(alpha, beta):
         return [torch.ops.aten.hardsigmoid_backward(grad, x)]
     v = x * alpha + beta
-    inside = (v >= 0.0) & (v <= 1.0) if _clamp_passes_gradient_at_bounds() else (v > 0.0) & (v < 1.0)
+    inside = (v >= 0.0) & (v <= 1.0) if clamp_passes_gradient_at_bounds() else (v > 0.0) & (v < 1.0)
     return [torch.where(inside, grad, torch.zeros((), dtype=grad.dtype)) * alpha]
 
 
 @functools.cache
-def _clamp_passes_gradient_at_bounds() -> bool:
+def clamp_passes_gradient_at_bounds() -> bool:
     """Whether autograd's ``clamp`` passes the gradient at a value equal to a bound: torch 2.13 does,
     2.14 does not (checked on 2.13.0 and 2.14.1). Read once from the installed torch, which is eager's
-    contract: a HardSigmoid of other alpha/beta comes from a user's ``clamp(alpha * x + beta, 0, 1)``."""
+    contract: a HardSigmoid of other alpha/beta comes from a user's ``clamp(alpha * x + beta, 0, 1)``,
+    and ``ops.ATEN_OPS`` sends the clamps whose ONNX form's ORT gradient has the other convention to
+    PyTorch (2.14 also splits the gradient half and half where ``x`` equals a tensor bound)."""
     import torch
 
     with torch.inference_mode(False), torch.enable_grad():  # (first called inside ORT's run: grad off)

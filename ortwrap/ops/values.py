@@ -55,7 +55,13 @@ def written(value: float) -> float:
 
 
 def constant_array(value: Any) -> np.ndarray:
-    """The ATen bridge's encoding of a constant argument (``bridge/aten.py``)."""
+    """The ATen bridge's encoding of a constant argument (``bridge/aten.py``): a number as a 0-d
+    array (bool, int64, float64), a list of numbers as a 1-D one, a string as its UTF-8 bytes. The
+    one encoder: the mappers and passes here, and the dynamo exporter's ATen nodes
+    (``export/aten_fallback.py``, which encodes dtypes itself).
+
+    Raises:
+        TypeError: a value no ATen node argument can hold."""
     if isinstance(value, str):
         return np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy()
     if isinstance(value, bool):
@@ -68,6 +74,6 @@ def constant_array(value: Any) -> np.ndarray:
         return np.array(value, dtype=np.bool_)
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
         return np.array(value, dtype=np.int64).reshape(len(value))
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
         return np.array(value, dtype=np.float64).reshape(len(value))
     raise TypeError(f"{value!r} cannot be an ATen node argument")

@@ -1,0 +1,115 @@
+"""Clamp-like ops at their bounds, against the installed torch's eager autograd (both exporters).
+
+torch 2.14 changed ``clamp``'s gradient where the input equals a bound: 2.13 passes the gradient
+there, 2.14 gives 0 for number bounds and splits it half and half with a tensor bound (as
+``maximum``/``minimum`` at ties). ``hardtanh``/``relu6``, ``hardsigmoid``, ``hardswish``,
+``threshold`` and ``relu`` keep their own backward formulas, which did not change. ORT's ``Clip``,
+``Max`` and ``Min`` gradients follow one convention, so every case here puts inputs exactly on the
+bounds (and between and outside them) and compares every gradient with eager's on this release.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_op_fixes import Fn, check
+
+from ortwrap import ORTWrap
+from ortwrap.ops.torch_ops import clamp_passes_gradient_at_bounds
+
+pytestmark = pytest.mark.usefixtures("exporter")
+
+#: Values on and around every bound the cases use (0, 1, 6, -1, +-3, +-2, the threshold 1).
+_VALUES = [-7.0, -6.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 6.0, 7.0]
+
+
+def on_bounds(rows: int = 3) -> torch.Tensor:
+    """``rows`` copies of ``_VALUES`` (each row shifted by one place), requiring grad."""
+    v = torch.tensor(_VALUES)
+    return torch.stack([v.roll(i) for i in range(rows)]).requires_grad_()
+
+
+def tensor_bound(value: float, grad: bool = True) -> torch.Tensor:
+    """A bound per element of :func:`on_bounds`: ``value`` in most places, another value in some."""
+    b = torch.full((3, len(_VALUES)), value)
+    b[1, ::3] = value - 1.0
+    b[2, 1::4] = value + 0.5
+    return b.requires_grad_(grad)
+
+
+SCALAR_CASES = {
+    "clamp": lambda x: x.clamp(0.0, 1.0),
+    "clamp_int_bounds": lambda x: torch.clamp(x, -1, 6),
+    "clip": lambda x: torch.clip(x, -3.0, 3.0),
+    "clamp_min": lambda x: x.clamp_min(0.0),
+    "clamp_max": lambda x: x.clamp_max(1.0),
+    "clamp_only_min": lambda x: torch.clamp(x, min=-1.0),
+    "clamp_only_max": lambda x: torch.clamp(x, max=6.0),
+    "clamp_affine": lambda x: (x * 0.25 + 0.5).clamp(0.0, 1.0),  # a HardSigmoid of other alpha/beta
+    "relu6": F.relu6,
+    "hardtanh": F.hardtanh,
+    "hardtanh_3": lambda x: F.hardtanh(x, -3.0, 3.0),
+    "hardsigmoid": F.hardsigmoid,
+    "hardswish": F.hardswish,
+    "threshold": lambda x: F.threshold(x, 1.0, 0.5),
+    "relu": F.relu,
+    # in place (TorchScript records aten::hardtanh_, aten::clamp_, ...), on a copy
+    "relu6_inplace": lambda x: F.relu6(x * 1.0, inplace=True),
+    "hardtanh_inplace": lambda x: F.hardtanh(x * 1.0, -3.0, 3.0, inplace=True),
+    "clamp_inplace": lambda x: (x * 1.0).clamp_(0.0, 1.0),
+    "clamp_min_inplace": lambda x: (x * 1.0).clamp_min_(0.0),
+}
+
+
+@pytest.mark.parametrize("fn", list(SCALAR_CASES.values()), ids=list(SCALAR_CASES))
+def test_number_bounds(exporter, fn):
+    check(fn, [on_bounds()], exporter)
+
+
+#: name -> (function of x and its bounds, which bounds it takes: "lo" -1 and "hi" 1 in most places).
+TENSOR_CASES = {
+    "clamp": (lambda x, lo, hi: torch.clamp(x, lo, hi), "lo,hi"),
+    "clip": (lambda x, lo, hi: torch.clip(x, lo, hi), "lo,hi"),
+    "clamp_min": (lambda x, lo: torch.clamp_min(x, lo), "lo"),
+    "clamp_max": (lambda x, hi: torch.clamp_max(x, hi), "hi"),
+    "clamp_only_min": (lambda x, lo: torch.clamp(x, min=lo), "lo"),
+    "clamp_only_max": (lambda x, hi: torch.clamp(x, max=hi), "hi"),
+    # computed bounds: a Tensor? argument of an ATen node takes its gradient (grad/aten.py stop edges)
+    "clamp_computed_bounds": (lambda x, lo, hi: torch.clamp(x, lo * 1.0, hi * 1.0), "lo,hi"),
+    "maximum": (lambda x, lo: torch.maximum(x, lo), "lo"),
+    "minimum": (lambda x, hi: torch.minimum(x, hi), "hi"),
+}
+
+
+@pytest.mark.parametrize("bounds_grad", [True, False], ids=["bounds_grad", "bounds_const"])
+@pytest.mark.parametrize("case", list(TENSOR_CASES.values()), ids=list(TENSOR_CASES))
+def test_tensor_bounds(exporter, case, bounds_grad):
+    fn, bounds = case
+    value = {"lo": -1.0, "hi": 1.0}
+    check(fn, [on_bounds(), *(tensor_bound(value[b], bounds_grad) for b in bounds.split(","))], exporter)
+
+
+def test_integer_clamp_keeps_its_onnx_form(exporter):
+    """An integer clamp has no gradient: it keeps its ONNX form (shape inference sees through it,
+    ``aggressive_cpu_fallback`` can move it to the host) while, under TorchScript, a floating one in
+    the same graph follows eager at its bounds (an ATen node where the installed torch needs one).
+    Dynamo writes ATen nodes by op (``AtenViaTorch.floating_only``): its integer clamp is alone."""
+    if exporter == "torchscript":
+
+        def fn(x, idx):
+            return x.clamp(0.0, 1.0) * (idx.clamp(0, 2) + 1)
+
+        want = 0 if clamp_passes_gradient_at_bounds() else 1
+    else:
+
+        def fn(x, idx):
+            return x * (idx.clamp(0, 2) + 1)
+
+        want = 0
+    idx = torch.arange(len(_VALUES)) - 3
+    check(fn, [on_bounds(), idx], exporter)
+    m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
+    m(on_bounds(), idx).sum().backward()
+    ops = [a.s.decode() for n in m.last_artifacts.exported.graph.node for a in n.attribute if a.name == "operator"]
+    assert ops.count("clamp") == want, ops
