@@ -93,6 +93,29 @@ def _conv_transpose_backward(
     return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
 
 
+def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], groups: int):
+    """ONNX Conv (symmetric pads) as PyTorch's ``convolution`` (oneDNN on CPU), in its inputs' dtype:
+    the route ``gemm_choice`` picks for a convolution that measures faster there than ORT's
+    Conv + ConvGrad (bf16 under autocast, as eager's)."""
+    import torch
+
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+
+
+def _conv_backward(
+    grad, x, w, stride: list[int], padding: list[int], dilation: list[int], groups: int, output_mask: list[bool]
+):
+    """dx, dw, db of :func:`_conv`: PyTorch's ``convolution_backward``, as eager's autograd calls it."""
+    import torch
+
+    empty = torch.empty(0, dtype=x.dtype)
+    dx, dw, db = torch.ops.aten.convolution_backward(
+        grad.to(x.dtype), x, w, [w.shape[0]], stride, padding, dilation, False, [0] * len(stride), groups,
+        output_mask,
+    )  # fmt: skip
+    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+
+
 def _hardswish(x):
     import torch
 
@@ -724,6 +747,20 @@ OPS: tuple[Op, ...] = (
         "conv_transpose_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, "
         "int[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _conv_transpose_backward,
+        heavy=True,
+    ),
+    # Conv where gemm_choice measured PyTorch's convolution faster than ORT's Conv + ConvGrad on
+    # the graph's shapes (passes/torch_conv.py), with its backward op (no vjp: no recompute).
+    Op(
+        "conv(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, int groups) -> Tensor",
+        _conv,
+        gradient("conv_backward", ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)"], _GI3, stop=[3, 4, 5, 6]),
+        heavy=True,
+    ),
+    Op(
+        "conv_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups, "
+        "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _conv_backward,
         heavy=True,
     ),
     Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),

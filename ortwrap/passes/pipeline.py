@@ -50,6 +50,7 @@ from .scalar_gradients import ScalarGradientShapesPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
+from .torch_conv import TorchConvOnCPUPass
 from .torch_gradients import TorchGradientsPass
 from .unbatched_loss import UnbatchedLossPass
 from .vector_matmul import VectorMatMulPass
@@ -125,6 +126,12 @@ def _fuse_initializers(exported: Any) -> ir.passes.PassBase:
         if t.dtype in (torch.bfloat16, torch.float16) and not t.requires_grad
     }
     return FuseHalfInitializersPass(names)
+
+
+def _torch_convs(gemm_choice: Any) -> ir.passes.PassBase | None:
+    """The Conv nodes ``gemm_choice`` routed to PyTorch's convolution, or None (none)."""
+    names = getattr(gemm_choice, "torch_convs", ())
+    return TorchConvOnCPUPass(names) if names else None
 
 
 def _host_shape_split(exported: Any) -> ir.passes.PassBase:
@@ -231,6 +238,10 @@ def _graph_passes(
         # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
         P(ExplicitConvPadsPass()),
     ]
+    if device_type == "cpu" and with_backward:
+        # Conv nodes where gemm_choice measured PyTorch's convolution faster (before the next passes:
+        # a bf16 one stays bf16, as eager autocast's).
+        passes.append(P(_torch_convs, requires=("gemm_choice",), stage="TorchConvOnCPUPass"))
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).

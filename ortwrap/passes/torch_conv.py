@@ -1,0 +1,72 @@
+"""Convolutions as PyTorch's (oneDNN) where that measured faster than ORT's Conv + ConvGrad.
+
+``gemm_choice`` times each 2-D convolution shape of a CPU training graph through ORT (``Conv`` and
+the ``ConvGrad`` of its gradient) and through PyTorch (``convolution`` and ``convolution_backward``,
+in the graph's dtype: bf16 under autocast, as eager's), once per machine, and names the Conv
+nodes where PyTorch's route wins by more than what its two ATen calls cost. This pass replaces
+those nodes by ``ortwrap_ops::conv`` ATen nodes, whose gradient is the explicit
+``ortwrap_ops::conv_backward`` (``convolution_backward``, no recompute of the forward).
+
+It runs before ``HalfPrecisionOnCPUPass``: a bf16 Conv's ATen node keeps its bf16 inputs and output
+(that pass leaves ATen nodes in their dtypes, with Casts around them), so it computes in bf16 as
+eager autocast's convolution does, where ORT would compute it in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import onnx_ir as ir
+
+from ..ops import OnnxViaTorch
+from ..ops.mappers import _attr
+from .torch_gradients import replace_with_torch
+
+_ONNX = ("", "ai.onnx")
+
+
+def conv_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """``ortwrap_ops::conv``'s arguments for an ONNX Conv, or None (left to ORT) where PyTorch's op
+    has no form of it: not 2-D, ``auto_pad``, asymmetric pads, unknown rank."""
+    x = node.inputs[0]
+    if x is None or x.shape is None or len(x.shape) != 4 or _attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    rank = 2
+    pads = list(_attr(node, "pads", [0] * (2 * rank)))
+    if pads[:rank] != pads[rank:]:
+        return None
+    return [
+        value(0),
+        value(1),
+        value(2) if len(node.inputs) > 2 else None,
+        list(_attr(node, "strides", [1] * rank)),
+        pads[:rank],
+        list(_attr(node, "dilations", [1] * rank)),
+        int(_attr(node, "group", 1)),
+    ]
+
+
+#: Conv as ``ortwrap_ops::conv`` (not in ``ops.GRADIENTS``: ORT differentiates Conv; only chosen nodes)
+CONV_VIA_TORCH = OnnxViaTorch(
+    "Conv", "ortwrap_ops::conv", conv_args, devices=("cpu",), why="PyTorch's convolution measured faster"
+)
+
+
+class TorchConvOnCPUPass(ir.passes.InPlacePass):
+    """Replace the Conv nodes named ``names`` (``gemm_choice``'s ``torch_convs``) by PyTorch's
+    convolution; ``rewritten``: how many."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+        self.rewritten = 0
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        self.rewritten = 0
+        for node in list(model.graph):
+            if node.op_type != "Conv" or node.domain not in _ONNX or node.name not in self.names:
+                continue
+            if replace_with_torch(model.graph, node, CONV_VIA_TORCH) is not None:
+                self.rewritten += 1
+        return ir.passes.PassResult(model, modified=self.rewritten > 0)
