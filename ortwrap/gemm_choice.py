@@ -40,6 +40,7 @@ ORT and PyTorch more often, and one library was faster on every shape of every m
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -171,29 +172,44 @@ class Conv:
     groups: int = 1
     dtype: str = "f32"
     count: int = 1
+    #: a ConvTranspose (``output_padding`` ``out_pad``): in a bf16 graph, PyTorch's transposed
+    #: convolution in bf16 against the float32 one it is otherwise (ORT has no ConvTransposeGrad on CPU)
+    transposed: bool = False
+    out_pad: tuple[int, int] = (0, 0)
 
     def out_hw(self) -> tuple[int, int]:
+        sizes, ks = (self.h, self.w), (self.kh, self.kw)
+        if self.transposed:
+            return tuple(
+                (size - 1) * s - 2 * p + d * (k - 1) + op + 1
+                for size, p, d, k, s, op in zip(sizes, self.pads, self.dilation, ks, self.stride, self.out_pad)
+            )  # type: ignore[return-value]
         return tuple(
             (size + 2 * p - d * (k - 1) - 1) // s + 1
-            for size, p, d, k, s in zip((self.h, self.w), self.pads, self.dilation, (self.kh, self.kw), self.stride)
+            for size, p, d, k, s in zip(sizes, self.pads, self.dilation, ks, self.stride)
         )  # type: ignore[return-value]
 
     @property
     def flops(self) -> float:
         """The forward's FLOPs (the backward's are about twice as many)."""
-        ho, wo = self.out_hw()
+        ho, wo = (self.h, self.w) if self.transposed else self.out_hw()
         return 2.0 * self.n * self.o * ho * wo * (self.c // self.groups) * self.kh * self.kw
 
     def key(self) -> str:
         """Its key in the machine's record (without the count: that is the graph's)."""
         return (
-            f"conv {self.dtype} {self.n} {self.c} {self.h} {self.w} {self.o} {self.kh} {self.kw} "
+            f"conv{'T' if self.transposed else ''} {self.dtype} {self.n} {self.c} {self.h} {self.w} {self.o} {self.kh} {self.kw} "
             f"s{self.stride[0]},{self.stride[1]} p{self.pads[0]},{self.pads[1]} "
             f"d{self.dilation[0]},{self.dilation[1]} g{self.groups}"
+            + f" op{self.out_pad[0]},{self.out_pad[1]}" * self.transposed
         )
 
     def label(self) -> str:
-        return f"{self.c}->{self.o} {self.kh}x{self.kw} at {self.h}x{self.w}" + f" {self.dtype}" * (self.dtype != "f32")
+        return (
+            "transposed " * self.transposed
+            + f"{self.c}->{self.o} {self.kh}x{self.kw} at {self.h}x{self.w}"
+            + f" {self.dtype}" * (self.dtype != "f32")
+        )
 
 
 @dataclass(frozen=True)
@@ -426,23 +442,31 @@ def conv_problems(
 ) -> dict[Conv, list[str]]:
     """The top-level graph's 2-D Conv nodes of ``dtype`` that ``ortwrap_ops::conv`` can run (explicit
     symmetric pads), with known dimensions: problem -> the nodes' names (its count: how many)."""
-    from .passes.torch_conv import conv_args
+    from .passes.torch_conv import conv_args, conv_transpose_args
 
+    half = dtype == ir.DataType.BFLOAT16
     found: dict[Conv, list[str]] = {}
     for node in model.graph:
-        if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or not node.name:
+        transposed = node.op_type == "ConvTranspose"
+        if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") or not node.name:
+            continue
+        if transposed and not half:  # a float32 one runs as PyTorch's anyway (TorchGradientsPass)
             continue
         x, w = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if x is None or w is None or x.dtype != dtype or w.dtype != dtype:
             continue
-        args = conv_args(node, lambda i: None)
+        args = (conv_transpose_args if transposed else conv_args)(node, lambda i: None)
         dx, dw = _dims(x, env, concrete or {}), _dims(w, env, concrete or {})
         if args is None or dx is None or dw is None or None in dx or None in dw or len(dw) != 4:
             continue
-        stride, pads, dilation, groups = args[3:]
+        if transposed:
+            stride, pads, dilation, out_pad, groups = args[3:]
+            o = dw[1] * groups
+        else:
+            (stride, pads, dilation, groups), out_pad, o = args[3:], (0, 0), dw[0]
         conv = Conv(
-            *dx, dw[0], dw[2], dw[3], tuple(stride), tuple(pads), tuple(dilation), groups,
-            "bf16" if dtype == ir.DataType.BFLOAT16 else "f32",
+            *dx, o, dw[2], dw[3], tuple(stride), tuple(pads), tuple(dilation), groups, "bf16" if half else "f32",
+            transposed=transposed, out_pad=tuple(out_pad),
         )  # fmt: skip
         found.setdefault(conv, []).append(node.name)
     return found
@@ -454,8 +478,9 @@ def conv_problems(
 def decide_convs(
     rates: Sequence[ConvRate], crossing_s: float = CONV_CROSSING_S, margin: float = CONV_MARGIN
 ) -> list[Conv]:
-    """The convolutions PyTorch's route runs faster, its two ATen calls included, by ``margin``. Pure."""
-    return [r.conv for r in rates if r.torch_s + 2 * crossing_s < (1.0 - margin) * r.ort_s]
+    """The convolutions PyTorch's route runs faster, its two ATen calls included, by ``margin``
+    (a transposed one is an ATen node either way: PyTorch's bf16 against its float32). Pure."""
+    return [r.conv for r in rates if r.torch_s + 2 * crossing_s * (not r.conv.transposed) < (1.0 - margin) * r.ort_s]
 
 
 def decide(rates: Sequence[Rate], crossing_s: float = CROSSING_S, margin: float = MARGIN) -> tuple[bool, float, float]:
@@ -595,25 +620,28 @@ def measure_convs(convs: Sequence[Conv], options: Options) -> tuple[list[ConvRat
         gen = torch.Generator().manual_seed(0)
         ho, wo = c.out_hw()
         x = torch.randn(c.n, c.c, c.h, c.w, generator=gen)
-        w = torch.randn(c.o, c.c // c.groups, c.kh, c.kw, generator=gen)
+        w_shape = (c.c, c.o // c.groups) if c.transposed else (c.o, c.c // c.groups)
+        w = torch.randn(*w_shape, c.kh, c.kw, generator=gen)
         b = torch.randn(c.o, generator=gen)
         dy = torch.randn(c.n, c.o, ho, wo, generator=gen)
-        sess = _conv_ort_session(c, options)
-        feeds = {"x": x.numpy(), "w": w.numpy(), "b": b.numpy(), "dy": dy.numpy()}
         half = c.dtype == "bf16"
-        args = (list(c.stride), list(c.pads), list(c.dilation))
-
-        def run_ort(sess=sess, feeds=feeds) -> None:
-            sess.run(None, feeds)
+        args = (list(c.stride), list(c.pads), list(c.dilation), c.transposed, list(c.out_pad), c.groups)
 
         def run_torch(x=x, w=w, b=b, dy=dy, c=c, half=half, args=args) -> None:
             dt = torch.bfloat16 if half else torch.float32
             xc, wc = x.to(dt), w.to(dt)
-            torch.ops.aten.convolution(xc, wc, b.to(dt), *args, False, [0, 0], c.groups).float()
-            grads = torch.ops.aten.convolution_backward(
-                dy.to(dt), xc, wc, [c.o], *args, False, [0, 0], c.groups, [True, True, True]
-            )
+            torch.ops.aten.convolution(xc, wc, b.to(dt), *args).float()
+            grads = torch.ops.aten.convolution_backward(dy.to(dt), xc, wc, [c.o], *args, [True, True, True])
             [g.float() for g in grads]
+
+        if c.transposed:  # the route it takes otherwise: PyTorch's, in float32
+            run_ort = functools.partial(run_torch, half=False)
+        else:
+            sess = _conv_ort_session(c, options)
+            feeds = {"x": x.numpy(), "w": w.numpy(), "b": b.numpy(), "dy": dy.numpy()}
+
+            def run_ort(sess=sess, feeds=feeds) -> None:
+                sess.run(None, feeds)
 
         best = [math.inf, math.inf]
         began = time.perf_counter()
@@ -843,7 +871,7 @@ def _choose_convs(graph: _Graph, dtype: ir.DataType, options: Options) -> dict:
     :func:`decide_convs`. Empty where the graph has no convolution worth measuring."""
     env = input_dims(graph.model, graph.input_names, graph.leaves)
     found = conv_problems(graph.model, env, dtype)
-    if any(n.op_type == "Conv" for n in graph.model.graph) and not found:  # dims the shapes lost
+    if any(n.op_type in ("Conv", "ConvTranspose") for n in graph.model.graph) and not found:  # dims the shapes lost
         if graph._concrete is None:
             graph._concrete = concrete_shapes(graph.exported, graph.input_names, graph.leaves)
         found = conv_problems(graph.model, env, dtype, graph._concrete)

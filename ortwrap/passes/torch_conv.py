@@ -47,14 +47,39 @@ def conv_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
     ]
 
 
+def conv_transpose_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """``ortwrap_ops::conv_transpose``'s arguments for a 2-D ConvTranspose, or None (left to
+    ``TorchGradientsPass``, which runs it in float32 or says why it cannot)."""
+    from ..errors import PassError
+    from ..ops.mappers import _conv_transpose
+
+    x = node.inputs[0]
+    if x is None or x.shape is None or len(x.shape) != 4:
+        return None
+    try:
+        return _conv_transpose(node, value, b)
+    except PassError:
+        return None
+
+
 #: Conv as ``ortwrap_ops::conv`` (not in ``ops.GRADIENTS``: ORT differentiates Conv; only chosen nodes)
 CONV_VIA_TORCH = OnnxViaTorch(
     "Conv", "ortwrap_ops::conv", conv_args, devices=("cpu",), why="PyTorch's convolution measured faster"
 )
 
 
+#: a bf16 ConvTranspose as ``ortwrap_ops::conv_transpose`` before ``HalfPrecisionOnCPUPass`` (in bf16)
+CONV_TRANSPOSE_VIA_TORCH = OnnxViaTorch(
+    "ConvTranspose", "ortwrap_ops::conv_transpose", conv_transpose_args, devices=("cpu",),
+    why="PyTorch's bf16 transposed convolution measured faster than its float32 one",
+)  # fmt: skip
+
+
+_ENTRIES = {"Conv": CONV_VIA_TORCH, "ConvTranspose": CONV_TRANSPOSE_VIA_TORCH}
+
+
 class TorchConvOnCPUPass(ir.passes.InPlacePass):
-    """Replace the Conv nodes named ``names`` (``gemm_choice``'s ``torch_convs``) by PyTorch's
+    """Replace the Conv (and bf16 ConvTranspose) nodes named ``names`` (``gemm_choice``'s ``torch_convs``) by PyTorch's
     convolution; ``rewritten``: how many."""
 
     def __init__(self, names: Iterable[str]) -> None:
@@ -65,8 +90,8 @@ class TorchConvOnCPUPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.rewritten = 0
         for node in list(model.graph):
-            if node.op_type != "Conv" or node.domain not in _ONNX or node.name not in self.names:
+            if node.op_type not in _ENTRIES or node.domain not in _ONNX or node.name not in self.names:
                 continue
-            if replace_with_torch(model.graph, node, CONV_VIA_TORCH) is not None:
+            if replace_with_torch(model.graph, node, _ENTRIES[node.op_type]) is not None:
                 self.rewritten += 1
         return ir.passes.PassResult(model, modified=self.rewritten > 0)
