@@ -440,20 +440,22 @@ def concrete_shapes(
 def conv_problems(
     model: ir.Model, env: dict[str, int], dtype: ir.DataType, concrete: dict | None = None
 ) -> dict[Conv, list[str]]:
-    """The top-level graph's 2-D Conv nodes of ``dtype`` that ``ortwrap_ops::conv`` can run (explicit
+    """The top-level graph's 2-D Conv nodes of ``dtype`` or float32 that ``ortwrap_ops::conv`` can run (explicit
     symmetric pads), with known dimensions: problem -> the nodes' names (its count: how many)."""
     from .passes.torch_conv import conv_args, conv_transpose_args
 
-    half = dtype == ir.DataType.BFLOAT16
     found: dict[Conv, list[str]] = {}
     for node in model.graph:
         transposed = node.op_type == "ConvTranspose"
         if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") or not node.name:
             continue
-        if transposed and not half:  # a float32 one runs as PyTorch's anyway (TorchGradientsPass)
-            continue
         x, w = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
-        if x is None or w is None or x.dtype != dtype or w.dtype != dtype:
+        # each in its own dtype: a bf16 graph may have float32 convolutions (the TorchScript exporter's
+        # autocast graphs), a float32 graph has none in bf16
+        if x is None or w is None or x.dtype != w.dtype or x.dtype not in (dtype, ir.DataType.FLOAT):
+            continue
+        half = x.dtype == ir.DataType.BFLOAT16
+        if transposed and not half:  # a float32 one runs as PyTorch's anyway (TorchGradientsPass)
             continue
         args = (conv_transpose_args if transposed else conv_args)(node, lambda i: None)
         dx, dw = _dims(x, env, concrete or {}), _dims(w, env, concrete or {})
@@ -871,7 +873,8 @@ def _choose_convs(graph: _Graph, dtype: ir.DataType, options: Options) -> dict:
     :func:`decide_convs`. Empty where the graph has no convolution worth measuring."""
     env = input_dims(graph.model, graph.input_names, graph.leaves)
     found = conv_problems(graph.model, env, dtype)
-    if any(n.op_type in ("Conv", "ConvTranspose") for n in graph.model.graph) and not found:  # dims the shapes lost
+    convs = sum(n.op_type in ("Conv", "ConvTranspose") and n.domain in ("", "ai.onnx") for n in graph.model.graph)
+    if sum(len(names) for names in found.values()) < convs:  # dims the symbolic shapes lost (or not 2-D)
         if graph._concrete is None:
             graph._concrete = concrete_shapes(graph.exported, graph.input_names, graph.leaves)
         found = conv_problems(graph.model, env, dtype, graph._concrete)

@@ -74,7 +74,9 @@ def _conv_transpose(
     """ONNX ConvTranspose (symmetric pads) as PyTorch's transposed ``convolution``."""
     import torch
 
-    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, True, output_padding, groups)
+    # (a bf16 graph's bias may be a constant that HalfPrecisionOnCPUPass made float32)
+    b = None if b is None else b.to(x.dtype)
+    return torch.ops.aten.convolution(x, w.to(x.dtype), b, stride, padding, dilation, True, output_padding, groups)
 
 
 def _conv_transpose_backward(
@@ -87,10 +89,10 @@ def _conv_transpose_backward(
 
     empty = torch.empty(0, dtype=x.dtype)
     dx, dw, db = torch.ops.aten.convolution_backward(
-        grad.to(x.dtype), x, w, [w.shape[1] * groups], stride, padding, dilation, True, output_padding, groups,
-        output_mask,
+        grad.to(x.dtype), x, w.to(x.dtype), [w.shape[1] * groups], stride, padding, dilation, True, output_padding,
+        groups, output_mask,
     )  # fmt: skip
-    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+    return (dx if output_mask[0] else empty, dw.to(w.dtype) if output_mask[1] else empty, db if output_mask[2] else empty)
 
 
 def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], groups: int):
@@ -99,7 +101,9 @@ def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], g
     Conv + ConvGrad (bf16 under autocast, as eager's)."""
     import torch
 
-    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, [0] * len(stride), groups)
+    # (a bf16 graph's bias may be a constant that HalfPrecisionOnCPUPass made float32)
+    b = None if b is None else b.to(x.dtype)
+    return torch.ops.aten.convolution(x, w.to(x.dtype), b, stride, padding, dilation, False, [0] * len(stride), groups)
 
 
 def _conv_backward(
@@ -110,10 +114,10 @@ def _conv_backward(
 
     empty = torch.empty(0, dtype=x.dtype)
     dx, dw, db = torch.ops.aten.convolution_backward(
-        grad.to(x.dtype), x, w, [w.shape[0]], stride, padding, dilation, False, [0] * len(stride), groups,
-        output_mask,
+        grad.to(x.dtype), x, w.to(x.dtype), [w.shape[0]], stride, padding, dilation, False, [0] * len(stride),
+        groups, output_mask,
     )  # fmt: skip
-    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+    return (dx if output_mask[0] else empty, dw.to(w.dtype) if output_mask[1] else empty, db if output_mask[2] else empty)
 
 
 def _hardswish(x):
