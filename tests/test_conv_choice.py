@@ -219,3 +219,46 @@ def test_recorded_times_choose_the_route_bf16(conv_dir, exporter, torch_faster):
         assert _aten_dtypes(w, "ortwrap_ops::conv_transpose") == {16}
     else:
         assert _aten_dtypes(w, "ortwrap_ops::conv_transpose") <= {1}
+
+
+# ------------------------------------------------------------------------------------ the pass
+
+
+@no_exporter
+def test_torch_conv_pass_rewrites_the_named_convs():
+    """TorchConvOnCPUPass: the named 2-D Conv becomes one ``ortwrap_ops::conv`` ATen node (stride,
+    pads, dilation, groups as its constant arguments); an unnamed one, and a named one PyTorch's op
+    has no form of (asymmetric pads), stay ORT's."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    from ortwrap.passes.torch_conv import TorchConvOnCPUPass
+
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w", "b"], ["y"], name="routed", pads=[1, 1, 1, 1], strides=[2, 2], group=2),
+            helper.make_node("Conv", ["x", "w"], ["z"], name="kept", pads=[1, 1, 1, 1], strides=[2, 2], group=2),
+            helper.make_node("Conv", ["x", "w"], ["a"], name="asymmetric", pads=[0, 0, 1, 1], group=2),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", f, [2, 4, 8, 8]), helper.make_tensor_value_info("w", f, [6, 2, 3, 3]),
+         helper.make_tensor_value_info("b", f, [6])],
+        [helper.make_tensor_value_info(n, f, None) for n in ("y", "z", "a")],
+    )  # fmt: skip
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    p = TorchConvOnCPUPass(names={"routed", "asymmetric"})
+    result = p(ir.serde.deserialize_model(model))
+    assert result.modified and p.rewritten == 1
+    nodes = list(result.model.graph)
+    atens = [n for n in nodes if n.op_type == "ATen"]
+    assert [n.name for n in nodes if n.op_type == "Conv"] == ["kept", "asymmetric"]
+    assert len(atens) == 1 and atens[0].attributes["operator"].as_string() == "ortwrap_ops::conv"
+    args = [None if v is None else v.name for v in atens[0].inputs[:3]]
+    assert args == ["x", "w", "b"]
+    consts = [v.producer().attributes["value"].as_tensor().numpy().tolist() for v in atens[0].inputs[3:]]
+    assert consts == [[2, 2], [1, 1], [1, 1], 2]
+    assert atens[0].outputs[0].name == "y" and atens[0].outputs[0].shape == ir.Shape([2, 6, 4, 4])
+    # with the build's choice (a GemmChoice naming none): nothing
+    assert not TorchConvOnCPUPass(gc.GemmChoice(False, False))(ir.serde.deserialize_model(model)).modified

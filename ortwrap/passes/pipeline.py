@@ -128,12 +128,6 @@ def _fuse_initializers(exported: Any) -> ir.passes.PassBase:
     return FuseHalfInitializersPass(names)
 
 
-def _torch_convs(gemm_choice: Any) -> ir.passes.PassBase | None:
-    """The Conv nodes ``gemm_choice`` routed to PyTorch's convolution, or None (none)."""
-    names = getattr(gemm_choice, "torch_convs", ())
-    return TorchConvOnCPUPass(names) if names else None
-
-
 def _host_shape_split(exported: Any) -> ir.passes.PassBase:
     return HostShapeSplitPass({n for n in exported.user_input_names if n is not None})
 
@@ -210,7 +204,7 @@ def default_passes(
             float32; ``Options.gemm``).
     """
     return [
-        e.make
+        e.make() if isinstance(e.make, type) else e.make  # (a pass made from a build value: with none)
         for e in _graph_passes(
             with_backward=with_backward,
             device_type=device_type,
@@ -241,7 +235,7 @@ def _graph_passes(
     if device_type == "cpu" and with_backward:
         # Conv nodes where gemm_choice measured PyTorch's convolution faster (before the next passes:
         # a bf16 one stays bf16, as eager autocast's).
-        passes.append(P(_torch_convs, requires=("gemm_choice",), stage="TorchConvOnCPUPass"))
+        passes.append(P(TorchConvOnCPUPass, requires=("gemm_choice",), stage="TorchConvOnCPUPass"))
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).

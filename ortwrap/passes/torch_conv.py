@@ -79,12 +79,13 @@ _ENTRIES = {"Conv": CONV_VIA_TORCH, "ConvTranspose": CONV_TRANSPOSE_VIA_TORCH}
 
 
 class TorchConvOnCPUPass(ir.passes.InPlacePass):
-    """Replace the Conv (and bf16 ConvTranspose) nodes named ``names`` (``gemm_choice``'s ``torch_convs``) by PyTorch's
-    convolution; ``rewritten``: how many."""
+    """Replace the Conv (and bf16 ConvTranspose) nodes that ``gemm_choice`` (the build's choice, a
+    ``GemmChoice``) names in its ``torch_convs``, or ``names``, by PyTorch's convolution;
+    ``rewritten``: how many."""
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, gemm_choice: Any = None, *, names: Iterable[str] | None = None) -> None:
         super().__init__()
-        self.names = frozenset(names)
+        self.names = frozenset(getattr(gemm_choice, "torch_convs", ()) if names is None else names)
         self.rewritten = 0
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
