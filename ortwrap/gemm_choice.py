@@ -35,6 +35,18 @@ ops, the attention rewrite (PyTorch's flash attention on the torch route) and th
 ORT and PyTorch more often, and one library was faster on every shape of every model measured
 (one kernel family wins across a CPU's shapes); the rates are kept per shape in the choice's record
 (``BuildArtifacts.gemm_choice``) to see if that ever stops holding.
+
+Convolutions, per node (``torch_convs``; ``"auto"``, CPU training graphs): each distinct 2-D
+convolution shape of at least :data:`CONV_MIN_FLOPS` (the :data:`CONV_MAX_SHAPES` largest) is timed,
+forward and backward, through ORT (Conv + ConvGrad, float32) and PyTorch (``convolution`` +
+``convolution_backward`` in the convolution's dtype: bf16 under autocast, where ORT computes in
+float32), kept in the same record; :func:`decide_convs` (pure) routes a convolution to PyTorch where
+its time plus two ATen calls (:data:`CONV_CROSSING_S` each) is below ORT's by :data:`CONV_MARGIN`
+(``passes/torch_conv.py`` rewrites those nodes). Per node, not per graph: a convolution is one node
+and its gradient, so a routed one adds its own two crossings and nothing else, and which library
+wins changes with the shape (on a Zen 5 EPYC, ORT's direct kernels win on few channels, oneDNN's
+on more: the UNet's 24->8 and 32->16 3x3 convolutions). A bf16 ConvTranspose (PyTorch's op either
+way: no ConvTransposeGrad on CPU) is timed in bf16 against float32 the same way.
 """
 
 from __future__ import annotations
