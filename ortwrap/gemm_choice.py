@@ -292,6 +292,8 @@ class GemmChoice:
         elif self.how == "small":
             text += f": {self.step_flops / 1e6:.0f} MFLOP of GEMMs a step"
         text += ")"
+        if self.conv_how == "measurement failed":
+            text += "; convolutions: ORT's (measurement failed)"
         if self.conv_rates:
             text += (
                 f"; convolutions: {len(self.torch_convs)} Conv nodes to PyTorch ({self.conv_how}; ms through "
@@ -477,7 +479,7 @@ def conv_problems(
             stride, pads, dilation, out_pad, groups = args[3:]
             o = dw[1] * groups
         else:
-            (stride, pads, dilation, groups), out_pad, o = args[3:], (0, 0), dw[0]
+            (stride, pads, dilation, groups), out_pad, o = args[3:7], (0, 0), dw[0]
         conv = Conv(
             *dx, o, dw[2], dw[3], tuple(stride), tuple(pads), tuple(dilation), groups, "bf16" if half else "f32",
             transposed=transposed, out_pad=tuple(out_pad),

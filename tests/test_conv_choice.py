@@ -94,6 +94,18 @@ def _aten_dtypes(w: ORTWrap, operator: str) -> set[int]:
     return found
 
 
+def _casts_next_to(w: ORTWrap, operator: str) -> list[str]:
+    """The Cast nodes of the built graphs that read an input of, or a result of, the ``operator`` ATen nodes."""
+    found = []
+    for program in w.programs():
+        nodes = program.graph.model().graph.node
+        atens = [n for n in nodes if any(a.name == "operator" and a.s.decode() == operator for a in n.attribute)]
+        ins = {i for n in atens for i in n.input}
+        outs = {o for n in atens for o in n.output}
+        found += [n.name for n in nodes if n.op_type == "Cast" and (set(n.output) & ins or set(n.input) & outs)]
+    return found
+
+
 def _first_step(exporter, autocast=None) -> ORTWrap:
     torch.manual_seed(0)
     w = ORTWrap(SmallUNet(), fallback=False, build_cache=False, exporter=exporter)
@@ -197,7 +209,8 @@ def test_recorded_times_choose_the_route_fp32(conv_dir, exporter, torch_faster):
 @pytest.mark.parametrize("torch_faster", [True, False], ids=["torch-faster", "ort-faster"])
 def test_recorded_times_choose_the_route_bf16(conv_dir, exporter, torch_faster):
     """Under bf16 autocast PyTorch's route computes the convolutions (and the ConvTranspose) in bf16,
-    as eager does; training matches eager autocast either way."""
+    as eager does (a Conv from float32 values, casting inside the op); training matches eager autocast
+    either way."""
     _first_step(exporter, bf16)
     _set_times(conv_dir, torch_faster)
     w = check_parity(
@@ -212,9 +225,9 @@ def test_recorded_times_choose_the_route_bf16(conv_dir, exporter, torch_faster):
     assert len(choice.torch_convs) == sum(c.count for c in routed), choice.summary()
     counts = _conv_nodes(w)
     assert counts.get("ortwrap_ops::conv", 0) == sum(c.count for c in routed if not c.transposed), counts
-    # PyTorch's route computes each in the convolution's dtype (bf16: 16), not ORT's float32 (1)
-    want = {16 if c.dtype == "bf16" else 1 for c in routed if not c.transposed}
-    assert _aten_dtypes(w, "ortwrap_ops::conv") == want
+    # float32 values in and out (the op casts inside PyTorch): no ORT Cast next to a routed Conv
+    assert _aten_dtypes(w, "ortwrap_ops::conv") == ({1} if any(not c.transposed for c in routed) else set())
+    assert not _casts_next_to(w, "ortwrap_ops::conv")
     if any(c.transposed for c in routed):
         assert _aten_dtypes(w, "ortwrap_ops::conv_transpose") == {16}
     else:
@@ -258,7 +271,7 @@ def test_torch_conv_pass_rewrites_the_named_convs():
     args = [None if v is None else v.name for v in atens[0].inputs[:3]]
     assert args == ["x", "w", "b"]
     consts = [v.producer().attributes["value"].as_tensor().numpy().tolist() for v in atens[0].inputs[3:]]
-    assert consts == [[2, 2], [1, 1], [1, 1], 2]
+    assert consts == [[2, 2], [1, 1], [1, 1], 2, False]
     assert atens[0].outputs[0].name == "y" and atens[0].outputs[0].shape == ir.Shape([2, 6, 4, 4])
     # with the build's choice (a GemmChoice naming none): nothing
     assert not TorchConvOnCPUPass(gc.GemmChoice(False, False))(ir.serde.deserialize_model(model)).modified

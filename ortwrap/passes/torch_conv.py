@@ -24,6 +24,7 @@ from ..ops.mappers import _attr
 from .torch_gradients import replace_with_torch
 
 _ONNX = ("", "ai.onnx")
+_BF16 = ir.DataType.BFLOAT16
 
 
 def conv_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
@@ -44,7 +45,13 @@ def conv_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
         pads[:rank],
         list(_attr(node, "dilations", [1] * rank)),
         int(_attr(node, "group", 1)),
+        False,
     ]
+
+
+def _conv_half_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    args = conv_args(node, value, b)
+    return None if args is None else [*args[:-1], True]
 
 
 def conv_transpose_args(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
@@ -67,6 +74,11 @@ CONV_VIA_TORCH = OnnxViaTorch(
     "Conv", "ortwrap_ops::conv", conv_args, devices=("cpu",), why="PyTorch's convolution measured faster"
 )
 
+
+#: a bf16 Conv as ``ortwrap_ops::conv`` computing in bf16 from float32 inputs
+CONV_HALF_VIA_TORCH = OnnxViaTorch(
+    "Conv", "ortwrap_ops::conv", _conv_half_args, devices=("cpu",), why="PyTorch's bf16 convolution measured faster"
+)
 
 #: a bf16 ConvTranspose as ``ortwrap_ops::conv_transpose`` before ``HalfPrecisionOnCPUPass`` (in bf16)
 CONV_TRANSPOSE_VIA_TORCH = OnnxViaTorch(
@@ -93,6 +105,38 @@ class TorchConvOnCPUPass(ir.passes.InPlacePass):
         for node in list(model.graph):
             if node.op_type not in _ENTRIES or node.domain not in _ONNX or node.name not in self.names:
                 continue
-            if replace_with_torch(model.graph, node, _ENTRIES[node.op_type]) is not None:
-                self.rewritten += 1
+            if node.op_type == "Conv" and node.outputs[0].dtype == _BF16:
+                done = _half_conv(model.graph, node) is not None
+            else:
+                done = replace_with_torch(model.graph, node, _ENTRIES[node.op_type]) is not None
+            self.rewritten += done
         return ir.passes.PassResult(model, modified=self.rewritten > 0)
+
+
+def _half_conv(graph: ir.Graph, node: ir.Node) -> ir.Node | None:
+    """A bf16 Conv as ``ortwrap_ops::conv(..., half=True)`` on float32 values: Casts to float32 before
+    it and one to bf16 after it, which ``HalfPrecisionOnCPUPass`` then removes as no-ops (the graph is
+    float32 there), so no ORT Cast runs (ORT's bf16 Casts are scalar loops; the op casts inside PyTorch)."""
+    if conv_args(node, lambda i: None) is None:
+        return None
+    for i, v in enumerate(node.inputs[:3]):
+        if v is not None and v.dtype == _BF16:
+            cast = ir.node("Cast", [v], {"to": ir.DataType.FLOAT}, name=f"{node.name}/float_{i}")
+            cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.FLOAT, v.shape
+            graph.insert_before(node, cast)
+            node.replace_input_with(i, cast.outputs[0])
+    y = node.outputs[0]
+    uses = list(y.uses())
+    cast = ir.node("Cast", [y], {"to": _BF16}, name=f"{node.name}/bf16")
+    graph.insert_after(node, cast)
+    result = cast.outputs[0]
+    result.dtype, result.shape = _BF16, y.shape
+    for user, index in uses:
+        user.replace_input_with(index, result)
+    for i, o in enumerate(graph.outputs):
+        if o is y:
+            graph.outputs[i] = result
+    name = y.name
+    y.name, y.dtype = f"{name}/float", ir.DataType.FLOAT
+    result.name = name
+    return replace_with_torch(graph, node, CONV_HALF_VIA_TORCH)
