@@ -145,7 +145,7 @@ def test_decide_convs_weighs_the_crossings():
     up = Conv(4, 16, 20, 20, 16, 2, 2, stride=(2, 2), dtype="bf16", transposed=True)
     rates = [
         ConvRate(big, 1.2e-3, 0.4e-3),
-        ConvRate(tiny, 60e-6, 30e-6),  # 2x faster, but 30 us + 2 x 40 us of crossings
+        ConvRate(tiny, 0.5e-3, 0.2e-3),  # 2.5x faster, but 0.2 ms + 2 x CONV_CROSSING_S (0.25 ms) of crossings
         ConvRate(Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1)), 0.5e-3, 0.49e-3),  # a tie
         ConvRate(up, 0.3e-3, 0.2e-3),
         ConvRate(Conv(4, 3, 40, 40, 8, 3, 3, pads=(1, 1)), 0.2e-3, 0.4e-3),  # ORT faster
