@@ -219,7 +219,8 @@ class Conv:
             f"conv{'T' if self.transposed else ''} {self.dtype} {self.n} {self.c} {self.h} {self.w} {self.o} {self.kh} {self.kw} "
             f"s{self.stride[0]},{self.stride[1]} p{self.pads[0]},{self.pads[1]} "
             f"d{self.dilation[0]},{self.dilation[1]} g{self.groups}"
-            + f" op{self.out_pad[0]},{self.out_pad[1]}" * self.transposed
+            + f" op{self.out_pad[0]},{self.out_pad[1]}"
+            * self.transposed
         )
 
     def label(self) -> str:

@@ -151,7 +151,12 @@ def test_decide_convs_weighs_the_crossings():
         ConvRate(Conv(4, 3, 40, 40, 8, 3, 3, pads=(1, 1)), 0.2e-3, 0.4e-3),  # ORT faster
     ]
     assert decide_convs(rates) == [big, up]
-    assert decide_convs(rates, crossing_s=0.0, margin=0.0) == [big, tiny, Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1)), up]
+    assert decide_convs(rates, crossing_s=0.0, margin=0.0) == [
+        big,
+        tiny,
+        Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1)),
+        up,
+    ]
 
 
 @no_exporter

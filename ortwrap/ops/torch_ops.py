@@ -92,7 +92,11 @@ def _conv_transpose_backward(
         grad.to(x.dtype), x, w.to(x.dtype), [w.shape[1] * groups], stride, padding, dilation, True, output_padding,
         groups, output_mask,
     )  # fmt: skip
-    return (dx if output_mask[0] else empty, dw.to(w.dtype) if output_mask[1] else empty, db if output_mask[2] else empty)
+    return (
+        dx if output_mask[0] else empty,
+        dw.to(w.dtype) if output_mask[1] else empty,
+        db if output_mask[2] else empty,
+    )
 
 
 def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], groups: int, half: bool):
@@ -769,7 +773,9 @@ OPS: tuple[Op, ...] = (
         "-> Tensor",
         _conv,
         gradient(
-            "conv_backward", ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)", "I(7)"], _GI3,
+            "conv_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)", "I(7)"],
+            _GI3,
             stop=[3, 4, 5, 6, 7],
         ),
         heavy=True,
