@@ -35,11 +35,25 @@ ops, the attention rewrite (PyTorch's flash attention on the torch route) and th
 ORT and PyTorch more often, and one library was faster on every shape of every model measured
 (one kernel family wins across a CPU's shapes); the rates are kept per shape in the choice's record
 (``BuildArtifacts.gemm_choice``) to see if that ever stops holding.
+
+Convolutions, per node (``torch_convs``; ``"auto"``, CPU training graphs): each distinct 2-D
+convolution shape of at least :data:`CONV_MIN_FLOPS` (the :data:`CONV_MAX_SHAPES` largest) is timed,
+forward and backward, through ORT (Conv + ConvGrad, float32) and PyTorch (``convolution`` +
+``convolution_backward`` in the convolution's dtype: bf16 under autocast, where ORT computes in
+float32), kept in the same record; :func:`decide_convs` (pure) routes a convolution to PyTorch where
+its time plus two ATen calls (:data:`CONV_CROSSING_S` each: their measured cost in a training step)
+is below ORT's by :data:`CONV_MARGIN`
+(``passes/torch_conv.py`` rewrites those nodes). Per node, not per graph: a convolution is one node
+and its gradient, so a routed one adds its own two crossings and nothing else, and which library
+wins changes with the shape (on a Zen 5 EPYC, ORT's direct kernels win on few channels, oneDNN's
+on more: the UNet's 24->8 and 32->16 3x3 convolutions). A bf16 ConvTranspose (PyTorch's op either
+way: no ConvTransposeGrad on CPU) is timed in bf16 against float32 the same way.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import math
@@ -78,6 +92,29 @@ CROSSING_S = 1e-5
 MARGIN = 0.05
 #: Bumped when the measurement changes, so that older records are not used.
 METHOD = 2
+
+#: Convolutions (``torch_convs``): a 2-D convolution of fewer forward FLOPs than this stays ORT's
+#: without measuring (its two ATen calls cost about what PyTorch's kernel could save).
+CONV_MIN_FLOPS = 1e6
+#: How many distinct convolution shapes (the largest by count x FLOPs) are timed.
+CONV_MAX_SHAPES = 12
+#: Calls timed per convolution and route after an untimed one (the best is kept), and the seconds
+#: after which a shape's measurement stops.
+CONV_REPS = 5
+CONV_BUDGET_S = 0.1
+#: What a routed convolution's ATen node costs a training step besides its op, a call (it makes two).
+#: Not the bridge's own cost (40-55 us a call, docs/performance.md "ATen nodes: what a call costs";
+#: a two-node ORT session of the ATen conv and conv_backward runs as fast as the ops): inside a UNet's
+#: training graph (Zen 5 EPYC, 1 thread, interleaved steps) a routed convolution cost 0.1-0.5 ms a step
+#: more than the same shape's isolated timing says, for reasons not yet found (docs/performance.md
+#: "Convolutions"). With this value no convolution of the zoo is routed on that machine, where routing
+#: them made the steps slower; a CPU whose oneDNN beats ORT by more (AMX bf16) still gets the route.
+CONV_CROSSING_S = 2.5e-4
+#: PyTorch's route is taken where its estimate is below (1 - CONV_MARGIN) x ORT's.
+CONV_MARGIN = 0.05
+
+#: convolution measurements this process made (tests count them)
+conv_measurements = 0
 
 #: measurements this process made (tests count them)
 measurements = 0
@@ -135,6 +172,75 @@ class Rate:
 
 
 @dataclass(frozen=True)
+class Conv:
+    """One 2-D convolution problem: input [n, c, h, w], ``o`` output channels, a ``kh`` x ``kw``
+    kernel, in ``dtype`` (``"f32"``, or ``"bf16"``: PyTorch's route computes in bf16, ORT's in float32),
+    ``count`` times in the graph."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    kh: int
+    kw: int
+    stride: tuple[int, int] = (1, 1)
+    pads: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    dtype: str = "f32"
+    count: int = 1
+    #: a ConvTranspose (``output_padding`` ``out_pad``): in a bf16 graph, PyTorch's transposed
+    #: convolution in bf16 against the float32 one it is otherwise (ORT has no ConvTransposeGrad on CPU)
+    transposed: bool = False
+    out_pad: tuple[int, int] = (0, 0)
+
+    def out_hw(self) -> tuple[int, int]:
+        sizes, ks = (self.h, self.w), (self.kh, self.kw)
+        if self.transposed:
+            return tuple(
+                (size - 1) * s - 2 * p + d * (k - 1) + op + 1
+                for size, p, d, k, s, op in zip(sizes, self.pads, self.dilation, ks, self.stride, self.out_pad)
+            )  # type: ignore[return-value]
+        return tuple(
+            (size + 2 * p - d * (k - 1) - 1) // s + 1
+            for size, p, d, k, s in zip(sizes, self.pads, self.dilation, ks, self.stride)
+        )  # type: ignore[return-value]
+
+    @property
+    def flops(self) -> float:
+        """The forward's FLOPs (the backward's are about twice as many)."""
+        ho, wo = (self.h, self.w) if self.transposed else self.out_hw()
+        return 2.0 * self.n * self.o * ho * wo * (self.c // self.groups) * self.kh * self.kw
+
+    def key(self) -> str:
+        """Its key in the machine's record (without the count: that is the graph's)."""
+        return (
+            f"conv{'T' if self.transposed else ''} {self.dtype} {self.n} {self.c} {self.h} {self.w} {self.o} {self.kh} {self.kw} "
+            f"s{self.stride[0]},{self.stride[1]} p{self.pads[0]},{self.pads[1]} "
+            f"d{self.dilation[0]},{self.dilation[1]} g{self.groups}"
+            + f" op{self.out_pad[0]},{self.out_pad[1]}"
+            * self.transposed
+        )
+
+    def label(self) -> str:
+        return (
+            "transposed " * self.transposed
+            + f"{self.c}->{self.o} {self.kh}x{self.kw} at {self.h}x{self.w}"
+            + f" {self.dtype}" * (self.dtype != "f32")
+        )
+
+
+@dataclass(frozen=True)
+class ConvRate:
+    """A convolution's measured seconds a call (forward and backward) through ORT and PyTorch."""
+
+    conv: Conv
+    ort_s: float
+    torch_s: float
+
+
+@dataclass(frozen=True)
 class GemmChoice:
     """What ``gemm_choice`` decided for one graph, and why.
 
@@ -151,6 +257,11 @@ class GemmChoice:
         ort_s, torch_s: the estimated seconds a step of the timed problems takes through each route.
         seconds: how long the measurement took (0 when nothing was measured).
         step_flops: the GEMM FLOPs of one step (forward, and backward for a training graph).
+        torch_convs: the Conv nodes (names) that run as PyTorch's convolution (``passes/torch_conv.py``):
+            those :func:`decide_convs` picks from ``conv_rates`` (training graphs, ``"auto"`` only).
+        conv_rates: each measured convolution shape's times.
+        conv_how: ``"measured"``, ``"cached"``, ``"measured in part"`` or ``"measurement failed"``; ``""``
+            where no convolution was considered.
     """
 
     torch_gemm: bool
@@ -162,6 +273,9 @@ class GemmChoice:
     torch_s: float = 0.0
     seconds: float = 0.0
     step_flops: float = 0.0
+    torch_convs: tuple[str, ...] = ()
+    conv_rates: tuple[ConvRate, ...] = ()
+    conv_how: str = ""
 
     def summary(self) -> str:
         if self.option == "gemm":
@@ -184,7 +298,17 @@ class GemmChoice:
                 text += f"; measured in {self.seconds:.2f} s"
         elif self.how == "small":
             text += f": {self.step_flops / 1e6:.0f} MFLOP of GEMMs a step"
-        return text + ")"
+        text += ")"
+        if self.conv_how == "measurement failed":
+            text += "; convolutions: ORT's (measurement failed)"
+        if self.conv_rates:
+            text += (
+                f"; convolutions: {len(self.torch_convs)} Conv nodes to PyTorch ({self.conv_how}; ms through "
+                "ORT vs PyTorch, forward and backward: "
+                + ", ".join(f"{r.conv.label()}: {r.ort_s * 1e3:.2f} vs {r.torch_s * 1e3:.2f}" for r in self.conv_rates)
+                + ")"
+            )
+        return text
 
 
 # ------------------------------------------------------------------------------ the graph's GEMMs
@@ -334,7 +458,52 @@ def concrete_shapes(
     return out
 
 
+def conv_problems(
+    model: ir.Model, env: dict[str, int], dtype: ir.DataType, concrete: dict | None = None
+) -> dict[Conv, list[str]]:
+    """The top-level graph's 2-D Conv nodes of ``dtype`` or float32 that ``ortwrap_ops::conv`` can run (explicit
+    symmetric pads), with known dimensions: problem -> the nodes' names (its count: how many)."""
+    from .passes.torch_conv import conv_args, conv_transpose_args
+
+    found: dict[Conv, list[str]] = {}
+    for node in model.graph:
+        transposed = node.op_type == "ConvTranspose"
+        if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") or not node.name:
+            continue
+        x, w = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+        # each in its own dtype: a bf16 graph may have float32 convolutions (the TorchScript exporter's
+        # autocast graphs), a float32 graph has none in bf16
+        if x is None or w is None or x.dtype != w.dtype or x.dtype not in (dtype, ir.DataType.FLOAT):
+            continue
+        half = x.dtype == ir.DataType.BFLOAT16
+        if transposed and not half:  # a float32 one runs as PyTorch's anyway (TorchGradientsPass)
+            continue
+        args = (conv_transpose_args if transposed else conv_args)(node, lambda i: None)
+        dx, dw = _dims(x, env, concrete or {}), _dims(w, env, concrete or {})
+        if args is None or dx is None or dw is None or None in dx or None in dw or len(dw) != 4:
+            continue
+        if transposed:
+            stride, pads, dilation, out_pad, groups = args[3:]
+            o = dw[1] * groups
+        else:
+            (stride, pads, dilation, groups), out_pad, o = args[3:7], (0, 0), dw[0]
+        conv = Conv(
+            *dx, o, dw[2], dw[3], tuple(stride), tuple(pads), tuple(dilation), groups, "bf16" if half else "f32",
+            transposed=transposed, out_pad=tuple(out_pad),
+        )  # fmt: skip
+        found.setdefault(conv, []).append(node.name)
+    return found
+
+
 # ------------------------------------------------------------------------------------ the decision
+
+
+def decide_convs(
+    rates: Sequence[ConvRate], crossing_s: float = CONV_CROSSING_S, margin: float = CONV_MARGIN
+) -> list[Conv]:
+    """The convolutions PyTorch's route runs faster, its two ATen calls included, by ``margin``
+    (a transposed one is an ATen node either way: PyTorch's bf16 against its float32). Pure."""
+    return [r.conv for r in rates if r.torch_s + 2 * crossing_s * (not r.conv.transposed) < (1.0 - margin) * r.ort_s]
 
 
 def decide(rates: Sequence[Rate], crossing_s: float = CROSSING_S, margin: float = MARGIN) -> tuple[bool, float, float]:
@@ -430,6 +599,84 @@ def measure(problems: Sequence[Gemm], options: Options, half: bool) -> tuple[lis
         if rep and time.perf_counter() - start > BUDGET_S:
             break
     rates = [Rate(p, g, g.flops / b[0], g.flops / b[1]) for p, g, b in zip(problems, timed, best)]
+    return rates, time.perf_counter() - start
+
+
+def _conv_ort_session(c: Conv, options: Options):
+    """ORT's route of one convolution: its Conv and the ConvGrad its gradient builder writes (float32)."""
+    from onnx import TensorProto, helper
+
+    from ._ort import ort
+    from .runtime.session import session_options
+
+    attrs = {
+        "kernel_shape": [c.kh, c.kw], "strides": list(c.stride), "pads": [*c.pads, *c.pads],
+        "dilations": list(c.dilation), "group": c.groups,
+    }  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs),
+        helper.make_node("ConvGrad", ["dy", "x", "w"], ["dx", "dw", "db"], domain="com.microsoft", **attrs),
+    ]
+    floats = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "w", "b", "dy")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "dx", "dw", "db")]
+    model = helper.make_model(
+        helper.make_graph(nodes, "conv", floats, outs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=8,
+    )
+    so = session_options(options)
+    so.log_severity_level = 4
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def measure_convs(convs: Sequence[Conv], options: Options) -> tuple[list[ConvRate], float]:
+    """Time each convolution's forward and backward through ORT (Conv + ConvGrad, float32) and
+    PyTorch (``convolution`` + ``convolution_backward`` in the convolution's dtype; for bf16 with the
+    casts the graph has around it), interleaved, the best of :data:`CONV_REPS` after a warm-up call
+    (clocks as :func:`measure`'s); (the rates, the seconds it took)."""
+    global conv_measurements
+    conv_measurements += 1
+    start = time.perf_counter()
+    clock = time.process_time if _one_thread(options) else time.perf_counter
+    rates = []
+    for c in convs:
+        gen = torch.Generator().manual_seed(0)
+        ho, wo = c.out_hw()
+        x = torch.randn(c.n, c.c, c.h, c.w, generator=gen)
+        w_shape = (c.c, c.o // c.groups) if c.transposed else (c.o, c.c // c.groups)
+        w = torch.randn(*w_shape, c.kh, c.kw, generator=gen)
+        b = torch.randn(c.o, generator=gen)
+        dy = torch.randn(c.n, c.o, ho, wo, generator=gen)
+        half = c.dtype == "bf16"
+        args = (list(c.stride), list(c.pads), list(c.dilation), c.transposed, list(c.out_pad), c.groups)
+
+        def run_torch(x=x, w=w, b=b, dy=dy, c=c, half=half, args=args) -> None:
+            dt = torch.bfloat16 if half else torch.float32
+            xc, wc = x.to(dt), w.to(dt)
+            torch.ops.aten.convolution(xc, wc, b.to(dt), *args).float()
+            grads = torch.ops.aten.convolution_backward(dy.to(dt), xc, wc, [c.o], *args, [True, True, True])
+            [g.float() for g in grads]
+
+        if c.transposed:  # the route it takes otherwise: PyTorch's, in float32
+            run_ort = functools.partial(run_torch, half=False)
+        else:
+            sess = _conv_ort_session(c, options)
+            feeds = {"x": x.numpy(), "w": w.numpy(), "b": b.numpy(), "dy": dy.numpy()}
+
+            def run_ort(sess=sess, feeds=feeds) -> None:
+                sess.run(None, feeds)
+
+        best = [math.inf, math.inf]
+        began = time.perf_counter()
+        for rep in range(CONV_REPS + 1):
+            for j, call in enumerate((run_ort, run_torch)):
+                t0 = clock()
+                call()
+                if rep:
+                    best[j] = min(best[j], max(clock() - t0, 1e-9))
+            if rep and time.perf_counter() - began > CONV_BUDGET_S:
+                break
+        rates.append(ConvRate(c, best[0], best[1]))
     return rates, time.perf_counter() - start
 
 
@@ -577,14 +824,22 @@ def choose(
         option, dtype, fixed = "gemm", ir.DataType.FLOAT, torch_gemm
     if fixed is not None:
         return GemmChoice(bool(torch_gemm), bool(native), option)
+    graph = _Graph(model, exported, input_names, leaves, with_backward)
     try:
-        chosen, fields = _choose(_Graph(model, exported, input_names, leaves, with_backward), option, dtype, options)
+        chosen, fields = _choose(graph, option, dtype, options)
     except Exception as e:  # NOTE: a choice that cannot be measured must not fail the build: MLAS, and say why
         logger.warning("%s='auto' could not measure the GEMMs (%s: %s); MLAS runs them", option, type(e).__name__, e)
         chosen, fields = False, {"how": "measurement failed"}
+    convs: dict = {}
+    if with_backward:
+        try:
+            convs = _choose_convs(graph, dtype, options)
+        except Exception as e:  # NOTE: as above: ORT's Conv then
+            logger.warning("%s='auto' could not measure the convolutions (%s: %s)", option, type(e).__name__, e)
+            convs = {"conv_how": "measurement failed"}
     routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
     routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
-    choice = GemmChoice(**routes, option=option, **fields)
+    choice = GemmChoice(**routes, option=option, **fields, **convs)
     logger.debug("%s", choice.summary())  # the build summary line is the one INFO line of a build
     return choice
 
@@ -631,3 +886,43 @@ def _choose(graph: _Graph, option: str, dtype: ir.DataType, options: Options) ->
     chosen, ort_s, torch_s = decide(rates)
     fields = {"how": how, "rates": tuple(rates), "ort_s": ort_s, "torch_s": torch_s, "seconds": seconds}
     return chosen, {**fields, "step_flops": step_flops}
+
+
+def _choose_convs(graph: _Graph, dtype: ir.DataType, options: Options) -> dict:
+    """The ``GemmChoice`` fields of the convolution route (``torch_convs``, ``conv_rates``,
+    ``conv_how``): the graph's convolution shapes timed (or read from the machine's record) and
+    :func:`decide_convs`. Empty where the graph has no convolution worth measuring."""
+    env = input_dims(graph.model, graph.input_names, graph.leaves)
+    found = conv_problems(graph.model, env, dtype)
+    convs = sum(n.op_type in ("Conv", "ConvTranspose") and n.domain in ("", "ai.onnx") for n in graph.model.graph)
+    if sum(len(names) for names in found.values()) < convs:  # dims the symbolic shapes lost (or not 2-D)
+        if graph._concrete is None:
+            graph._concrete = concrete_shapes(graph.exported, graph.input_names, graph.leaves)
+        found = conv_problems(graph.model, env, dtype, graph._concrete)
+    counted = {_replace_conv(c, len(names)): names for c, names in found.items() if c.flops >= CONV_MIN_FLOPS}
+    if not counted:
+        return {}
+    top = sorted(counted, key=lambda c: (-c.flops * c.count, c.key()))[:CONV_MAX_SHAPES]
+    key = _machine_key(options)
+    known = _memo.setdefault(key, {})
+    if any(c.key() not in known for c in top):
+        known.update(_load(key))
+    missing = [c for c in top if c.key() not in known]
+    how = "cached"
+    if missing:
+        measured, seconds = measure_convs(missing, options)
+        new = {r.conv.key(): {"ort_s": r.ort_s, "torch_s": r.torch_s, "seconds": seconds} for r in measured}
+        known.update(new)
+        how = "measured" if len(missing) == len(top) else "measured in part"
+        load, cpus = _load_average(), os.cpu_count() or 1
+        if keep_on_disk(_one_thread(options), load, cpus):
+            _store(key, options, new)
+        else:
+            how += f", not kept: load {load:.1f} on {cpus} CPUs"
+    rates = tuple(ConvRate(c, known[c.key()]["ort_s"], known[c.key()]["torch_s"]) for c in top)
+    names = tuple(n for c in decide_convs(rates) for n in counted[c])
+    return {"torch_convs": names, "conv_rates": rates, "conv_how": how}
+
+
+def _replace_conv(c: Conv, count: int) -> Conv:
+    return Conv(**{**asdict(c), "count": count})

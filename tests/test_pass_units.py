@@ -172,6 +172,7 @@ DIRECT_TESTS: dict[str, tuple[str, ...]] = {
     "RefuseControlFlowPass": ("test_pass_units.py::test_control_flow_is_refused",),
     "RefuseSequenceOpsPass": ("test_pass_units.py::test_sequence_ops_on_the_gradient_path_are_refused",),
     "GroupedConvGradPass": ("test_pass_units.py::test_grouped_conv_forms",),
+    "TorchConvOnCPUPass": ("test_conv_choice.py::test_torch_conv_pass_rewrites_the_named_convs",),
     "RemoveUnusedConstantsPass": ("test_pass_units.py::test_unused_constants_are_removed",),
     "ShapesForGradientsPass": ("test_pass_units.py::test_shapes_are_inferred_again",),
     # Elsewhere, beside the feature they serve.

@@ -79,7 +79,9 @@ def _conv_transpose(
     """ONNX ConvTranspose (symmetric pads) as PyTorch's transposed ``convolution``."""
     import torch
 
-    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, True, output_padding, groups)
+    # (a bf16 graph's bias may be a constant that HalfPrecisionOnCPUPass made float32)
+    b = None if b is None else b.to(x.dtype)
+    return torch.ops.aten.convolution(x, w.to(x.dtype), b, stride, padding, dilation, True, output_padding, groups)
 
 
 def _conv_transpose_backward(
@@ -92,10 +94,48 @@ def _conv_transpose_backward(
 
     empty = torch.empty(0, dtype=x.dtype)
     dx, dw, db = torch.ops.aten.convolution_backward(
-        grad.to(x.dtype), x, w, [w.shape[1] * groups], stride, padding, dilation, True, output_padding, groups,
-        output_mask,
+        grad.to(x.dtype), x, w.to(x.dtype), [w.shape[1] * groups], stride, padding, dilation, True, output_padding,
+        groups, output_mask,
     )  # fmt: skip
-    return (dx if output_mask[0] else empty, dw if output_mask[1] else empty, db if output_mask[2] else empty)
+    return (
+        dx if output_mask[0] else empty,
+        dw.to(w.dtype) if output_mask[1] else empty,
+        db if output_mask[2] else empty,
+    )
+
+
+def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], groups: int, half: bool):
+    """ONNX Conv (symmetric pads) as PyTorch's ``convolution`` (oneDNN on CPU): the route ``gemm_choice``
+    picks for a convolution that measures faster there than ORT's Conv + ConvGrad. ``half``: computed
+    in bf16 from float32 inputs (an autocast convolution: the casts inside, vectorized, where ORT's Casts
+    would be scalar), the bf16 result returned widened to float32, as eager's is read."""
+    import torch
+
+    dt = torch.bfloat16 if half else x.dtype
+    b = None if b is None else b.to(dt)
+    y = torch.ops.aten.convolution(x.to(dt), w.to(dt), b, stride, padding, dilation, False, [0] * len(stride), groups)
+    return y.to(x.dtype)
+
+
+def _conv_backward(
+    grad, x, w, stride: list[int], padding: list[int], dilation: list[int], groups: int, half: bool,
+    output_mask: list[bool],
+):  # fmt: skip
+    """dx, dw, db of :func:`_conv`: PyTorch's ``convolution_backward`` (in bf16 with ``half``, on the
+    output gradient rounded to bf16, as eager autocast's), as eager's autograd calls it."""
+    import torch
+
+    dt = torch.bfloat16 if half else x.dtype
+    empty = torch.empty(0, dtype=x.dtype)
+    dx, dw, db = torch.ops.aten.convolution_backward(
+        grad.to(dt), x.to(dt), w.to(dt), [w.shape[0]], stride, padding, dilation, False, [0] * len(stride),
+        groups, output_mask,
+    )  # fmt: skip
+    return (
+        dx.to(x.dtype) if output_mask[0] else empty,
+        dw.to(w.dtype) if output_mask[1] else empty,
+        db.to(x.dtype) if output_mask[2] else empty,
+    )
 
 
 def _hardswish(x):
@@ -776,6 +816,26 @@ OPS: tuple[Op, ...] = (
         "conv_transpose_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, "
         "int[] output_padding, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
         _conv_transpose_backward,
+        heavy=True,
+    ),
+    # Conv where gemm_choice measured PyTorch's convolution faster than ORT's Conv + ConvGrad on
+    # the graph's shapes (passes/torch_conv.py), with its backward op (no vjp: no recompute).
+    Op(
+        "conv(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, int groups, bool half) "
+        "-> Tensor",
+        _conv,
+        gradient(
+            "conv_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(3)", "I(4)", "I(5)", "I(6)", "I(7)"],
+            _GI3,
+            stop=[3, 4, 5, 6, 7],
+        ),
+        heavy=True,
+    ),
+    Op(
+        "conv_backward(Tensor grad, Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups, "
+        "bool half, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+        _conv_backward,
         heavy=True,
     ),
     Op("hardswish(Tensor x) -> Tensor", _hardswish, gradient("hardswish_backward", ["GO(0)", "I(0)"], ["GI(0)"])),

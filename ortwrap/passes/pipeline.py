@@ -50,6 +50,7 @@ from .scalar_gradients import ScalarGradientShapesPass
 from .sequence_ops import RefuseSequenceOpsPass
 from .shapes_for_gradients import ShapesForGradientsPass
 from .stop_gradient import ResolveStopGradientPass
+from .torch_conv import TorchConvOnCPUPass
 from .torch_gradients import TorchGradientsPass
 from .unbatched_loss import UnbatchedLossPass
 from .vector_matmul import VectorMatMulPass
@@ -203,7 +204,7 @@ def default_passes(
             float32; ``Options.gemm``).
     """
     return [
-        e.make
+        e.make() if isinstance(e.make, type) else e.make  # (a pass made from a build value: with none)
         for e in _graph_passes(
             with_backward=with_backward,
             device_type=device_type,
@@ -231,6 +232,10 @@ def _graph_passes(
         # Conv(auto_pad=SAME_*): ORT's ConvGrad ignores auto_pad, its CPU Conv refuses it with dilations.
         P(ExplicitConvPadsPass()),
     ]
+    if device_type == "cpu" and with_backward:
+        # Conv nodes where gemm_choice measured PyTorch's convolution faster (before the next passes:
+        # a bf16 one stays bf16, as eager autocast's).
+        passes.append(P(TorchConvOnCPUPass, requires=("gemm_choice",), stage="TorchConvOnCPUPass"))
     if device_type == "cpu":
         if native_bf16:
             # bf16 GEMMs as PyTorch's (ATen nodes, which the next pass leaves in bf16).
