@@ -784,6 +784,94 @@ static int scalar_i64(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, co
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ Clamps at their bounds */
+/* hardtanh(x, lo, hi) (relu6, and clamp/clip/clamp_min/clamp_max with number bounds): PyTorch's clamp, NaN stays
+ * NaN and a value equal to a bound is returned as is (-0.0 stays -0.0 at a bound 0); a NaN bound is an absent one.
+ * Gradients at a value equal to a bound are 0 (where ORT's Clip gradient passes it): hardtanh_backward passes dy
+ * where !(x <= lo || x >= hi) (NaN x: dy, as PyTorch's hardtanh_backward); clamp_backward where lo < x < hi (NaN x:
+ * 0, as torch 2.14's clamp with number bounds), an absent bound never blocking it. */
+typedef struct {
+  const float* x;
+  const float* dy;
+  float* out;
+  int64_t n;
+  float lo, hi;
+} Bounded;
+
+static void hardtanh_part(void* p, int part, int parts) {
+  Bounded* e = (Bounded*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  const float lo = e->lo, hi = e->hi;
+  for (int64_t i = b; i < end; ++i) {
+    const float r = x[i] < lo ? lo : x[i];
+    y[i] = hi < r ? hi : r;
+  }
+}
+
+static void hardtanh_backward_part(void* p, int part, int parts) {
+  Bounded* e = (Bounded*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  const float lo = e->lo, hi = e->hi;
+  for (int64_t i = b; i < end; ++i) dx[i] = (x[i] <= lo || x[i] >= hi) ? 0.0f : dy[i];
+}
+
+static void clamp_backward_part(void* p, int part, int parts) {
+  Bounded* e = (Bounded*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  const float lo = e->lo, hi = e->hi;
+  const int has_lo = lo == lo, has_hi = hi == hi;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    const int pass = v == v && (!has_lo || v > lo) && (!has_hi || v < hi);
+    dx[i] = pass ? dy[i] : 0.0f;
+  }
+}
+
+/* hardtanh(x, lo, hi) -> y; clamp the same forward */
+static int op_hardtanh(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  Bounded e = {data_of(x), NULL, NULL, numel(x), 0.0f, 0.0f};
+  if (scalar_f32(c, n_in, in, 1, "lo", &e.lo) || scalar_f32(c, n_in, in, 2, "hi", &e.hi)) return -1;
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  e.out = y->dl_tensor.data;
+  parallel(hardtanh_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = y;
+  return 0;
+}
+
+/* hardtanh_backward(dy, x, lo, hi) -> dx; clamp_backward the same arguments */
+static int bounded_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, chunk_fn part) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  Bounded e = {data_of(x), data_of(dy), NULL, numel(x), 0.0f, 0.0f};
+  if (scalar_f32(c, n_in, in, 2, "lo", &e.lo) || scalar_f32(c, n_in, in, 3, "hi", &e.hi)) return -1;
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  e.out = dx->dl_tensor.data;
+  parallel(part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = dx;
+  return 0;
+}
+static int op_hardtanh_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return bounded_backward_op(c, n_in, in, out, hardtanh_backward_part);
+}
+static int op_clamp_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  return bounded_backward_op(c, n_in, in, out, clamp_backward_part);
+}
+
 /* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s);
  * layer_norm_bf16: the same with y rounded to bfloat16 (the native bf16 route, passes/half_values.py) */
 static int layer_norm_op(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out, int bf16) {
@@ -1978,6 +2066,10 @@ static const struct {
     {"hardswish_backward", op_hardswish_backward, "ff>f"},
     {"hardsigmoid", op_hardsigmoid, "f>f"},
     {"hardsigmoid_backward", op_hardsigmoid_backward, "ff>f"},
+    {"hardtanh", op_hardtanh, "fFF>f"},
+    {"hardtanh_backward", op_hardtanh_backward, "ffFF>f"},
+    {"clamp", op_hardtanh, "fFF>f"},
+    {"clamp_backward", op_clamp_backward, "ffFF>f"},
     {"layer_norm", op_layer_norm, "fff?FI>fff"},
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},
