@@ -113,3 +113,73 @@ def test_integer_clamp_keeps_its_onnx_form(exporter):
     m(on_bounds(), idx).sum().backward()
     ops = [a.s.decode() for n in m.last_artifacts.exported.graph.node for a in n.attribute if a.name == "operator"]
     assert ops.count("clamp") == want, ops
+
+
+#: the clamp-like ops with number bounds, on NaN, +-inf, +-0 and their bounds.
+SPECIAL_CASES = {
+    "relu6": F.relu6,
+    "hardtanh": F.hardtanh,
+    "hardtanh_0_2": lambda x: F.hardtanh(x, 0.0, 2.0),
+    "clamp": lambda x: x.clamp(0.0, 1.0),
+    "clamp_int_bounds": lambda x: torch.clamp(x, -1, 6),
+    "clip": lambda x: torch.clip(x, -1.0, 0.0),
+    "clamp_min": lambda x: x.clamp_min(0.0),
+    "clamp_max": lambda x: x.clamp_max(0.0),
+    "clamp_only_max": lambda x: torch.clamp(x, max=6.0),
+}
+
+_SPECIAL = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, 1.0, 2.0, 6.0, 0.5, -3.0, 7.0]
+
+
+#: where ``Clip`` runs them (torch 2.13's convention), ORT's Clip without one bound clamps to
+#: +-FLT_MAX there: +-inf becomes +-3.4e38 (left as it is; the native kernel keeps inf).
+_ONE_SIDED = {"clamp_min", "clamp_max", "clamp_only_max"}
+
+
+@pytest.mark.parametrize("name", list(SPECIAL_CASES))
+def test_special_values(exporter, name):
+    """NaN (eager's clamps keep it), +-inf and -0.0 on a bound 0 (eager returns it as is): outputs bit
+    for bit (NaN where eager's, the sign of each zero) and every gradient exactly. A NaN's gradient is
+    0 (clamp's; hardtanh_backward's vectorized loop: its scalar loop, at a tensor's last elements
+    past a multiple of the vector width, passes it), checked apart."""
+
+    fn = SPECIAL_CASES[name]
+    values = _SPECIAL
+    if name in _ONE_SIDED and clamp_passes_gradient_at_bounds():
+        values = [v for v in values if abs(v) != float("inf")]
+
+    def run(module):
+        x = torch.tensor(values).repeat(2, 1).requires_grad_()
+        y = module(x)
+        weight = torch.arange(1.0, y.numel() + 1).reshape(y.shape)
+        (y * weight).sum().backward()
+        return y.detach(), x.grad
+
+    got_y, got_g = run(ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False))
+    want_y, want_g = run(Fn(fn))
+    torch.testing.assert_close(got_y, want_y, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(got_y), torch.signbit(want_y)), (got_y, want_y)
+    nan = torch.tensor(values).repeat(2, 1).isnan()
+    assert (got_g[nan] == 0).all(), got_g
+    torch.testing.assert_close(got_g[~nan], want_g[~nan], atol=0, rtol=0)
+
+
+def test_no_python_call_per_clamp(exporter):
+    """hardtanh/relu6 (and the number-bound clamps ATen nodes would run where the installed torch's
+    clamp gives 0 at a bound) train on ortwrap's CPU kernel ``ortwrap_cpu::clamp`` and its backward,
+    never as ATen nodes calling PyTorch per node and step; gradients as eager's on the bounds."""
+
+    def fn(x):
+        return F.relu6(x) + F.hardtanh(x, -3.0, 3.0) + x.clamp(0.0, 1.0) + x.clamp_min(-1.0)
+
+    check(fn, [on_bounds()], exporter)
+    m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
+    m(on_bounds()).sum().backward()
+    model = m.last_artifacts.graph.model()
+    ops = [
+        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in model.graph.node if n.op_type == "ATen"
+    ]
+    assert not [op for op in ops if not op.startswith("ortwrap_cpu::")], ops
+    clamps = 2 if clamp_passes_gradient_at_bounds() else 4  # (2.13: clamp as Clip, its convention)
+    want = {"clamp": clamps, "clamp_backward": clamps}
+    assert {k: ops.count(f"ortwrap_cpu::{k}") for k in want} == want, ops

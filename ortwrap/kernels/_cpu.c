@@ -785,11 +785,11 @@ static int scalar_i64(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, co
 }
 
 /* ------------------------------------------------------------------------------------------ Clamps at their bounds */
-/* hardtanh(x, lo, hi) (relu6, and clamp/clip/clamp_min/clamp_max with number bounds): PyTorch's clamp, NaN stays
- * NaN and a value equal to a bound is returned as is (-0.0 stays -0.0 at a bound 0); a NaN bound is an absent one.
- * Gradients at a value equal to a bound are 0 (where ORT's Clip gradient passes it): hardtanh_backward passes dy
- * where !(x <= lo || x >= hi) (NaN x: dy, as PyTorch's hardtanh_backward); clamp_backward where lo < x < hi (NaN x:
- * 0, as torch 2.14's clamp with number bounds), an absent bound never blocking it. */
+/* clamp(x, lo, hi) (hardtanh, relu6, and clamp/clip/clamp_min/clamp_max with number bounds): PyTorch's clamp, NaN
+ * stays NaN and a value equal to a bound is returned as is (-0.0 stays -0.0 at a bound 0); a NaN bound is an absent
+ * one. Its gradient passes dy where lo < x < hi, 0 at a value equal to a bound (where ORT's Clip gradient passes it)
+ * and at NaN (PyTorch's vectorized hardtanh_backward and clamp backward; its scalar loop, a tensor's last elements
+ * past a multiple of the vector width, passes a NaN's gradient to hardtanh). */
 typedef struct {
   const float* x;
   const float* dy;
@@ -798,7 +798,7 @@ typedef struct {
   float lo, hi;
 } Bounded;
 
-static void hardtanh_part(void* p, int part, int parts) {
+static void clamp_part(void* p, int part, int parts) {
   Bounded* e = (Bounded*)p;
   int64_t b, end;
   split(e->n, part, parts, &b, &end);
@@ -811,17 +811,6 @@ static void hardtanh_part(void* p, int part, int parts) {
   }
 }
 
-static void hardtanh_backward_part(void* p, int part, int parts) {
-  Bounded* e = (Bounded*)p;
-  int64_t b, end;
-  split(e->n, part, parts, &b, &end);
-  const float* restrict x = e->x;
-  const float* restrict dy = e->dy;
-  float* restrict dx = e->out;
-  const float lo = e->lo, hi = e->hi;
-  for (int64_t i = b; i < end; ++i) dx[i] = (x[i] <= lo || x[i] >= hi) ? 0.0f : dy[i];
-}
-
 static void clamp_backward_part(void* p, int part, int parts) {
   Bounded* e = (Bounded*)p;
   int64_t b, end;
@@ -829,30 +818,31 @@ static void clamp_backward_part(void* p, int part, int parts) {
   const float* restrict x = e->x;
   const float* restrict dy = e->dy;
   float* restrict dx = e->out;
-  const float lo = e->lo, hi = e->hi;
-  const int has_lo = lo == lo, has_hi = hi == hi;
+  /* an absent (NaN) bound: -inf / inf, which only an infinite x of that sign equals */
+  const float lo = e->lo == e->lo ? e->lo : -INFINITY, hi = e->hi == e->hi ? e->hi : INFINITY;
+  const int open_lo = e->lo != e->lo, open_hi = e->hi != e->hi;
   for (int64_t i = b; i < end; ++i) {
     const float v = x[i];
-    const int pass = v == v && (!has_lo || v > lo) && (!has_hi || v < hi);
+    const int pass = (v > lo || (open_lo && v == lo)) && (v < hi || (open_hi && v == hi));
     dx[i] = pass ? dy[i] : 0.0f;
   }
 }
 
-/* hardtanh(x, lo, hi) -> y; clamp the same forward */
-static int op_hardtanh(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+/* clamp(x, lo, hi) -> y */
+static int op_clamp(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
   FLOAT_IN(0, "x", x);
   Bounded e = {data_of(x), NULL, NULL, numel(x), 0.0f, 0.0f};
   if (scalar_f32(c, n_in, in, 1, "lo", &e.lo) || scalar_f32(c, n_in, in, 2, "hi", &e.hi)) return -1;
   DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   if (y == NULL) return fail(c, "out of memory");
   e.out = y->dl_tensor.data;
-  parallel(hardtanh_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  parallel(clamp_part, &e, chunks_for(e.n, MAX_CHUNKS));
   out[0] = y;
   return 0;
 }
 
-/* hardtanh_backward(dy, x, lo, hi) -> dx; clamp_backward the same arguments */
-static int bounded_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLManagedTensor** out, chunk_fn part) {
+/* clamp_backward(dy, x, lo, hi) -> dx */
+static int op_clamp_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
   FLOAT_IN(0, "dy", dy);
   FLOAT_IN(1, "x", x);
   if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
@@ -861,15 +851,9 @@ static int bounded_backward_op(Call* c, size_t n_in, DLManagedTensor** in, DLMan
   DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   if (dx == NULL) return fail(c, "out of memory");
   e.out = dx->dl_tensor.data;
-  parallel(part, &e, chunks_for(e.n, MAX_CHUNKS));
+  parallel(clamp_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
   out[0] = dx;
   return 0;
-}
-static int op_hardtanh_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
-  return bounded_backward_op(c, n_in, in, out, hardtanh_backward_part);
-}
-static int op_clamp_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
-  return bounded_backward_op(c, n_in, in, out, clamp_backward_part);
 }
 
 /* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s);
@@ -2066,9 +2050,7 @@ static const struct {
     {"hardswish_backward", op_hardswish_backward, "ff>f"},
     {"hardsigmoid", op_hardsigmoid, "f>f"},
     {"hardsigmoid_backward", op_hardsigmoid_backward, "ff>f"},
-    {"hardtanh", op_hardtanh, "fFF>f"},
-    {"hardtanh_backward", op_hardtanh_backward, "ffFF>f"},
-    {"clamp", op_hardtanh, "fFF>f"},
+    {"clamp", op_clamp, "fFF>f"},
     {"clamp_backward", op_clamp_backward, "ffFF>f"},
     {"layer_norm", op_layer_norm, "fff?FI>fff"},
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
