@@ -183,3 +183,38 @@ def test_no_python_call_per_clamp(exporter):
     clamps = 2 if clamp_passes_gradient_at_bounds() else 4  # (2.13: clamp as Clip, its convention)
     want = {"clamp": clamps, "clamp_backward": clamps}
     assert {k: ops.count(f"ortwrap_cpu::{k}") for k in want} == want, ops
+
+
+def test_native_clamp_pass_conditions():
+    """float32 ATen hardtanh/relu6 with constant bounds (or none: relu6's 0 and 6) become
+    ``ortwrap_cpu::clamp``; so do number-bound clamps where the installed torch's clamp gives 0 at a
+    bound (2.14; on 2.13 an ATen clamp has tensor bounds, another convention). A double input, a
+    computed bound and ``clamp.Tensor`` stay PyTorch's ops."""
+    import onnx.parser
+    import onnx_ir as ir
+
+    from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
+
+    body = """
+    g (float[2, 5] x, double[2, 5] xd, float lo) => (float[2, 5] y1, float[2, 5] y2, double[2, 5] y3,
+                                                   float[2, 5] y4, float[2, 5] y5, float[2, 5] y6) {
+        a = Constant <value = double {-3.0}> ()
+        b = Constant <value = double {3.0}> ()
+        y1 = org.pytorch.aten.ATen <operator = "relu6", overload_name = ""> (x)
+        y2 = org.pytorch.aten.ATen <operator = "hardtanh", overload_name = ""> (x, a, b)
+        y3 = org.pytorch.aten.ATen <operator = "relu6", overload_name = ""> (xd)
+        y4 = org.pytorch.aten.ATen <operator = "hardtanh", overload_name = ""> (x, lo, b)
+        y5 = org.pytorch.aten.ATen <operator = "clamp_min", overload_name = ""> (x, a)
+        y6 = org.pytorch.aten.ATen <operator = "clamp", overload_name = "Tensor"> (x, lo, b)
+    }
+    """
+    p = NativeCPUKernelsPass()
+    parsed = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : 17, "org.pytorch.aten" : 1]>\n{body}')
+    model = ir.serde.serialize_model(p(ir.serde.deserialize_model(parsed)).model)
+    clamps = 2 if clamp_passes_gradient_at_bounds() else 3
+    assert p.rewritten["clamp"] == clamps
+    ops = [
+        next(a.s.decode() for a in n.attribute if a.name == "operator") for n in model.graph.node if n.op_type == "ATen"
+    ]
+    want = ["ortwrap_cpu::clamp"] * clamps + ["relu6", "hardtanh", "clamp"]
+    assert sorted(ops) == sorted(want + (["clamp_min"] if clamps == 2 else [])), ops
