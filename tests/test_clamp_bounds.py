@@ -218,3 +218,33 @@ def test_native_clamp_pass_conditions():
     ]
     want = ["ortwrap_cpu::clamp"] * clamps + ["relu6", "hardtanh", "clamp"]
     assert sorted(ops) == sorted(want + (["clamp_min"] if clamps == 2 else [])), ops
+
+
+@pytest.mark.parametrize("bounds", [(0.0, 6.0), (-1.0, 1.0), (float("nan"), 0.5), (-0.5, float("nan"))])
+def test_clamp_kernel_in_ort(exporter, bounds):
+    """``ortwrap_cpu::clamp`` and ``clamp_backward`` in a real ORT session on an odd size (many
+    chunks) with NaN, +-inf, +-0 and the bounds sprinkled in: values bit for bit as ``torch.clamp``
+    (a NaN bound absent) and the gradient eager's at 2.14 (0 at a bound and at NaN; an absent bound
+    lets the infinity on its side through)."""
+    import numpy as np
+    from test_native_kernels import F32, aten_session
+
+    if exporter != "dynamo":
+        pytest.skip("no exporter involved")
+    lo, hi = bounds
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_003, generator=g) * 4
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.0 if lo != lo else lo])
+    x[torch.randint(0, x.numel(), (3000,), generator=g)] = special.repeat(500)
+    x[torch.randint(0, x.numel(), (500,), generator=g)] = hi if hi == hi else 1.0
+    dy = torch.randn(x.shape, generator=g)
+    consts = [("lo", np.array(lo, np.float32)), ("hi", np.array(hi, np.float32))]
+    fwd = aten_session("clamp", [("x", F32, ["n"])], [("y", F32, ["n"])], consts=consts)
+    bwd = aten_session("clamp_backward", [("dy", F32, ["n"]), ("x", F32, ["n"])], [("dx", F32, ["n"])], consts=consts)
+    (y,) = fwd.run(None, {"x": x.numpy()})
+    (dx,) = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy()})
+    want = torch.clamp(x, None if lo != lo else lo, None if hi != hi else hi)
+    torch.testing.assert_close(torch.from_numpy(y), want, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(torch.from_numpy(y).signbit(), want.signbit())
+    inside = (x > lo if lo == lo else x == x) & (x < hi if hi == hi else x == x)
+    assert torch.equal(torch.from_numpy(dx), torch.where(inside, dy, torch.zeros(())))
