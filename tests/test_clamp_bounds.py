@@ -248,3 +248,42 @@ def test_clamp_kernel_in_ort(exporter, bounds):
     assert torch.equal(torch.from_numpy(y).signbit(), want.signbit())
     inside = (x > lo if lo == lo else x == x) & (x < hi if hi == hi else x == x)
     assert torch.equal(torch.from_numpy(dx), torch.where(inside, dy, torch.zeros(())))
+
+
+#: Found, not fixed (the same with ``native_kernels=False``): a number-bound clamp of a non-float32
+#: value. Dynamo (torchlib) writes float64/bf16 clamps as ``Max``/``Min``, whose ORT gradient splits
+#: it half and half at a bound (both releases); TorchScript's bf16 ``Clip`` on torch 2.13 gives
+#: gradients off by bf16 rounding (0.0035 at 1.2).
+_CLAMP_OTHER_DTYPES = pytest.mark.xfail(reason="non-float32 clamp at its bounds: see _CLAMP_OTHER_DTYPES", strict=False)
+
+
+@pytest.mark.parametrize(
+    "name", ["relu6", "hardtanh_3", *(pytest.param(n, marks=_CLAMP_OTHER_DTYPES) for n in ("clamp", "clamp_min"))]
+)
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16", "autocast"])
+def test_other_dtypes(exporter, name, dtype):
+    """float64 and bfloat16 values (the ATen route: the clamp kernel is float32) and a Linear under
+    bf16 autocast feeding the op: eager's values and gradients on the bounds."""
+    fn = SCALAR_CASES[name]
+    x = on_bounds()
+    if dtype == "float64":
+        check(fn, [x.detach().double().requires_grad_()], exporter)
+    elif dtype == "bfloat16":
+        check(lambda x: fn(x.bfloat16()).float(), [x], exporter)
+    else:
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(len(_VALUES), len(_VALUES))
+                with torch.no_grad():  # the identity: bf16 rounding keeps the bound values
+                    self.lin.weight.copy_(torch.eye(len(_VALUES)))
+                    self.lin.bias.zero_()
+                self.lin.requires_grad_(False)  # (a constant of fn's TorchScript trace)
+
+            def forward(self, x):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return fn(self.lin(x)).float()
+
+        net = Net()
+        check(lambda x: net(x), [x], exporter)
