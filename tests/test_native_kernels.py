@@ -269,6 +269,7 @@ def test_pass_layer_norm_and_embedding_conditions():
         "gelu_tanh": 0,
         "hardswish": 0,
         "hardsigmoid": 0,
+        "clamp": 0,
         "layer_norm": 1,
         "embedding": 1,
         "cross_entropy": 0,

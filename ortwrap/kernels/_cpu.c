@@ -784,6 +784,78 @@ static int scalar_i64(Call* c, size_t n_in, DLManagedTensor** in, size_t idx, co
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ Clamps at their bounds */
+/* clamp(x, lo, hi) (hardtanh, relu6, and clamp/clip/clamp_min/clamp_max with number bounds): PyTorch's clamp, NaN
+ * stays NaN and a value equal to a bound is returned as is (-0.0 stays -0.0 at a bound 0); a NaN bound is an absent
+ * one. Its gradient passes dy where lo < x < hi, 0 at a value equal to a bound (where ORT's Clip gradient passes it)
+ * and at NaN (PyTorch's vectorized hardtanh_backward and clamp backward; its scalar loop, a tensor's last elements
+ * past a multiple of the vector width, passes a NaN's gradient to hardtanh). */
+typedef struct {
+  const float* x;
+  const float* dy;
+  float* out;
+  int64_t n;
+  float lo, hi;
+} Bounded;
+
+static void clamp_part(void* p, int part, int parts) {
+  Bounded* e = (Bounded*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  float* restrict y = e->out;
+  const float lo = e->lo, hi = e->hi;
+  for (int64_t i = b; i < end; ++i) {
+    const float r = x[i] < lo ? lo : x[i];
+    y[i] = hi < r ? hi : r;
+  }
+}
+
+static void clamp_backward_part(void* p, int part, int parts) {
+  Bounded* e = (Bounded*)p;
+  int64_t b, end;
+  split(e->n, part, parts, &b, &end);
+  const float* restrict x = e->x;
+  const float* restrict dy = e->dy;
+  float* restrict dx = e->out;
+  /* an absent (NaN) bound: -inf / inf, which only an infinite x of that sign equals */
+  const float lo = e->lo == e->lo ? e->lo : -INFINITY, hi = e->hi == e->hi ? e->hi : INFINITY;
+  const int open_lo = e->lo != e->lo, open_hi = e->hi != e->hi;
+  for (int64_t i = b; i < end; ++i) {
+    const float v = x[i];
+    const int pass = (v > lo || (open_lo && v == lo)) && (v < hi || (open_hi && v == hi));
+    dx[i] = pass ? dy[i] : 0.0f;
+  }
+}
+
+/* clamp(x, lo, hi) -> y */
+static int op_clamp(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  Bounded e = {data_of(x), NULL, NULL, numel(x), 0.0f, 0.0f};
+  if (scalar_f32(c, n_in, in, 1, "lo", &e.lo) || scalar_f32(c, n_in, in, 2, "hi", &e.hi)) return -1;
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  e.out = y->dl_tensor.data;
+  parallel(clamp_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = y;
+  return 0;
+}
+
+/* clamp_backward(dy, x, lo, hi) -> dx */
+static int op_clamp_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  Bounded e = {data_of(x), data_of(dy), NULL, numel(x), 0.0f, 0.0f};
+  if (scalar_f32(c, n_in, in, 2, "lo", &e.lo) || scalar_f32(c, n_in, in, 3, "hi", &e.hi)) return -1;
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  e.out = dx->dl_tensor.data;
+  parallel(clamp_backward_part, &e, chunks_for(e.n, MAX_CHUNKS));
+  out[0] = dx;
+  return 0;
+}
+
 /* layer_norm(x, weight, bias | absent, eps, axis) -> y, mean, rstd   (mean and rstd: shape[:axis] + 1s);
  * layer_norm_bf16: the same with y rounded to bfloat16 (the native bf16 route, passes/half_values.py) */
 static int layer_norm_op(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out, int bf16) {
@@ -1978,6 +2050,8 @@ static const struct {
     {"hardswish_backward", op_hardswish_backward, "ff>f"},
     {"hardsigmoid", op_hardsigmoid, "f>f"},
     {"hardsigmoid_backward", op_hardsigmoid_backward, "ff>f"},
+    {"clamp", op_clamp, "fFF>f"},
+    {"clamp_backward", op_clamp_backward, "ffFF>f"},
     {"layer_norm", op_layer_norm, "fff?FI>fff"},
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},

@@ -61,6 +61,17 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_hard_activation",
     ),
     Kernel("hardsigmoid_backward", "ff>f", "dx from dy, x"),
+    # hardtanh/relu6 (and, where the installed torch's clamp gives 0 at its number bounds, clamp):
+    # ATen nodes (ops.ATEN_OPS: ORT's Clip gradient passes the gradient at a bound), without a Python call.
+    Kernel(
+        "clamp",
+        "fFF>f",
+        "min(max(x, lo), hi), NaN kept, a NaN bound absent (the ATen nodes hardtanh, relu6, clamp, clip, ...)",
+        gradient("clamp_backward", ["GO(0)", "I(0)", "I(1)", "I(2)"], ["GI(0)"], stop=[1, 2]),
+        replaces=("ATen",),
+        rewrite="_clamp",
+    ),
+    Kernel("clamp_backward", "ffFF>f", "dy, x, lo, hi -> dx: dy where lo < x < hi (an absent bound: <=), else 0"),
     Kernel(
         "layer_norm",
         "fff?FI>fff",

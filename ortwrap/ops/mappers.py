@@ -666,7 +666,8 @@ ATEN_OPS: tuple[AtenViaTorch, ...] = (
             op,
             ("torchscript", "dynamo"),
             "exported as Clip, whose ORT gradient passes the gradient at a value equal to a bound; "
-            "hardtanh_backward gives 0 there (every torch release)",
+            "hardtanh_backward gives 0 there (every torch release). CPU float32 training graphs run the "
+            "ATen node on ortwrap's clamp kernel (passes/native_cpu_kernels.py: no Python call)",
         )
         for op in ("hardtanh", "relu6")
     ),

@@ -22,6 +22,9 @@ replacement (the kernel's ATen node). The other rewrites start at one node each.
 * ``ortwrap_ops::hardswish(x)`` and ``ortwrap_ops::hard_sigmoid(x, 1/6, 1/2)`` (what
   ``TorchGradientsPass`` made of ``HardSwish`` and PyTorch's ``HardSigmoid``) -> ``hardswish(x)``,
   ``hardsigmoid(x)``: PyTorch's formulas in C, without a Python call per node and step.
+* The ATen nodes ``hardtanh``/``relu6`` and (torch 2.14: ``ops.ATEN_OPS``) ``clamp``/``clip``/
+  ``clamp_min``/``clamp_max`` with number bounds -> ``clamp(x, lo, hi)``:
+  gradient 0 at a bound as eager's, without a Python call per node and step.
 * ``Softmax`` over the last dimension (opset 13 and later; float) -> ``softmax(x)``.
 * ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
   produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
@@ -225,6 +228,51 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         y.outputs[0].shape = x.shape
         b.replace(graph, node, list(y.outputs))
         self.rewritten[name] += 1
+
+    def _clamp(self, graph: ir.Graph, node: ir.Node) -> None:
+        """The ATen nodes ``hardtanh``/``relu6`` (always: ``ops.ATEN_OPS``) and ``clamp``/``clip``/
+        ``clamp_min``/``clamp_max`` with number bounds (ATen nodes only where the installed torch's
+        clamp gives 0 at a bound, torch 2.14) -> ``clamp(x, lo, hi)``, an absent bound NaN. Same values and gradients (0 at a bound), no Python call per node and step."""
+        if node.domain != ATEN_DOMAIN or node.attributes.get("operator") is None or not node.inputs:
+            return
+        op = node.attributes["operator"].as_string()
+        overload = node.attributes.get("overload_name")
+        if overload is not None and overload.as_string() not in ("", "default"):
+            return  # clamp.Tensor (tensor bounds): another convention
+        x = node.inputs[0]
+        if x is None or x.dtype != ir.DataType.FLOAT or len(node.outputs) != 1:
+            return
+        defaults = {"relu6": (0.0, 6.0), "hardtanh": (-1.0, 1.0)}
+        if op in defaults:
+            bounds = list(defaults[op])
+        elif op in ("clamp", "clip", "clamp_min", "clamp_max"):
+            from ..ops.torch_ops import clamp_passes_gradient_at_bounds
+
+            if clamp_passes_gradient_at_bounds():  # (an ATen clamp there has tensor bounds)
+                return
+            bounds = [math.nan, math.nan]
+        else:
+            return
+        args = list(node.inputs[1:])
+        if op == "clamp_max":
+            args = [None, *args]
+        if (op == "relu6" and args) or len(args) > 2:
+            return
+        for i, v in enumerate(args):
+            if v is None:
+                if op in defaults:
+                    return
+                continue
+            c = constant_value(v)
+            if c is None or c.size != 1 or c.dtype.kind not in "fiu":
+                return
+            bounds[i] = float(c.reshape(-1)[0])
+        b = NodeBuilder(node.name or f"clamp_{id(node):x}")
+        lo, hi = (b.const(np.array(v, dtype=np.float32)) for v in bounds)
+        y = _aten(b, "clamp", x, lo, hi)
+        y.outputs[0].shape = x.shape
+        b.replace(graph, node, list(y.outputs))
+        self.rewritten["clamp"] += 1
 
     def _layer_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         if len(node.inputs) != 3 or len(node.outputs) != 3 or any(v is None for v in node.inputs):
