@@ -234,7 +234,7 @@ _PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
 _PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
 #: builds the frames of each fx node's recorded stack trace (``CapturedTraceback.summary``)
-_SYMBOLIZED_TB = _declare("torch.utils._traceback._extract_symbolized_tb", ("2.13.0", "2.14.1"))
+_SYMBOLIZED_TB = _declare("torch.utils._traceback._extract_symbolized_tb")
 #: replaces ``with_effects(token, op, ...)`` by ``op(...)`` and drops the tokens (the exporter cannot translate it)
 _REMOVE_EFFECT_TOKENS = _declare("torch.export._remove_effect_tokens_pass._remove_effect_tokens")
 # Operators --------------------------------------------------------------------------------------
@@ -851,7 +851,7 @@ def lazy_stack_trace_lines() -> contextlib.AbstractContextManager:
     the few frames in ``forward`` functions and formats only those. Here the frames are made with
     ``lookup_line=False``; formatting reads the kept frames' lines on demand (``FrameSummary.line``),
     so the recorded text is the same (~0.05 CPU s of the GPT-2-small capture). Checked on torch
-    2.13.0 and 2.14.1; a torch without the function is left alone.
+    2.13.0, 2.14.1 and 2.15.0 (the same loop); a torch without the function is left alone.
     """
     module_name, _, attr = _SYMBOLIZED_TB.rpartition(".")
     module = importlib.import_module(module_name)
