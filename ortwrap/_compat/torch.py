@@ -234,7 +234,7 @@ _PROMOTE_TABLE = _declare(f"{_PROMOTE}.TypePromotionTable")
 _PROMOTE_RULE = _declare(f"{_PROMOTE}.get_type_promotion_rule")
 _declare("ExportedProgram._graph_module")
 #: builds the frames of each fx node's recorded stack trace (``CapturedTraceback.summary``)
-_SYMBOLIZED_TB = _declare("torch.utils._traceback._extract_symbolized_tb", ("2.13.0", "2.14.1"))
+_SYMBOLIZED_TB = _declare("torch.utils._traceback._extract_symbolized_tb")
 #: replaces ``with_effects(token, op, ...)`` by ``op(...)`` and drops the tokens (the exporter cannot translate it)
 _REMOVE_EFFECT_TOKENS = _declare("torch.export._remove_effect_tokens_pass._remove_effect_tokens")
 # Operators --------------------------------------------------------------------------------------
@@ -248,12 +248,12 @@ _LINALG_CHECK_ERRORS = _declare("torch.ops.aten._linalg_check_errors")
 #: the joint forward/backward trace of a module with its parameters and buffers lifted to inputs,
 #: partitioned by ``partition_fn`` into a forward and a backward graph, run by AOTAutograd's own
 #: autograd.Function (its runtime wrappers: input mutations, aliased outputs, saved values)
-_AOT_MODULE = _declare("torch._functorch.aot_autograd.aot_module_simplified", ("2.13.0", "2.14.1"))
+_AOT_MODULE = _declare("torch._functorch.aot_autograd.aot_module_simplified")
 #: AOTAutograd's training partitioner (its default for training in torch.compile): min-cut with recompute
-_MIN_CUT = _declare("torch._functorch.partitioners.min_cut_rematerialization_partition", ("2.13.0", "2.14.1"))
+_MIN_CUT = _declare("torch._functorch.partitioners.min_cut_rematerialization_partition")
 #: whether AOTAutograd traces the backward under the forward's autocast state (``"same_as_forward"``,
 #: its default) or with autocast off (``"off"``: eager's, where ``backward()`` runs outside autocast)
-_BACKWARD_AUTOCAST = _declare("torch._functorch.config.backward_pass_autocast", ("2.13.0", "2.14.1"))
+_BACKWARD_AUTOCAST = _declare("torch._functorch.config.backward_pass_autocast")
 # (AOTAutograd calls a compiled graph with its argument list when the callable has ``_boxed_call``: ``boxed``)
 # Pytrees ----------------------------------------------------------------------------------------
 _PYTREE_NODES = _declare("torch.utils._pytree.SUPPORTED_NODES")
@@ -343,7 +343,7 @@ def flash_attention_cpu() -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 #: The library of the x86 Linux wheels that bundles MKL, whose ``cblas_gemm_bf16bf16f32`` (bf16 inputs,
 #: float32 result; AMX where the CPU has it) ortwrap's bf16 attention kernel calls (``kernels/_cpu.c``
-#: looks the symbol up in the already loaded library). Checked on 2.13.0 and 2.14.1 (MKL 2024, LP64).
+#: looks the symbol up in the already loaded library). Checked on 2.13.0, 2.14.1 and 2.15.0 (MKL 2024, LP64).
 _MKL_LIBRARY = "libtorch_cpu.so"
 
 
@@ -851,7 +851,7 @@ def lazy_stack_trace_lines() -> contextlib.AbstractContextManager:
     the few frames in ``forward`` functions and formats only those. Here the frames are made with
     ``lookup_line=False``; formatting reads the kept frames' lines on demand (``FrameSummary.line``),
     so the recorded text is the same (~0.05 CPU s of the GPT-2-small capture). Checked on torch
-    2.13.0 and 2.14.1; a torch without the function is left alone.
+    2.13.0, 2.14.1 and 2.15.0 (the same loop); a torch without the function is left alone.
     """
     module_name, _, attr = _SYMBOLIZED_TB.rpartition(".")
     module = importlib.import_module(module_name)
@@ -1098,12 +1098,12 @@ def aot_module(
         )
 
 
-_declare("torch._functorch.partitioners.default_partition", ("2.13.0", "2.14.1"))
-_EAGER_BACKWARD = _declare("torch._functorch.config.force_non_lazy_backward_lowering", ("2.13.0", "2.14.1"))
-_COMPILE_SESSION = _declare("torch.compiler._compile_session_context", ("2.13.0", "2.14.1"))
-_UNSET_FAKE = _declare("torch._subclasses.fake_tensor.unset_fake_temporarily", ("2.13.0", "2.14.1"))
-_NO_DISPATCH_MODES = _declare("torch.utils._python_dispatch._disable_current_modes", ("2.13.0", "2.14.1"))
-_BACKWARD_C_FUNCTION = _declare("torch.autograd.function.BackwardCFunction", ("2.13.0", "2.14.1"))
+_declare("torch._functorch.partitioners.default_partition")
+_EAGER_BACKWARD = _declare("torch._functorch.config.force_non_lazy_backward_lowering")
+_COMPILE_SESSION = _declare("torch.compiler._compile_session_context")
+_UNSET_FAKE = _declare("torch._subclasses.fake_tensor.unset_fake_temporarily")
+_NO_DISPATCH_MODES = _declare("torch.utils._python_dispatch._disable_current_modes")
+_BACKWARD_C_FUNCTION = _declare("torch.autograd.function.BackwardCFunction")
 
 
 def compile_session() -> Any:
@@ -1114,9 +1114,9 @@ def compile_session() -> Any:
 
 
 _DATA_DEPENDENT_ERRORS = (
-    _declare("torch._subclasses.fake_tensor.DataDependentOutputException", ("2.13.0", "2.14.1")),
-    _declare("torch._subclasses.fake_tensor.DynamicOutputShapeException", ("2.13.0", "2.14.1")),
-    _declare("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", ("2.13.0", "2.14.1")),
+    _declare("torch._subclasses.fake_tensor.DataDependentOutputException"),
+    _declare("torch._subclasses.fake_tensor.DynamicOutputShapeException"),
+    _declare("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode"),
 )
 
 
@@ -1159,7 +1159,7 @@ def backward_from(ctx: Any, function: type) -> None:
     ctx._forward_cls = function
 
 
-_GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions", ("2.13.0", "2.14.1"))
+_GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions")
 
 
 def decompositions_of(ops: list[Any]) -> dict[Any, Callable[..., Any]]:
@@ -1180,10 +1180,10 @@ def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
 
 # ----------------------------------------------------------- symbolic sizes (the onnxruntime engine)
 
-_FAKE_MODE = _declare("torch._subclasses.fake_tensor.FakeTensorMode", ("2.13.0", "2.14.1"))
-_STATELESS_CONTEXT = _declare("torch.fx.experimental.symbolic_shapes.StatelessSymbolicContext", ("2.13.0", "2.14.1"))
-_DIM_DYNAMIC = _declare("torch.fx.experimental.symbolic_shapes.DimDynamic", ("2.13.0", "2.14.1"))
-_FLOOR_DIV = _declare("torch.utils._sympy.functions.FloorDiv", ("2.13.0", "2.14.1"))
+_FAKE_MODE = _declare("torch._subclasses.fake_tensor.FakeTensorMode")
+_STATELESS_CONTEXT = _declare("torch.fx.experimental.symbolic_shapes.StatelessSymbolicContext")
+_DIM_DYNAMIC = _declare("torch.fx.experimental.symbolic_shapes.DimDynamic")
+_FLOOR_DIV = _declare("torch.utils._sympy.functions.FloorDiv")
 
 
 def symbolic_inputs(tensors: list[torch.Tensor], dynamic: list[set[int]]) -> tuple[Any, list[torch.Tensor]]:
