@@ -287,3 +287,47 @@ def test_other_dtypes(exporter, name, dtype):
 
         net = Net()
         check(lambda x: net(x), [x], exporter)
+
+
+class _NumberBoundClamp(torch.nn.Module):
+    def __init__(self, fn, dtype):
+        super().__init__()
+        self.fn, self.dtype = fn, dtype
+
+    def forward(self, x):
+        if self.dtype == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fn(torch.nn.functional.linear(x, torch.eye(x.shape[-1]))).float()
+        return self.fn(x.to(self.dtype)).float()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.clamp(-1.0, 1.0),
+        lambda x: x.clip(-1, 1),
+        lambda x: x.clamp(min=0.0),
+        lambda x: x.clamp_min(0.5),
+        lambda x: x.clamp_max(-0.5),
+        lambda x: x.clamp(max=6),
+    ],
+    ids=["clamp", "clip_int", "clamp_only_min", "clamp_min", "clamp_max", "clamp_only_max_int"],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, "autocast"], ids=str)
+def test_other_dtypes_number_bounds_gradient(exporter, fn, dtype):
+    """A number-bound clamp of a float64 or bfloat16 value (autocast's too): the dynamo exporter's type
+    promotion made its bounds 0-d tensors (``clamp.Tensor``: ``Max``/``Min``, whose ORT gradient splits
+    it half and half at a bound) after ``ops.ATEN_OPS`` chose for the number overload. A gradient of
+    ones (exact in bfloat16) on values exactly at the bounds: eager's gradient of the installed torch."""
+    x = on_bounds()
+    wrapped = ORTWrap(_NumberBoundClamp(fn, dtype), exporter=exporter, build_cache=False)
+    xe = x.detach().clone().requires_grad_()
+    want = _NumberBoundClamp(fn, dtype)(xe)
+    want.sum().backward()
+    got = wrapped(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad, xe.grad, atol=0, rtol=0)
+    if exporter == "dynamo":
+        kinds = {n.op_type for n in wrapped.last_artifacts.graph.model().graph.node}
+        assert not kinds & {"Max", "Min"}, kinds
