@@ -70,7 +70,9 @@ def dynamo_to_onnx(
                 if chosen is not None:
                     # The type promotion pass re-runs every op on fake tensors, as the retrace does.
                     _views_as_reshapes(gm)
+                    user_scalars = set(_scalar_tensors(gm))
                     compat.insert_type_promotion(gm)
+                    _number_clamp_bounds(gm, user_scalars)
                     gm = compat.remove_assertion_nodes(gm)
                     if gm is not program.graph_module:
                         compat.set_graph_module(program, gm)
@@ -80,6 +82,7 @@ def dynamo_to_onnx(
             _log.debug("dynamo: translating without decompositions failed (%s): %s", type(e).__name__, e)
     with compat.onnx_exporting():
         prepared = compat.prepare_exported(program, registry)
+        _number_clamp_bounds(prepared.graph_module, set())
         chosen = extra(prepared, registry.is_registered, True) if extra is not None else {}
         translated = compat.translate_exported(prepared, compat.with_extra_translations(registry, chosen or {}))
     return translated.model, True
@@ -150,6 +153,71 @@ def _float_clamp_bounds(gm: torch.fx.GraphModule) -> None:
             if isinstance(val, torch.Tensor) and val.is_floating_point():
                 node.args = (node.args[0], *map(as_float, node.args[1:]))
                 node.kwargs = {k: as_float(v) for k, v in node.kwargs.items()}
+
+
+def _scalar_tensors(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
+    """The ``aten.scalar_tensor`` nodes of ``gm`` and its submodules."""
+    return (n for n in _all_nodes(gm) if n.op == "call_function" and n.target is torch.ops.aten.scalar_tensor.default)
+
+
+def _number_clamp_bounds(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> None:
+    """Number bounds of a floating ``clamp``/``clip``/``clamp_min``/``clamp_max`` back as numbers
+    after the exporter's type promotion (on ``gm`` and its submodules).
+
+    The pass takes a Python float for a float32 value (an int for int64): on a float64 or bfloat16
+    value (autocast's too) it makes each number bound a 0-d ``scalar_tensor`` of the value's dtype
+    and the call the ``Tensor`` overload, which torchlib writes as ``Max``/``Min``, whose ORT
+    gradient splits it half and half at a bound, where eager's number-bound clamp gives all (torch
+    2.13) or nothing (2.14); ``ops.ATEN_OPS`` chose for the number overload. The number overload
+    computes the same (eager casts a number bound to the value's dtype; torchlib's ``CastLike``).
+    ``keep``: ``scalar_tensor`` nodes the capture had (the program's own tensor bounds)."""
+    overloads = {
+        getattr(torch.ops.aten, op).Tensor: getattr(torch.ops.aten, op).default
+        for op in ("clamp", "clip", "clamp_min", "clamp_max")
+    }
+
+    def number(arg: Any, dtype: torch.dtype) -> Any:
+        if arg is None:
+            return None
+        if (
+            isinstance(arg, torch.fx.Node)
+            and arg not in keep
+            and arg.op == "call_function"
+            and arg.target is torch.ops.aten.scalar_tensor.default
+            and len(arg.args) == 1
+            and isinstance(arg.args[0], (int, float))
+            and not isinstance(arg.args[0], bool)
+            and arg.kwargs.get("dtype") == dtype
+            and len(arg.users) == 1
+        ):
+            return float(arg.args[0])
+        raise ValueError  # a tensor bound: the call stays
+
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+        for node in list(module.graph.nodes):
+            if node.op != "call_function" or node.target not in overloads or not node.args:
+                continue
+            val = getattr(node.args[0], "meta", {}).get("val")
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                continue
+            try:
+                args = [number(a, val.dtype) for a in node.args[1:]]
+                kwargs = {k: number(v, val.dtype) for k, v in node.kwargs.items()}
+            except ValueError:
+                continue
+            bounds = [*node.args[1:], *node.kwargs.values()]
+            node.target = overloads[node.target]
+            node.args = (node.args[0], *args)
+            node.kwargs = kwargs
+            for b in bounds:
+                if isinstance(b, torch.fx.Node) and not b.users:
+                    module.graph.erase_node(b)
+            changed = True
+        if changed:
+            module.recompile()
 
 
 def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:

@@ -606,7 +606,8 @@ def _clamp_needs_aten(c: list[Any]) -> bool:
     """``clamp``/``clip``/``clamp_min``/``clamp_max`` (``(self, min[, max])``) whose ONNX form's ORT
     gradient differs from the installed torch's where ``x`` equals a bound. Number bounds become
     ``Clip``, whose ORT gradient passes the gradient there (torch 2.13's clamp; 2.14's gives 0; dynamo
-    keeps int bounds numbers: ``export/dynamo_translate._float_clamp_bounds``); tensor bounds (no
+    keeps number bounds numbers through its type promotion, float64/bf16 too:
+    ``export/dynamo_translate._number_clamp_bounds``); tensor bounds (no
     constant bound) become ``Max``/``Min``, whose ORT gradient splits it half and half (2.14's; 2.13
     gives it all to ``x``)."""
     from .torch_ops import clamp_passes_gradient_at_bounds
