@@ -19,6 +19,9 @@ from ortwrap.engines import is_training_available
 #: The engine ORTWrap resolves here is "onnxruntime" (the venv has no training build).
 ON_ENGINE = not is_training_available()
 pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
+#: On the onnxruntime engine, three of the int-argument tests (which there only repeat the first's
+#: point: no int promotion) are slow: `.venv-ort/bin/python -m pytest -m slow tests/test_io.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 
 
 class DictTupleKwargs(nn.Module):
@@ -206,6 +209,7 @@ def test_an_int_that_changes_every_call_is_a_graph_input():
     assert len(w.programs()) == 2  # step=1 as a constant, then step as an input
 
 
+@ENGINE_SLOW
 def test_an_int_that_decides_a_loop_count_stays_a_constant():
     """``range(n)`` cannot read a graph input: each ``n`` is its own export, and each is right."""
     calls = [(1, 2), (1, 3), (1, 2), (1, 4), (1, 3)]
@@ -216,6 +220,7 @@ def test_an_int_that_decides_a_loop_count_stays_a_constant():
     assert len(w.programs()) == 3  # n = 2, 3, 4 (the attempt to feed n was dropped)
 
 
+@ENGINE_SLOW
 def test_ints_fed_and_ints_kept_constant_mix():
     """``step`` becomes an input; a new ``n`` then builds a graph of its own that still takes ``step``."""
     calls = [(1, 2), (2, 2), (3, 3), (4, 3), (5, 2)]
@@ -226,6 +231,7 @@ def test_ints_fed_and_ints_kept_constant_mix():
     assert len(w.programs()) == 3  # step=1 constant; step fed with n=2; step fed with n=3
 
 
+@ENGINE_SLOW
 def test_a_value_int_is_fed_even_when_it_first_changed_with_a_loop_count():
     """``step`` and ``n`` change together on the second call (no promotion: ``n`` cannot be fed);
     when ``step`` then changes alone it becomes an input."""

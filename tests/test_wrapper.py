@@ -27,8 +27,6 @@ from ortwrap.engines import is_training_available
 #: The engine ORTWrap resolves here is "onnxruntime" (the venv has no training build).
 ON_ENGINE = not is_training_available()
 pytestmark = pytest.mark.usefixtures("one_exporter_on_the_engine")
-#: On the onnxruntime engine, the tests beyond a representative subset are slow there (`-m slow`).
-ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 
 
 def builds(w: ORTWrap) -> int:
