@@ -212,13 +212,17 @@ class OnnxRuntimeEngine:
             if key in self._failed or any(t.numel() == 0 for t in leaves):
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
-            compiled = self._dynamic(wrapper, module, leaves, in_spec, key)
+            compiled = self._dynamic(wrapper, module, leaves, in_spec, key, args, kwargs)
         if compiled is None:
             try:
                 with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
                     compiled = self._build(module, leaves, in_spec, key)
                 self._shapes.seen(family_of(key), leaves)
             except ORTWrapError as e:
+                # NOTE: an input the module rejects (a wrong feature size, a user's assert) fails the
+                # trace too: eager's own exception is raised, as on the training engine, and the
+                # signature is neither marked failed nor warned about.
+                wrapper._dispatch.raise_if_eager_raises(args, kwargs)
                 if compat.data_dependent_trace_error(e) is not None:
                     # NOTE: no one graph (the module's Python reads a value, an op's shape depends on
                     # the values): a split capture, as the training engine's, whose fragments run on
@@ -239,7 +243,9 @@ class OnnxRuntimeEngine:
         outputs = compiled.fn(*leaves)
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
-    def _dynamic(self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple):
+    def _dynamic(
+        self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple, args, kwargs
+    ):
         """The build with symbolic sizes that serves this call (built now if the family's sizes changed),
         or None: a per-shape build (dynamic.py)."""
         family = family_of(key)
@@ -254,6 +260,8 @@ class OnnxRuntimeEngine:
             with integrations.export_context(wrapper):
                 return self._build(module, leaves, in_spec, key, dims)
         except Exception as e:
+            # (a bad batch is the input's fault, not the family's: eager's exception, dims kept dynamic)
+            wrapper._dispatch.raise_if_eager_raises(args, kwargs)
             if self._shapes.refuse(family):
                 logger.warning(
                     "onnxruntime engine: %s cannot run with symbolic sizes (%s: %s); it builds once per input shape",
