@@ -115,6 +115,31 @@ def test_integer_clamp_keeps_its_onnx_form(exporter):
     assert ops.count("clamp") == want, ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("bounds", ["numbers", "tensors"])
+def test_floating_and_integer_clamp_in_one_graph(exporter, bounds, dtype):
+    """A floating clamp that runs as an ATen node (where the installed torch needs one) beside an
+    integer clamp of the same overload: dynamo writes ATen nodes by op, so the integer one is an ATen
+    node too. It has no gradient (ORT differentiates only float edges), so its gradient definition
+    must not be the op's: the floating one's gradient is eager's (torch 2.15's linear upsampling
+    decomposes into both)."""
+    idx = torch.arange(len(_VALUES)) - 3
+    x = on_bounds().detach().to(dtype).requires_grad_()
+    if bounds == "numbers":
+
+        def fn(x, idx):
+            return x.clamp(0.0, 1.0) * (idx.clamp(0, 2) + 1) + x.clamp(-1.0, 6.0)
+
+        check(fn, [x, idx], exporter)
+    else:
+
+        def fn(x, idx, lo, hi, ilo, ihi):
+            return x.clamp(lo, hi) * (idx.clamp(ilo, ihi) + 1)
+
+        lo, hi = (tensor_bound(v, False).to(dtype) for v in (-1.0, 1.0))
+        check(fn, [x, idx, lo, hi, torch.zeros_like(idx), torch.full_like(idx, 2)], exporter)
+
+
 #: the clamp-like ops with number bounds, on NaN, +-inf, +-0 and their bounds.
 SPECIAL_CASES = {
     "relu6": F.relu6,

@@ -157,6 +157,12 @@ def register_gradients(model: onnx.ModelProto) -> list[str]:
             "" if types.get(o, (onnx.TensorProto.FLOAT,))[0] not in _FLOAT_TYPES else f"GO({j})"
             for j, o in enumerate(node.output)
         ]
+        if not any(grads_out):
+            # NOTE: a node with no floating output (an integer clamp beside a floating one: dynamo picks
+            # ATen nodes by op, not by call) is never differentiated -- ORT's gradient builder follows
+            # only float/half/double edges -- so it needs no definition, and registering its
+            # no-gradient one first would leave a later floating node of the same op without one.
+            continue
         known = _gradient_arity.get(key)
         if known is not None and known[:2] != (n_in, n_out):
             raise RuntimeError(
