@@ -91,6 +91,27 @@ class _Compiled:
         self.graphs: dict[str, torch.fx.GraphModule] = {}
 
 
+def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """The exception ``module(*args, **kwargs)`` raises in PyTorch, or ``None``; the run leaves no trace
+    (no autograd graph; buffers and RNG states restored). (dispatch.py's, which this layer cannot import.)"""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        with torch.no_grad():
+            module(*args, **kwargs)
+    except Exception as e:
+        return e
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return None
+
+
 def _function_in_traceback(tb) -> str | None:
     """The qualified name of the autograd.Function whose forward/backward raised, if one did."""
     name = None
@@ -212,7 +233,7 @@ class OnnxRuntimeEngine:
             if key in self._failed or any(t.numel() == 0 for t in leaves):
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
-            compiled = self._dynamic(wrapper, module, leaves, in_spec, key)
+            compiled = self._dynamic(wrapper, module, leaves, in_spec, key, args, kwargs)
         if compiled is None:
             try:
                 with integrations.export_context(wrapper):  # (DeepSpeed's module hooks hidden from the trace)
@@ -225,6 +246,12 @@ class OnnxRuntimeEngine:
                     # this engine (fragments.py); said once, naming the cause
                     split = self._split[shapeless_key(key)] = EngineSplitCapture(module, wrapper, self.options, e)
                     return split(*args, **kwargs)
+                # NOTE: an input the module rejects (a user's assert, a wrong rank or dtype) fails the
+                # trace too: the caller gets eager's exception (its type, its message), and nothing is
+                # switched off or remembered; the next good batch builds (as the training engine does).
+                rejected = _eager_error(module, args, kwargs)
+                if rejected is not None:
+                    raise rejected.with_traceback(rejected.__traceback__) from None
                 if not self.options.fallback:
                     raise
                 self._failed[key] = str(e)
@@ -239,7 +266,10 @@ class OnnxRuntimeEngine:
         outputs = compiled.fn(*leaves)
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
-    def _dynamic(self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple):
+    def _dynamic(
+        self, wrapper: Any, module: nn.Module, leaves: list[torch.Tensor], in_spec: tuple, key: tuple, args: tuple,
+        kwargs: dict,
+    ):  # fmt: skip
         """The build with symbolic sizes that serves this call (built now if the family's sizes changed),
         or None: a per-shape build (dynamic.py)."""
         family = family_of(key)
@@ -254,6 +284,9 @@ class OnnxRuntimeEngine:
             with integrations.export_context(wrapper):
                 return self._build(module, leaves, in_spec, key, dims)
         except Exception as e:
+            rejected = _eager_error(module, args, kwargs)
+            if rejected is not None:  # (a bad batch: eager's exception; the family keeps its symbolic sizes)
+                raise rejected.with_traceback(rejected.__traceback__) from None
             if self._shapes.refuse(family):
                 logger.warning(
                     "onnxruntime engine: %s cannot run with symbolic sizes (%s: %s); it builds once per input shape",
