@@ -21,6 +21,11 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
 ON_ENGINE = not is_training_available()
+#: On the onnxruntime engine, the tests beyond one Trainer run (accumulation: its num_items_in_batch
+#: scaling) and one accelerate loop are slow (`ORT_EXTRA=ort make test` runs those two):
+#: `.venv-ort/bin/python -m pytest -m slow tests/test_hf_training.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
+ENGINE_SLOW_PARAM = [pytest.mark.slow] if ON_ENGINE else []
 
 
 def built_once(wrapped) -> bool:
@@ -87,7 +92,10 @@ def assert_same_parameters(ours, eager, atol: float = 1e-4) -> None:
         assert_close(q.detach(), p.detach(), f"parameter {n}", atol=atol, rtol=1e-3)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2], ids=["no-accumulation", "accumulation-2"])
+@pytest.mark.parametrize(
+    "accumulation",
+    [pytest.param(1, id="no-accumulation", marks=ENGINE_SLOW_PARAM), pytest.param(2, id="accumulation-2")],
+)
 def test_trainer_with_default_arguments_matches_the_bare_model(tmp_path, accumulation):
     bare = gpt2()
     wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
@@ -106,6 +114,7 @@ def test_trainer_with_default_arguments_matches_the_bare_model(tmp_path, accumul
     torch.testing.assert_close(ours.evaluate()["eval_loss"], eager.evaluate()["eval_loss"], rtol=1e-5, atol=1e-5)
 
 
+@ENGINE_SLOW
 def test_trainer_save_steps_and_resume_from_checkpoint(tmp_path):
     bare = gpt2()
     wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
@@ -140,6 +149,7 @@ def _trained_under_autocast(wrapped, bare) -> None:
         assert_close(getattr(ours, name).detach().float(), getattr(eager, name).detach().float(), name, atol=2e-2)
 
 
+@ENGINE_SLOW
 def test_trainer_bf16_matches_the_bare_model(tmp_path):
     # TrainingArguments(bf16=True) on CPU: Trainer runs the forward under torch.autocast(cpu, bf16).
     bare = gpt2()
@@ -155,7 +165,7 @@ def test_trainer_bf16_matches_the_bare_model(tmp_path):
     _trained_under_autocast(wrapped, bare)
 
 
-@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+@pytest.mark.parametrize("mixed_precision", ["no", pytest.param("bf16", marks=ENGINE_SLOW_PARAM)])
 def test_accelerate_prepare_loop_matches_the_bare_model(mixed_precision):
     accelerate = pytest.importorskip("accelerate")
     bf16 = mixed_precision == "bf16"
@@ -192,6 +202,7 @@ def test_accelerate_prepare_loop_matches_the_bare_model(mixed_precision):
         _trained_under_autocast(wrapped, bare)
 
 
+@ENGINE_SLOW
 def test_peft_lora_model_trains_like_the_bare_one():
     # ORTWrap(get_peft_model(model)): only the adapters train (frozen base weights are graph
     # inputs without gradients); losses and adapter weights match the bare PeftModel's, and the

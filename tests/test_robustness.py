@@ -23,6 +23,9 @@ from ortwrap import ORTWrap
 from ortwrap.engines import is_training_available
 
 ON_ENGINE = not is_training_available()
+#: On the onnxruntime engine, the copy and empty-batch tests are slow (`ORT_EXTRA=ort make test` runs the
+#: bad-batch and in-place tests): `.venv-ort/bin/python -m pytest -m slow tests/test_robustness.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
 
 
@@ -163,6 +166,7 @@ def test_a_rejected_batch_leaves_buffers_and_rng_untouched(exporter):
     assert torch.equal(rng, torch.get_rng_state())
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_empty_batch_behaves_like_eager(exporter, reduction):
     eager, m = WithStats(), WithStats()
@@ -217,6 +221,7 @@ def _torch_round_trip(w):
     return torch.load(buf, weights_only=False)
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("how", list(COPIES))
 @pytest.mark.parametrize("when", ["before-training", "mid-training", "backward-pending"])
 def test_copies_train_on_ort_like_eager(exporter, how, when):
@@ -251,6 +256,7 @@ def test_copies_train_on_ort_like_eager(exporter, how, when):
         pending.backward()  # the original's pending backward still runs
 
 
+@ENGINE_SLOW
 def test_ema_copy_tracks_eager(exporter):
     eager, w = WithStats(), ORTWrap(WithStats(), fallback=False, exporter=exporter)
     ema_e, ema_o = copy.deepcopy(eager), copy.deepcopy(w)
