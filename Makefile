@@ -28,6 +28,7 @@ ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test
 	tests/test_distributed.py::test_ddp_of_ortwrap_on_the_onnxruntime_engine_matches_eager_ddp \
 	tests/test_distributed.py::test_deepspeed_zero_on_the_onnxruntime_engine_matches_plain_deepspeed \
 	tests/test_distributed.py::test_zero3_per_submodule_gather_is_refused_on_the_onnxruntime_engine
+ENGINE_TESTS += tests/test_hf_training.py tests/test_robustness.py
 endif
 ifeq ($(TORCH),2.13.0)
 VENV ?= .venv$(ENGINE_VENV)

@@ -2,7 +2,9 @@
 
 Both exporters write ``detach`` as ``Identity`` (or drop it), which ORT's gradient builder
 differentiates through: a wrong implementation gives gradients that differ from eager's by O(1)
-here (``passes/stop_gradient.py``)."""
+here (``passes/stop_gradient.py``). On the engine the venv resolves (``ON_ENGINE``: AOTAutograd's
+graphs, whatever ``exporter`` says, so ``[torchscript]`` is skipped there) with the same numbers; the
+assertions on ``last_artifacts`` (the training engine's build) are that engine's."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ from parity import check_parity
 from torch import nn
 
 from ortwrap import ORTWrap
+from ortwrap.engines import is_training_available
 
 EXPORTERS = ["torchscript", "dynamo"]
+ON_ENGINE = not is_training_available()
+pytestmark = pytest.mark.usefixtures("one_exporter_on_the_engine")
 
 
 class Detached(nn.Module):
@@ -54,6 +59,8 @@ def _inputs(b, g):
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_detach_stops_the_gradient_like_eager(exporter, how):
     w = check_parity(lambda: Detached(how), _inputs, wrap_options={"exporter": exporter})
+    if ON_ENGINE:  # (last_artifacts and its ATen detach nodes: the training engine's build)
+        return
     assert w.last_artifacts.exporter == exporter
     model = onnx.load_from_string(w.last_artifacts.graph.model_bytes)
     detaches = [n for n in model.graph.node if n.op_type == "ATen" and b"detach" in n.attribute[0].s]
@@ -70,6 +77,8 @@ def test_detach_in_an_inference_graph_costs_nothing(exporter):
     x = torch.randn(5, 4)
     with torch.no_grad():
         torch.testing.assert_close(w(x), model(x))
+    if ON_ENGINE:  # (AOTAutograd's inference graph has no detach; last_artifacts is the training engine's)
+        return
     built = onnx.load_from_string(w.last_artifacts.graph.model_bytes)
     assert not [n for n in built.graph.node if n.op_type == "ATen" or n.domain == "ortwrap"]
 
@@ -209,6 +218,9 @@ def test_a_parameter_changed_in_place_in_forward_is_refused_clearly(exporter, ho
     from ortwrap.errors import ExportError
 
     ids = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    if ON_ENGINE:
+        _engine_trains_a_parameter_changed_in_place(how, ids)
+        return
     with pytest.raises(ExportError, match="changes a parameter in place"):
         ORTWrap(WritesParameter(how), exporter=exporter, fallback=False)(ids)
     # with fallback (the default) it trains in PyTorch, the parameter changed as eager changes it
@@ -221,3 +233,29 @@ def test_a_parameter_changed_in_place_in_forward_is_refused_clearly(exporter, ho
     for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, msg=name)
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def _engine_trains_a_parameter_changed_in_place(how: str, ids: torch.Tensor) -> None:
+    # engine="onnxruntime" (docs/engines.md): AOTAutograd functionalizes the write (an input mutation,
+    # written back into the parameter after the forward, as BatchNorm's buffers are), so the engine
+    # trains it like eager with fallback=False: the parameter changed as eager changes it, every gradient
+    import warnings
+
+    torch.manual_seed(0)
+    eager = WritesParameter(how)
+    with torch.no_grad():
+        eager.l.weight.mul_(4)  # (outside clamp's bounds: the write changes it)
+    ours = ORTWrap(copy.deepcopy(eager), fallback=False, build_cache=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, ours)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning
+        for step in range(3):
+            for model, opt in zip((eager, ours), opts):
+                opt.zero_grad()
+                (model(ids) * torch.linspace(-1, 1, 18).reshape(2, 3, 3)).sum().backward()
+            for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p, q, msg=f"step {step}: {name}")
+                torch.testing.assert_close(p.grad, q.grad, msg=f"step {step}: {name}.grad")
+            for opt in opts:
+                opt.step()
+    assert ours.fallback_reason is None and ours._engine.build_count == 1 and ours._engine.fallback_calls == 0

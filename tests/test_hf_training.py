@@ -1,7 +1,9 @@
 """Training loops people use, on ORTWrap(model), against the same loop on the bare model:
 transformers' Trainer with default arguments (its column filtering, label names and
 ``num_items_in_batch`` loss scaling all read off the model), gradient accumulation, checkpoints
-and resuming, evaluation; and an accelerate ``prepare()`` loop."""
+and resuming, evaluation; and an accelerate ``prepare()`` loop. On the engine the venv resolves
+(``ON_ENGINE``: ``engine="onnxruntime"`` where no training build is installed) with the same numbers;
+only the build's artifacts are read per engine (``built_once``, ``built_graph``)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,31 @@ import torch
 from parity import assert_close
 
 from ortwrap import ORTWrap
+from ortwrap.engines import is_training_available
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 50
+ON_ENGINE = not is_training_available()
+#: On the onnxruntime engine, the tests beyond one Trainer run (accumulation: its num_items_in_batch
+#: scaling) and one accelerate loop are slow (`ORT_EXTRA=ort make test` runs those two):
+#: `.venv-ort/bin/python -m pytest -m slow tests/test_hf_training.py`.
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
+ENGINE_SLOW_PARAM = [pytest.mark.slow] if ON_ENGINE else []
+
+
+def built_once(wrapped) -> bool:
+    """Training built one program (on the engine: one build, its forward and backward sessions)."""
+    if ON_ENGINE:  # (programs() lists the training engine's ORT programs)
+        return wrapped._engine.build_count == 1
+    return len(wrapped.programs()) == 1
+
+
+def built_graph(wrapped) -> onnx.GraphProto:
+    """The ONNX graph training ran (on the engine: AOTAutograd's forward graph as translated)."""
+    if ON_ENGINE:  # (the engine keeps no ``programs()``: its forward session's model)
+        return onnx.load_from_string(wrapped._engine.last.runners["forward"].graph.model).graph
+    return onnx.load_from_string(wrapped.programs()[0].graph.model_bytes).graph
 
 
 def gpt2() -> torch.nn.Module:
@@ -69,7 +92,10 @@ def assert_same_parameters(ours, eager, atol: float = 1e-4) -> None:
         assert_close(q.detach(), p.detach(), f"parameter {n}", atol=atol, rtol=1e-3)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2], ids=["no-accumulation", "accumulation-2"])
+@pytest.mark.parametrize(
+    "accumulation",
+    [pytest.param(1, id="no-accumulation", marks=ENGINE_SLOW_PARAM), pytest.param(2, id="accumulation-2")],
+)
 def test_trainer_with_default_arguments_matches_the_bare_model(tmp_path, accumulation):
     bare = gpt2()
     wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
@@ -83,11 +109,12 @@ def test_trainer_with_default_arguments_matches_the_bare_model(tmp_path, accumul
     assert len(eager.step_losses) == 4 * accumulation
     torch.testing.assert_close(ours.step_losses, eager.step_losses, rtol=1e-5, atol=1e-5)
     assert_same_parameters(wrapped, bare)
-    assert wrapped.fallback_reason is None and len(wrapped.programs()) == 1
+    assert wrapped.fallback_reason is None and built_once(wrapped)
     # evaluate(): Trainer finds the labels (read off the model's class) and gets the loss.
     torch.testing.assert_close(ours.evaluate()["eval_loss"], eager.evaluate()["eval_loss"], rtol=1e-5, atol=1e-5)
 
 
+@ENGINE_SLOW
 def test_trainer_save_steps_and_resume_from_checkpoint(tmp_path):
     bare = gpt2()
     wrapped = ORTWrap(copy.deepcopy(bare), fallback=False)
@@ -108,8 +135,8 @@ def test_trainer_save_steps_and_resume_from_checkpoint(tmp_path):
 def _trained_under_autocast(wrapped, bare) -> None:
     # The one program training built is an autocast one (bf16 values in its graph), and a training
     # forward under bf16 autocast gives eager autocast's dtypes and values.
-    assert wrapped.fallback_reason is None and len(wrapped.programs()) == 1
-    graph = onnx.load_from_string(wrapped.programs()[0].graph.model_bytes).graph
+    assert wrapped.fallback_reason is None and built_once(wrapped)
+    graph = built_graph(wrapped)
     casts = [a.i for n in graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to"]
     assert onnx.TensorProto.BFLOAT16 in casts, "training ran a graph without bf16: autocast was not applied"
     batch = {k: torch.stack([r[k] for r in rows(4)]) for k in ("input_ids", "attention_mask", "labels")}
@@ -122,6 +149,7 @@ def _trained_under_autocast(wrapped, bare) -> None:
         assert_close(getattr(ours, name).detach().float(), getattr(eager, name).detach().float(), name, atol=2e-2)
 
 
+@ENGINE_SLOW
 def test_trainer_bf16_matches_the_bare_model(tmp_path):
     # TrainingArguments(bf16=True) on CPU: Trainer runs the forward under torch.autocast(cpu, bf16).
     bare = gpt2()
@@ -137,7 +165,7 @@ def test_trainer_bf16_matches_the_bare_model(tmp_path):
     _trained_under_autocast(wrapped, bare)
 
 
-@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+@pytest.mark.parametrize("mixed_precision", ["no", pytest.param("bf16", marks=ENGINE_SLOW_PARAM)])
 def test_accelerate_prepare_loop_matches_the_bare_model(mixed_precision):
     accelerate = pytest.importorskip("accelerate")
     bf16 = mixed_precision == "bf16"
@@ -174,6 +202,7 @@ def test_accelerate_prepare_loop_matches_the_bare_model(mixed_precision):
         _trained_under_autocast(wrapped, bare)
 
 
+@ENGINE_SLOW
 def test_peft_lora_model_trains_like_the_bare_one():
     # ORTWrap(get_peft_model(model)): only the adapters train (frozen base weights are graph
     # inputs without gradients); losses and adapter weights match the bare PeftModel's, and the
@@ -201,4 +230,4 @@ def test_peft_lora_model_trains_like_the_bare_one():
             losses.append(loss.item())
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     assert_same_parameters(wrapped, bare)
-    assert wrapped.fallback_reason is None and len(wrapped.programs()) == 1
+    assert wrapped.fallback_reason is None and built_once(wrapped)

@@ -223,8 +223,10 @@ def prepare(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, _Plan]:
                 if r is None:
                     plan.outputs.append(("none",))
                 elif isinstance(val, torch.Tensor):
-                    plan.outputs.append(("tensor", len(kept), [compat.sym_expr(s) for s in val.shape]))
-                    kept.append(env[r])
+                    # (a value returned twice is one ONNX output and one tensor: translate.py's NOTE)
+                    if env[r] not in kept:
+                        kept.append(env[r])
+                    plan.outputs.append(("tensor", kept.index(env[r]), [compat.sym_expr(s) for s in val.shape]))
                 elif isinstance(val, (torch.SymInt, int)):
                     plan.outputs.append(("int", compat.sym_expr(val)))
                 else:
@@ -289,9 +291,12 @@ class DynamicRunner(GraphRunner):
         args.clear()  # (boxed convention: the caller's references go, ours stay until the run ends)
         result: list = []
         outs = []
+        bound: dict[int, torch.Tensor] = {}
         for out, value in zip(plan.outputs, values):
-            if out[0] == "tensor":
-                o = torch.empty(value, dtype=graph.output_meta[out[1]][1], device=self.device)
+            if out[0] == "tensor" and out[1] in bound:
+                result.append(bound[out[1]])  # (the same value again: the same tensor)
+            elif out[0] == "tensor":
+                o = bound[out[1]] = torch.empty(value, dtype=graph.output_meta[out[1]][1], device=self.device)
                 outs.append(o)
                 binding.bind_output(graph.output_names[out[1]], device_type, device_id, numpy_dtype(o.dtype),
                                     list(o.shape), o.data_ptr())  # fmt: skip

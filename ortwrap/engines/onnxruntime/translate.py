@@ -196,6 +196,12 @@ def translate(
             continue
         if not isinstance(r, torch.fx.Node) or not isinstance(r.meta.get("val"), torch.Tensor):
             raise ExportError(f"the {what} graph returns {r!r}, which is not a tensor (a symbolic size?)")
+        if r in kept:
+            # NOTE: a value returned twice (a user output the backward also saves: softmax's) is one
+            # tensor, as in eager: an in-place edit of the output then fails autograd's version check
+            # in the backward (eager's error) instead of the backward reading an unedited copy.
+            positions.append(kept.index(r))
+            continue
         positions.append(len(kept))
         kept.append(r)
     metas = [_meta(n) for n in placeholders]
