@@ -1265,8 +1265,8 @@ def test_outputs_without_a_gradient_leave_what_only_they_reach_at_grad_none():
     torch.manual_seed(0)
     eager = ThreeOutputs()
     wrapped = ORTWrap(copy.deepcopy(eager), fallback=False, **ORT)
-    for step, (batch, used) in enumerate([(5, (0,)), (5, (1,)), (5, (0, 2)), (7, (2,)), (9, (1,)), (9, (0, 1, 2))]):
-        x = torch.randn(batch, 6, generator=torch.Generator().manual_seed(step))
+    for step, (size, used) in enumerate([(5, (0,)), (5, (1,)), (5, (0, 2)), (7, (2,)), (9, (1,)), (9, (0, 1, 2))]):
+        x = torch.randn(size, 6, generator=torch.Generator().manual_seed(step))
         xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
         for model, xi in zip((eager, wrapped), xs):
             model.zero_grad(set_to_none=True)
