@@ -1237,3 +1237,64 @@ def test_aggressive_cpu_fallback_keeps_the_numbers_and_off_keeps_the_shape_nodes
         assert ops_on.get("Shape", 0) < ops_off["Shape"], what
         moved = len(runner_on.host_split.moved)
         assert sum(ops_off.values()) - sum(ops_on.values()) >= moved - len(runner_on.host_split.feeds), what
+
+
+class ThreeOutputs(nn.Module):
+    """A shared trunk and three outputs (one a view, one with a BatchNorm), a parameter the forward never
+    reads, and one read only under a branch this input does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a, self.b = nn.Linear(8, 3), nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(8)
+        self.unused = nn.Parameter(torch.randn(3))
+        self.branch = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if x.shape[-1] > 100:  # (never here)
+            h = h * self.branch
+        return self.a(h), self.b(h).view(-1, 2, 2), self.bn(h) * 2
+
+
+def test_outputs_without_a_gradient_leave_what_only_they_reach_at_grad_none():
+    # A loss on some outputs: eager leaves .grad None on every parameter (and input) that only the others
+    # reach, or that the forward does not read; AOTAutograd's backward, fed zeros for the missing
+    # outputs' gradients, computed zeros for them. Shared parameters get eager's gradient.
+    torch.manual_seed(0)
+    eager = ThreeOutputs()
+    wrapped = ORTWrap(copy.deepcopy(eager), fallback=False, **ORT)
+    for step, (size, used) in enumerate([(5, (0,)), (5, (1,)), (5, (0, 2)), (7, (2,)), (9, (1,)), (9, (0, 1, 2))]):
+        x = torch.randn(size, 6, generator=torch.Generator().manual_seed(step))
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        for model, xi in zip((eager, wrapped), xs):
+            model.zero_grad(set_to_none=True)
+            outs = model(xi)
+            sum(outs[i].pow(2).sum() for i in used).backward()
+        for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+            assert (q.grad is None) == (p.grad is None), f"step {step} (loss on {used}), {name}: grad {q.grad}"
+            if p.grad is not None:  # (atol: BatchNorm's backward cancels: float32 rounding differs)
+                assert_close(q.grad, p.grad, f"step {step}, {name}.grad", atol=1e-4)
+        assert_close(xs[1].grad, xs[0].grad, f"step {step}, x.grad", atol=1e-4)
+        for (name, b), c in zip(eager.named_buffers(), wrapped.buffers()):
+            assert_close(c, b, f"step {step}, {name}")
+    assert eager.unused.grad is None and eager.branch.grad is None
+    assert wrapped._engine.build_count == 2  # (batch 5, then symbolic sizes: both builds checked)
+
+
+def test_adamw_weight_decay_skips_parameters_the_loss_does_not_reach():
+    # AdamW decays and moves a parameter with a gradient, zero or not, and skips one whose .grad is None.
+    torch.manual_seed(1)
+    eager = ThreeOutputs()
+    wrapped = ORTWrap(copy.deepcopy(eager), fallback=False, **ORT)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (eager, wrapped)]
+    for step in range(2):
+        x = torch.randn(6, 6, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip((eager, wrapped), opts):
+            opt.zero_grad(set_to_none=True)
+            model(x)[0].sum().backward()
+            opt.step()
+    for (name, p), q in zip(eager.named_parameters(), wrapped.parameters()):
+        assert_close(q.detach(), p.detach(), f"{name} after 2 AdamW steps")
+    assert torch.equal(wrapped.module.b.weight, copy.deepcopy(eager).b.weight)  # (not moved)

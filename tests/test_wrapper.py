@@ -666,12 +666,6 @@ class TwoHeads(nn.Module):
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-@pytest.mark.xfail(
-    ON_ENGINE,
-    reason="found, not fixed: on the onnxruntime engine AOTAutograd's backward gives a parameter the loss does not "
-    "reach a zero gradient, not None (its unused outputs' gradients are materialized zeros)",
-    strict=True,
-)
 def test_parameters_the_loss_does_not_reach_keep_grad_none(exporter):
     # Eager leaves .grad None on a parameter the loss does not reach, and AdamW then skips it (no
     # weight decay, no moment update); a zero gradient would move it.

@@ -89,6 +89,64 @@ class _Compiled:
         self.out_spec: tuple | None = None
         self.runners: dict[str, GraphRunner | SplitRunner] = {}
         self.graphs: dict[str, torch.fx.GraphModule] = {}
+        #: per forward-graph output, the bit mask of the forward-graph inputs it depends on (_reach)
+        self.reach: list[int] | None = None
+
+
+def _reach(gm: torch.fx.GraphModule) -> list[int]:
+    """Per output of AOTAutograd's forward graph, the bit mask of its inputs (placeholders) it depends on."""
+    deps: dict[torch.fx.Node, int] = {}
+    masks: list[int] = []
+    placeholders = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            deps[node] = 1 << placeholders
+            placeholders += 1
+        elif node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            masks = [deps.get(o, 0) if isinstance(o, torch.fx.Node) else 0 for o in outs]
+        else:
+            mask = 0
+            for n in node.all_input_nodes:
+                mask |= deps.get(n, 0)
+            deps[node] = mask
+    return [placeholders, *masks]
+
+
+def _none_grads(reach: list[int], outputs: Any) -> None:
+    """Eager's ``None`` gradients on AOTAutograd's backward node of this call's ``outputs``.
+
+    AOTAutograd's backward takes a zero tangent for each output whose gradient autograd did not pass,
+    so an input (a parameter) that reaches only such outputs gets a zero gradient, where eager's
+    autograd never reaches it (``.grad`` stays ``None``, and AdamW skips it: no weight decay). A post
+    hook on the node keeps the backward (one graph, zeros fed) and returns ``None`` for each input no
+    output with a gradient depends on in the forward graph (``_reach``)."""
+    nodes = {}
+    for o in outputs:
+        fn = getattr(o, "grad_fn", None)
+        if fn is None:
+            continue
+        for node in (fn, *(n for n, _ in fn.next_functions)):
+            if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+                nodes[id(node)] = node
+    if not nodes:
+        return
+    n_inputs, masks = reach[0], reach[1:]
+    everything = (1 << n_inputs) - 1
+
+    def hook(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+        if len(grad_inputs) != n_inputs or len(grad_outputs) > len(masks):
+            return None  # (not the layout _reach read: gradients as AOTAutograd gives them)
+        reached = 0
+        for g, mask in zip(grad_outputs, masks):
+            if g is not None:
+                reached |= mask
+        if reached & everything == everything:
+            return None
+        return tuple(g if reached >> i & 1 else None for i, g in enumerate(grad_inputs))
+
+    for node in nodes.values():
+        node.register_hook(hook)
 
 
 def _function_in_traceback(tb) -> str | None:
@@ -241,6 +299,8 @@ class OnnxRuntimeEngine:
                 self.fallback_calls += 1
                 return module(*args, **kwargs)
         outputs = compiled.fn(*leaves)
+        if compiled.reach is not None and torch.is_grad_enabled():
+            _none_grads(compiled.reach, outputs)
         return _tree.unflatten(compiled.out_spec, list(outputs))
 
     def _dynamic(
@@ -360,6 +420,8 @@ class OnnxRuntimeEngine:
                 qualified_name(cls), type(e).__name__, _first_line(e),
             )  # fmt: skip
         compiled.out_spec = flat.out_spec
+        if "forward" in compiled.graphs:
+            compiled.reach = _reach(compiled.graphs["forward"])
         if dynamic is not None:
             guards = compat.shape_guards(shape_env, example)
             if not guards(leaves):
