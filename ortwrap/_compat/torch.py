@@ -1159,6 +1159,17 @@ def backward_from(ctx: Any, function: type) -> None:
     ctx._forward_cls = function
 
 
+#: The class name autograd gives the backward node of AOTAutograd's runtime Function (a class made
+#: inside ``aot_dispatch_autograd``, so not an attribute to declare): checked on 2.13.0, 2.14.1 and
+#: 2.15.0 (test_engine_onnxruntime's None-gradient tests).
+_AOT_BACKWARD_NODE = "CompiledFunctionBackward"
+
+
+def is_aot_backward_node(node: Any) -> bool:
+    """Whether the autograd node ``node`` is the backward of an AOTAutograd-compiled call."""
+    return type(node).__name__ == _AOT_BACKWARD_NODE
+
+
 _GET_DECOMPOSITIONS = _declare("torch._decomp.get_decompositions")
 
 

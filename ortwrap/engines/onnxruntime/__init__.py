@@ -127,7 +127,7 @@ def _none_grads(reach: list[int], outputs: Any) -> None:
         if fn is None:
             continue
         for node in (fn, *(n for n, _ in fn.next_functions)):
-            if node is not None and type(node).__name__ == "CompiledFunctionBackward":
+            if node is not None and compat.is_aot_backward_node(node):
                 nodes[id(node)] = node
     if not nodes:
         return
