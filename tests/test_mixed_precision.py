@@ -20,8 +20,18 @@ from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
+from ortwrap.engines import is_training_available
 
-pytestmark = pytest.mark.usefixtures("exporter")
+pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
+
+#: ``engine="onnxruntime"`` resolves here (``ORT_EXTRA=ort make test``): autocast's graphs come from
+#: AOTAutograd and compute in float32 between Casts (docs/engines.md, "Autocast"); ``half_compute``,
+#: ortwrap's native kernels and ``last_artifacts`` are the training engine's (docs/engines.md).
+ON_ENGINE = not is_training_available()
+#: the engine's tests that take long there: ``slow`` only in the engine venv
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
+#: the training engine's artifacts and native kernels: absent on ``engine="onnxruntime"``
+training_only = pytest.mark.skipif(ON_ENGINE, reason="engine=onnxruntime: training engine's passes/kernels/artifacts")
 
 #: bfloat16 keeps 8 bits of mantissa (relative spacing 2**-7 ~ 0.8%): eager rounds every autocast
 #: result to it and ORT keeps float32 between the boundaries, so the two differ by a few roundings.
@@ -30,7 +40,9 @@ FP16 = {"atol": 5e-3, "rtol": 5e-3}
 
 
 #: ``Options.half_compute`` values the bf16 tests run with
-ROUTES = ["float32", "native"]
+#: (engine=onnxruntime reads no ``half_compute``: one route there, and
+#: ``test_half_compute_is_not_read_on_the_onnxruntime_engine`` asserts that "native" changes nothing)
+ROUTES = ["float32"] if ON_ENGINE else ["float32", "native"]
 
 
 def autocast(dtype: torch.dtype):
@@ -41,6 +53,8 @@ def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool =
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
     recompute); the float32 route has none. (A linear whose input is bf16 in the graph is the
     ``linear_keep_input`` variant: passes/half_values.py.)"""
+    if getattr(w, "_engine", None) is not None:  # engine=onnxruntime: no passes, half_compute not read
+        return
     counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
@@ -71,6 +85,8 @@ def test_mlp_under_autocast(dtype, route):
         mlp, mlp_inputs, autocast=autocast(dtype), wrap_options={"half_compute": route}, **tol
     )  # checks output dtypes too
     assert w.fallback_reason is None
+    if ON_ENGINE:  # no passes report there (its graphs compute in float32 between Casts all the same)
+        return
     # the half-precision Casts were computed as float32 where ORT's CPU kernels need it
     assert "HalfPrecisionOnCPUPass" in [p.name for p in w.last_artifacts.passes if p.modified]
     # float16 GEMMs compute in float32 on either route
@@ -110,6 +126,7 @@ class GPTBlockWithFunction(nn.Module):
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@training_only
 def test_native_route_computes_as_eager_autocast(exporter, route):
     """One Linear under autocast: on the native route ORT's output and gradients are eager
     autocast's bit for bit (the same bf16 GEMMs, rounded where eager rounds); the float32 route
@@ -257,6 +274,8 @@ def test_tiny_gpt_logits_and_loss_under_autocast(route):
         wrap_options={"half_compute": route}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
+    if ON_ENGINE:  # the graph checks below read the training engine's programs
+        return
     counts = gemm_op_counts(w)
     if route == "native":
         assert counts.get("ortwrap_ops::linear_keep_input_half") == 1, counts
@@ -319,6 +338,8 @@ def test_tiny_gpt_under_autocast(route, recompute):
         wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
+    if ON_ENGINE:  # the graph checks below read the training engine's programs
+        return
     # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants);
     # on the native route, between two bf16 GEMMs, it is PyTorch's bf16 GELU (passes/half_values.py)
     graph = next(iter(w.programs())).graph.model().graph
@@ -344,6 +365,7 @@ def test_tiny_gpt_under_autocast(route, recompute):
                 assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
 
 
+@training_only
 @pytest.mark.parametrize("recompute", ["cheap", "layers"])
 def test_recompute_on_the_native_route(exporter, recompute):
     """Activation recompute copies ortwrap's own PyTorch ops (``ortwrap_ops::``) as it copies its
@@ -400,6 +422,7 @@ def test_recompute_on_the_native_route(exporter, recompute):
         assert not any(op.startswith("ortwrap_ops::") for op in stashed), stashed
 
 
+@training_only
 @pytest.mark.parametrize("route", ROUTES)
 def test_native_route_sessions_run_without_the_cpu_arena(exporter, route):
     """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
@@ -836,7 +859,8 @@ def _attention_model(op: str, q: str, kt: str, mask: str | None, out: str = "bfl
     return onnx.parser.parse_model(text)
 
 
-@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@training_only
+@pytest.mark.skipif(ON_ENGINE or not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 @pytest.mark.parametrize(
     "op,q,kt,mask,out,rewritten",
     [
@@ -880,7 +904,8 @@ def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
 
 
 @no_exporter
-@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@training_only
+@pytest.mark.skipif(ON_ENGINE or not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 def test_native_attention_pass_reads_the_heads_layout():
     """q, k^T and v moved into heads by Transposes from [B, T, H, D] tensors, and the output moved
     back: the kernel variant that reads and writes that layout takes the originals, and the
@@ -1050,3 +1075,30 @@ def test_half_compute_option():
     assert not Options.resolve(half_compute="float32").native_bf16
     with pytest.raises(ValueError, match="auto, float32, native"):
         Options.resolve(half_compute="bf16")
+
+
+@pytest.mark.skipif(not ON_ENGINE, reason="the training engine reads half_compute (test_mlp_under_autocast)")
+def test_half_compute_is_not_read_on_the_onnxruntime_engine():
+    """engine=onnxruntime does not read ``half_compute`` (docs/engines.md: the GEMM choice is the
+    training engine's): under bf16 autocast ``"native"`` builds the graphs of ``"float32"``, so output
+    and every gradient are the same bits, and they match eager autocast."""
+    torch.manual_seed(0)
+    base = mlp()
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for route in ("float32", "native"):
+        w = ORTWrap(copy.deepcopy(base), fallback=False, half_compute=route)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = w(x)
+        out.float().square().sum().backward()
+        runs[route] = (out, {n: p.grad for n, p in w.named_parameters()})
+    eager = copy.deepcopy(base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = eager(x)
+    ref.float().square().sum().backward()
+    (out32, g32), (outn, gn) = runs["float32"], runs["native"]
+    assert outn.dtype == ref.dtype == torch.bfloat16 and torch.equal(outn, out32)
+    assert_close(outn.float(), ref.float(), "output", **BF16)
+    for name, p in eager.named_parameters():
+        assert torch.equal(gn[name], g32[name]), name
+        assert_close(gn[name], p.grad, f"grad of {name}", **BF16)

@@ -9,7 +9,7 @@ import torch
 from parity import check_parity, no_exporter, seq_len
 from torch import nn
 
-pytestmark = pytest.mark.usefixtures("exporter")
+pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
 
 
 class Recurrent(nn.Module):
