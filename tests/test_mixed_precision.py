@@ -16,7 +16,7 @@ import sys
 import onnx
 import pytest
 import torch
-from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_len
+from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_len, signature_builds
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
@@ -31,6 +31,8 @@ ON_ENGINE = not is_training_available()
 #: the engine's tests that take long there: ``slow`` only in the engine venv
 ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 #: the training engine's artifacts and native kernels: absent on ``engine="onnxruntime"``
+#: engine=onnxruntime: builds of one input shape under off, bf16, fp16 and bf16 without the cast cache
+ENGINE_AUTOCAST_BUILDS = 4
 training_only = pytest.mark.skipif(ON_ENGINE, reason="engine=onnxruntime: training engine's passes/kernels/artifacts")
 
 #: bfloat16 keeps 8 bits of mantissa (relative spacing 2**-7 ~ 0.8%): eager rounds every autocast
@@ -126,7 +128,6 @@ class GPTBlockWithFunction(nn.Module):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@training_only
 def test_native_route_computes_as_eager_autocast(exporter, route):
     """One Linear under autocast: on the native route ORT's output and gradients are eager
     autocast's bit for bit (the same bf16 GEMMs, rounded where eager rounds); the float32 route
@@ -142,7 +143,8 @@ def test_native_route_computes_as_eager_autocast(exporter, route):
         (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
         results.append([y, *(p.grad for p in model.parameters())])
     same = [torch.equal(a, b) for a, b in zip(*results)]
-    assert same == ([True] * 3 if route == "native" else [False] * 3), same
+    # engine=onnxruntime rounds each autocast result where eager does: eager's bits (docs/engines.md, "Autocast")
+    assert same == ([True] * 3 if route == "native" or ON_ENGINE else [False] * 3), same
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **BF16)
 
@@ -245,6 +247,8 @@ def test_linear_half_result_with_one_gradient(exporter):
     for a, b in zip(*results):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, **BF16)
+    if ON_ENGINE:  # the graph check below reads the training engine's programs
+        return
     graph = next(iter(ours.programs())).graph.model().graph
     backward = [n for n in graph.node if any(a.s == b"ortwrap_ops::linear_bf16_backward_half" for a in n.attribute)]
     assert len(backward) == 1 and backward[0].input[0] == "", [list(n.input) for n in backward]
@@ -472,6 +476,8 @@ def test_masked_attention_under_autocast(kind):
         wrap_options={"half_compute": "native"}, **BF16,
     )  # fmt: skip
     assert w.fallback_reason is None
+    if ON_ENGINE:  # the kernel check below reads the training engine's programs
+        return
     from parity import EXPORTER
 
     operators = {
@@ -553,6 +559,9 @@ def test_autocast_state_selects_the_graph(exporter):
         torch.testing.assert_close(out_o.float(), out_e.float(), **BF16)
         seen.append(w.export_count)
     # fp32, bf16, (fp32 again: reused), fp16, (bf16 again: reused), bf16 without the cast cache
+    if ON_ENGINE:  # its builds, one per autocast state (docs/engines.md, test_autocast_state_keys_the_build)
+        assert signature_builds(w)[0] == ENGINE_AUTOCAST_BUILDS, seen
+        return
     assert len(w.programs()) == 4, seen
 
 
@@ -612,7 +621,8 @@ def test_capture_ignores_autocast_cast_cache(exporter, model, user_forward):
         loss_e = eager(x, y)
         loss_o = w(x, y)
     assert w.fallback_reason is None
-    assert w.export_count == (1 if user_forward else 2)
+    if not ON_ENGINE:  # the training engine's export count (the engine's graphs come from AOTAutograd)
+        assert w.export_count == (1 if user_forward else 2)
     loss_e.backward()
     loss_o.backward()
     assert loss_o.dtype == loss_e.dtype
@@ -1050,6 +1060,7 @@ def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
     assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 
 
+@training_only
 @pytest.mark.parametrize("route", ["native"])
 def test_half_values_match_eager_on_a_gelu_mlp(route):
     """Linear -> GELU -> Linear under autocast: GELU runs as PyTorch's bf16 GELU between the two bf16
