@@ -50,6 +50,7 @@ def _lm_loss(out):
     return loss + 0.01 * logits.float().square().mean()
 
 
+@ENGINE_SLOW
 def test_gpt_recompute_parity():
     """Loss, logits and every parameter gradient match eager with three recomputed GPT blocks."""
     wrapped = check_parity(
@@ -106,6 +107,7 @@ def test_recompute_changes_the_graph(exporter):
     assert sum(n.name.endswith("/Reshape") and "ortwrap_order" in n.name for n in built.graph.node) >= CFG.layers
 
 
+@ENGINE_SLOW
 def test_recompute_with_dropout_keeps_random_ops(exporter):
     """Dropout is never recomputed (a second draw would give other masks); the rest of its segment is."""
     cfg = GPTConfig(vocab=97, d=32, heads=4, layers=2, max_len=32, dropout=0.1)
@@ -191,6 +193,7 @@ def _softmax_outputs(model: onnx.ModelProto) -> set[str]:
     return out
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("which", sorted(_MODELS))
 def test_cheap_recompute_parity(which):
     """recompute="cheap": loss, logits and every parameter gradient match eager over three steps
@@ -205,6 +208,7 @@ def test_cheap_recompute_parity(which):
     assert report is not None and report.mode == "cheap" and report.recomputed_values
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("which", sorted(_MODELS))
 def test_cheap_recompute_equals_no_recompute(which):
     """The recomputed values are the same computation on the same inputs: outputs and every
