@@ -36,6 +36,7 @@ def _engine_saved(wrapped) -> int:
     """engine=onnxruntime: how many values the last backward graph reads from the forward."""
     return sum(n.op == "placeholder" for n in wrapped._engine.last.graphs["backward"].graph.nodes)
 
+
 CFG = GPTConfig(vocab=97, d=32, heads=4, layers=3, max_len=32)
 
 
@@ -245,7 +246,9 @@ def _exporter() -> str:
     return parity.EXPORTER
 
 
-@pytest.mark.skipif(ON_ENGINE, reason="engine=onnxruntime: reads the training engine's built graph and recompute report")
+@pytest.mark.skipif(
+    ON_ENGINE, reason="engine=onnxruntime: reads the training engine's built graph and recompute report"
+)
 @pytest.mark.parametrize("which", sorted(_MODELS))
 def test_cheap_recompute_drops_attention_probabilities(which):
     """With ``recompute="cheap"`` the backward no longer keeps the attention probabilities [B, H, T, T]: it
