@@ -31,8 +31,9 @@ ON_ENGINE = not is_training_available()
 #: the engine's tests that take long there: ``slow`` only in the engine venv
 ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
 #: the training engine's artifacts and native kernels: absent on ``engine="onnxruntime"``
-#: engine=onnxruntime: builds of one input shape under off, bf16, fp16 and bf16 without the cast cache
-ENGINE_AUTOCAST_BUILDS = 4
+#: engine=onnxruntime: builds of one input shape under off, bf16 and fp16; bf16 without the cast cache
+#: is bf16's build (AOTAutograd traces the same graph: its signature holds the autocast dtype only)
+ENGINE_AUTOCAST_BUILDS = 3
 training_only = pytest.mark.skipif(ON_ENGINE, reason="engine=onnxruntime: training engine's passes/kernels/artifacts")
 
 #: bfloat16 keeps 8 bits of mantissa (relative spacing 2**-7 ~ 0.8%): eager rounds every autocast
@@ -714,6 +715,8 @@ def test_fuse_initializers_feeds_frozen_half_weights_as_float_copies(fuse):
     """fuse_initializers: the frozen bf16 weights and buffer enter the graph as float32, fed from
     copies made once; training the adapters matches eager either way."""
     w = check_parity(AdaptedBF16Base, mlp_inputs, wrap_options={"fuse_initializers": fuse}, **BF16)
+    if ON_ENGINE:  # the feed checks below read the training engine's programs (its graphs: AOTAutograd's)
+        return
     program = next(iter(w.programs()))
     # base1/base2 weights and biases, and the buffer
     assert len(program.graph.float_feeds) == (5 if fuse else 0), program.graph.float_feeds
