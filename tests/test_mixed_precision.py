@@ -255,6 +255,7 @@ def test_linear_half_result_with_one_gradient(exporter):
     assert len(backward) == 1 and backward[0].input[0] == "", [list(n.input) for n in backward]
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_tiny_gpt_logits_and_loss_under_autocast(route):
     """The LM returns its loss and its logits (bf16 under autocast, as eager's) and the caller's loss
@@ -304,6 +305,7 @@ def test_inference_under_autocast(exporter, route):
     assert_route(ours, route, backward=False)
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_gpt_block_with_a_function_under_autocast(route):
     def inputs(b, g):
@@ -320,6 +322,7 @@ def test_gpt_block_with_a_function_under_autocast(route):
     assert_route(w, route)
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize(
     "route,recompute",
     [("float32", "none"), ("native", "none"), ("native", "cheap"), ("native", "layers")],
@@ -520,6 +523,7 @@ def test_batched_matmuls_under_autocast(route):
     assert_route(w, route, op="matmul")
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_hf_model_under_autocast(route):
     transformers = pytest.importorskip("transformers")
@@ -653,6 +657,7 @@ def test_half_precision_model(dtype, route):
     assert_route(w, route if dtype is torch.bfloat16 else "float32")
 
 
+@ENGINE_SLOW
 def test_half_precision_gpt():
     """A small GPT in float16 (the model that failed with SliceGrad in float16 before)."""
     sys.path.insert(0, "examples")
