@@ -20,6 +20,7 @@ ENGINE_VENV := -$(ORT_EXTRA)
 ENGINE_TESTS := tests/test_engine_onnxruntime.py tests/test_compat.py tests/test_models.py tests/test_gradients.py \
 	tests/test_functions.py \
 	tests/test_wrapper.py tests/test_io.py \
+	tests/test_mixed_precision.py tests/test_recompute.py tests/test_rnn.py \
 	tests/test_ops.py::test_layer_norm tests/test_ops.py::test_gelu tests/test_ops.py::test_scaled_dot_product_attention \
 	tests/test_ops.py::test_embedding tests/test_ops.py::test_nll_loss_on_non_log_softmax_input \
 	tests/test_ops.py::test_cnn_ops tests/test_ops.py::test_einsum \

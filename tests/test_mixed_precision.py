@@ -16,12 +16,25 @@ import sys
 import onnx
 import pytest
 import torch
-from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_len
+from parity import assert_close, check_parity, gemm_op_counts, no_exporter, seq_len, signature_builds
 from torch import nn
 
 from ortwrap import ORTWrap, kernels
+from ortwrap.engines import is_training_available
 
-pytestmark = pytest.mark.usefixtures("exporter")
+pytestmark = pytest.mark.usefixtures("exporter", "one_exporter_on_the_engine")
+
+#: ``engine="onnxruntime"`` resolves here (``ORT_EXTRA=ort make test``): autocast's graphs come from
+#: AOTAutograd and compute in float32 between Casts (docs/engines.md, "Autocast"); ``half_compute``,
+#: ortwrap's native kernels and ``last_artifacts`` are the training engine's (docs/engines.md).
+ON_ENGINE = not is_training_available()
+#: the engine's tests that take long there: ``slow`` only in the engine venv
+ENGINE_SLOW = pytest.mark.slow if ON_ENGINE else (lambda f: f)
+#: the training engine's artifacts and native kernels: absent on ``engine="onnxruntime"``
+#: engine=onnxruntime: builds of one input shape under off, bf16 and fp16; bf16 without the cast cache
+#: is bf16's build (AOTAutograd traces the same graph: its signature holds the autocast dtype only)
+ENGINE_AUTOCAST_BUILDS = 3
+training_only = pytest.mark.skipif(ON_ENGINE, reason="engine=onnxruntime: training engine's passes/kernels/artifacts")
 
 #: bfloat16 keeps 8 bits of mantissa (relative spacing 2**-7 ~ 0.8%): eager rounds every autocast
 #: result to it and ORT keeps float32 between the boundaries, so the two differ by a few roundings.
@@ -30,7 +43,9 @@ FP16 = {"atol": 5e-3, "rtol": 5e-3}
 
 
 #: ``Options.half_compute`` values the bf16 tests run with
-ROUTES = ["float32", "native"]
+#: (engine=onnxruntime reads no ``half_compute``: one route there, and
+#: ``test_half_compute_is_not_read_on_the_onnxruntime_engine`` asserts that "native" changes nothing)
+ROUTES = ["float32"] if ON_ENGINE else ["float32", "native"]
 
 
 def autocast(dtype: torch.dtype):
@@ -41,6 +56,8 @@ def assert_route(w: ORTWrap, route: str, *, op: str = "linear", backward: bool =
     """The native route ran the bf16 GEMMs as ortwrap's ops with their own backward ops (no vjp
     recompute); the float32 route has none. (A linear whose input is bf16 in the graph is the
     ``linear_keep_input`` variant: passes/half_values.py.)"""
+    if getattr(w, "_engine", None) is not None:  # engine=onnxruntime: no passes, half_compute not read
+        return
     counts = gemm_op_counts(w)
     modified = [p.name for p in w.last_artifacts.passes if p.modified]
     if route == "float32":
@@ -71,6 +88,8 @@ def test_mlp_under_autocast(dtype, route):
         mlp, mlp_inputs, autocast=autocast(dtype), wrap_options={"half_compute": route}, **tol
     )  # checks output dtypes too
     assert w.fallback_reason is None
+    if ON_ENGINE:  # no passes report there (its graphs compute in float32 between Casts all the same)
+        return
     # the half-precision Casts were computed as float32 where ORT's CPU kernels need it
     assert "HalfPrecisionOnCPUPass" in [p.name for p in w.last_artifacts.passes if p.modified]
     # float16 GEMMs compute in float32 on either route
@@ -125,7 +144,8 @@ def test_native_route_computes_as_eager_autocast(exporter, route):
         (y.float() * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
         results.append([y, *(p.grad for p in model.parameters())])
     same = [torch.equal(a, b) for a, b in zip(*results)]
-    assert same == ([True] * 3 if route == "native" else [False] * 3), same
+    # engine=onnxruntime rounds each autocast result where eager does: eager's bits (docs/engines.md, "Autocast")
+    assert same == ([True] * 3 if route == "native" or ON_ENGINE else [False] * 3), same
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **BF16)
 
@@ -228,11 +248,14 @@ def test_linear_half_result_with_one_gradient(exporter):
     for a, b in zip(*results):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, **BF16)
+    if ON_ENGINE:  # the graph check below reads the training engine's programs
+        return
     graph = next(iter(ours.programs())).graph.model().graph
     backward = [n for n in graph.node if any(a.s == b"ortwrap_ops::linear_bf16_backward_half" for a in n.attribute)]
     assert len(backward) == 1 and backward[0].input[0] == "", [list(n.input) for n in backward]
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_tiny_gpt_logits_and_loss_under_autocast(route):
     """The LM returns its loss and its logits (bf16 under autocast, as eager's) and the caller's loss
@@ -257,6 +280,8 @@ def test_tiny_gpt_logits_and_loss_under_autocast(route):
         wrap_options={"half_compute": route}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
+    if ON_ENGINE:  # the graph checks below read the training engine's programs
+        return
     counts = gemm_op_counts(w)
     if route == "native":
         assert counts.get("ortwrap_ops::linear_keep_input_half") == 1, counts
@@ -280,6 +305,7 @@ def test_inference_under_autocast(exporter, route):
     assert_route(ours, route, backward=False)
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_gpt_block_with_a_function_under_autocast(route):
     def inputs(b, g):
@@ -296,6 +322,7 @@ def test_gpt_block_with_a_function_under_autocast(route):
     assert_route(w, route)
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize(
     "route,recompute",
     [("float32", "none"), ("native", "none"), ("native", "cheap"), ("native", "layers")],
@@ -319,6 +346,8 @@ def test_tiny_gpt_under_autocast(route, recompute):
         wrap_options={"half_compute": route, "recompute": recompute}, **BF16,
     )  # fmt: skip
     assert_route(w, route)
+    if ON_ENGINE:  # the graph checks below read the training engine's programs
+        return
     # GELU's constants, exported in bf16, still match ortwrap's GELU kernel (float32, exact constants);
     # on the native route, between two bf16 GEMMs, it is PyTorch's bf16 GELU (passes/half_values.py)
     graph = next(iter(w.programs())).graph.model().graph
@@ -344,6 +373,7 @@ def test_tiny_gpt_under_autocast(route, recompute):
                 assert gemm_op_counts(w).get("ortwrap_ops::attention_bf16_backward", 0) > 0
 
 
+@training_only
 @pytest.mark.parametrize("recompute", ["cheap", "layers"])
 def test_recompute_on_the_native_route(exporter, recompute):
     """Activation recompute copies ortwrap's own PyTorch ops (``ortwrap_ops::``) as it copies its
@@ -400,6 +430,7 @@ def test_recompute_on_the_native_route(exporter, recompute):
         assert not any(op.startswith("ortwrap_ops::") for op in stashed), stashed
 
 
+@training_only
 @pytest.mark.parametrize("route", ROUTES)
 def test_native_route_sessions_run_without_the_cpu_arena(exporter, route):
     """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
@@ -449,6 +480,8 @@ def test_masked_attention_under_autocast(kind):
         wrap_options={"half_compute": "native"}, **BF16,
     )  # fmt: skip
     assert w.fallback_reason is None
+    if ON_ENGINE:  # the kernel check below reads the training engine's programs
+        return
     from parity import EXPORTER
 
     operators = {
@@ -490,6 +523,7 @@ def test_batched_matmuls_under_autocast(route):
     assert_route(w, route, op="matmul")
 
 
+@ENGINE_SLOW
 @pytest.mark.parametrize("route", ROUTES)
 def test_hf_model_under_autocast(route):
     transformers = pytest.importorskip("transformers")
@@ -530,6 +564,9 @@ def test_autocast_state_selects_the_graph(exporter):
         torch.testing.assert_close(out_o.float(), out_e.float(), **BF16)
         seen.append(w.export_count)
     # fp32, bf16, (fp32 again: reused), fp16, (bf16 again: reused), bf16 without the cast cache
+    if ON_ENGINE:  # its builds, one per autocast state (docs/engines.md, test_autocast_state_keys_the_build)
+        assert signature_builds(w)[0] == ENGINE_AUTOCAST_BUILDS, seen
+        return
     assert len(w.programs()) == 4, seen
 
 
@@ -589,7 +626,8 @@ def test_capture_ignores_autocast_cast_cache(exporter, model, user_forward):
         loss_e = eager(x, y)
         loss_o = w(x, y)
     assert w.fallback_reason is None
-    assert w.export_count == (1 if user_forward else 2)
+    if not ON_ENGINE:  # the training engine's export count (the engine's graphs come from AOTAutograd)
+        assert w.export_count == (1 if user_forward else 2)
     loss_e.backward()
     loss_o.backward()
     assert loss_o.dtype == loss_e.dtype
@@ -619,6 +657,7 @@ def test_half_precision_model(dtype, route):
     assert_route(w, route if dtype is torch.bfloat16 else "float32")
 
 
+@ENGINE_SLOW
 def test_half_precision_gpt():
     """A small GPT in float16 (the model that failed with SliceGrad in float16 before)."""
     sys.path.insert(0, "examples")
@@ -681,6 +720,8 @@ def test_fuse_initializers_feeds_frozen_half_weights_as_float_copies(fuse):
     """fuse_initializers: the frozen bf16 weights and buffer enter the graph as float32, fed from
     copies made once; training the adapters matches eager either way."""
     w = check_parity(AdaptedBF16Base, mlp_inputs, wrap_options={"fuse_initializers": fuse}, **BF16)
+    if ON_ENGINE:  # the feed checks below read the training engine's programs (its graphs: AOTAutograd's)
+        return
     program = next(iter(w.programs()))
     # base1/base2 weights and biases, and the buffer
     assert len(program.graph.float_feeds) == (5 if fuse else 0), program.graph.float_feeds
@@ -836,7 +877,8 @@ def _attention_model(op: str, q: str, kt: str, mask: str | None, out: str = "bfl
     return onnx.parser.parse_model(text)
 
 
-@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@training_only
+@pytest.mark.skipif(ON_ENGINE or not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 @pytest.mark.parametrize(
     "op,q,kt,mask,out,rewritten",
     [
@@ -880,7 +922,8 @@ def test_native_attention_pass_conditions(op, q, kt, mask, out, rewritten):
 
 
 @no_exporter
-@pytest.mark.skipif(not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
+@training_only
+@pytest.mark.skipif(ON_ENGINE or not kernels.attention_available(), reason="no MKL bf16 GEMM in PyTorch's library")
 def test_native_attention_pass_reads_the_heads_layout():
     """q, k^T and v moved into heads by Transposes from [B, T, H, D] tensors, and the output moved
     back: the kernel variant that reads and writes that layout takes the originals, and the
@@ -1025,6 +1068,7 @@ def test_half_values_pass_writes_a_bf16_result_for_a_bf16_output():
     assert after.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
 
 
+@training_only
 @pytest.mark.parametrize("route", ["native"])
 def test_half_values_match_eager_on_a_gelu_mlp(route):
     """Linear -> GELU -> Linear under autocast: GELU runs as PyTorch's bf16 GELU between the two bf16
@@ -1050,3 +1094,30 @@ def test_half_compute_option():
     assert not Options.resolve(half_compute="float32").native_bf16
     with pytest.raises(ValueError, match="auto, float32, native"):
         Options.resolve(half_compute="bf16")
+
+
+@pytest.mark.skipif(not ON_ENGINE, reason="the training engine reads half_compute (test_mlp_under_autocast)")
+def test_half_compute_is_not_read_on_the_onnxruntime_engine():
+    """engine=onnxruntime does not read ``half_compute`` (docs/engines.md: the GEMM choice is the
+    training engine's): under bf16 autocast ``"native"`` builds the graphs of ``"float32"``, so output
+    and every gradient are the same bits, and they match eager autocast."""
+    torch.manual_seed(0)
+    base = mlp()
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for route in ("float32", "native"):
+        w = ORTWrap(copy.deepcopy(base), fallback=False, half_compute=route)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = w(x)
+        out.float().square().sum().backward()
+        runs[route] = (out, {n: p.grad for n, p in w.named_parameters()})
+    eager = copy.deepcopy(base)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = eager(x)
+    ref.float().square().sum().backward()
+    (out32, g32), (outn, gn) = runs["float32"], runs["native"]
+    assert outn.dtype == ref.dtype == torch.bfloat16 and torch.equal(outn, out32)
+    assert_close(outn.float(), ref.float(), "output", **BF16)
+    for name, p in eager.named_parameters():
+        assert torch.equal(gn[name], g32[name]), name
+        assert_close(gn[name], p.grad, f"grad of {name}", **BF16)
