@@ -131,28 +131,37 @@ def _all_nodes(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
             yield from module.graph.nodes
 
 
+#: the clamp family whose number bounds ``_float_clamp_bounds`` and ``_number_clamp_bounds`` keep numbers
+_CLAMPS = ("clamp", "clip", "clamp_min", "clamp_max")
+
+
+def _floating_clamps(gm: torch.fx.GraphModule, overload: str) -> list[tuple[torch.fx.Node, torch.dtype]]:
+    """The ``overload`` calls of :data:`_CLAMPS` on a floating value in ``gm`` and its submodules, with
+    that value's dtype."""
+    targets = {getattr(getattr(torch.ops.aten, op), overload) for op in _CLAMPS}
+    found = []
+    for node in _all_nodes(gm):
+        if node.op != "call_function" or node.target not in targets or not node.args:
+            continue
+        val = getattr(node.args[0], "meta", {}).get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            found.append((node, val.dtype))
+    return found
+
+
 def _float_clamp_bounds(gm: torch.fx.GraphModule) -> None:
     """Int bounds of a floating ``clamp``/``clip``/``clamp_min``/``clamp_max`` as floats (the same
     numbers: eager casts them to the input's dtype). Type promotion would make the call
     ``clamp.Tensor`` of 0-d bounds, translated as ``Max``/``Min``, whose ORT gradient splits it half
     and half at a bound, where eager's number-bound clamp gives all (torch 2.13) or nothing (2.14):
     a float bound keeps the number overload, which ``ops.ATEN_OPS`` sends to PyTorch where needed."""
-    ops = {torch.ops.aten.clamp.default, torch.ops.aten.clip.default}
-    ops |= {torch.ops.aten.clamp_min.default, torch.ops.aten.clamp_max.default}
 
     def as_float(v: Any) -> Any:
         return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            if node.op != "call_function" or node.target not in ops or not node.args:
-                continue
-            val = getattr(node.args[0], "meta", {}).get("val")
-            if isinstance(val, torch.Tensor) and val.is_floating_point():
-                node.args = (node.args[0], *map(as_float, node.args[1:]))
-                node.kwargs = {k: as_float(v) for k, v in node.kwargs.items()}
+    for node, _ in _floating_clamps(gm, "default"):
+        node.args = (node.args[0], *map(as_float, node.args[1:]))
+        node.kwargs = {k: as_float(v) for k, v in node.kwargs.items()}
 
 
 def _scalar_tensors(gm: torch.fx.GraphModule) -> Iterator[torch.fx.Node]:
@@ -171,10 +180,6 @@ def _number_clamp_bounds(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> 
     2.13) or nothing (2.14); ``ops.ATEN_OPS`` chose for the number overload. The number overload
     computes the same (eager casts a number bound to the value's dtype; torchlib's ``CastLike``).
     ``keep``: ``scalar_tensor`` nodes the capture had (the program's own tensor bounds)."""
-    overloads = {
-        getattr(torch.ops.aten, op).Tensor: getattr(torch.ops.aten, op).default
-        for op in ("clamp", "clip", "clamp_min", "clamp_max")
-    }
 
     def number(arg: Any, dtype: torch.dtype) -> Any:
         if arg is None:
@@ -193,31 +198,23 @@ def _number_clamp_bounds(gm: torch.fx.GraphModule, keep: set[torch.fx.Node]) -> 
             return float(arg.args[0])
         raise ValueError  # a tensor bound: the call stays
 
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
+    changed: set[torch.fx.Graph] = set()
+    for node, dtype in _floating_clamps(gm, "Tensor"):
+        try:
+            args = [number(a, dtype) for a in node.args[1:]]
+            kwargs = {k: number(v, dtype) for k, v in node.kwargs.items()}
+        except ValueError:
             continue
-        changed = False
-        for node in list(module.graph.nodes):
-            if node.op != "call_function" or node.target not in overloads or not node.args:
-                continue
-            val = getattr(node.args[0], "meta", {}).get("val")
-            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-                continue
-            try:
-                args = [number(a, val.dtype) for a in node.args[1:]]
-                kwargs = {k: number(v, val.dtype) for k, v in node.kwargs.items()}
-            except ValueError:
-                continue
-            bounds = [*node.args[1:], *node.kwargs.values()]
-            node.target = overloads[node.target]
-            node.args = (node.args[0], *args)
-            node.kwargs = kwargs
-            for b in bounds:
-                if isinstance(b, torch.fx.Node) and not b.users:
-                    module.graph.erase_node(b)
-            changed = True
-        if changed:
-            module.recompile()
+        bounds = [*node.args[1:], *node.kwargs.values()]
+        node.target = node.target.overloadpacket.default
+        node.args = (node.args[0], *args)
+        node.kwargs = kwargs
+        for b in bounds:
+            if isinstance(b, torch.fx.Node) and not b.users:
+                node.graph.erase_node(b)
+        changed.add(node.graph)
+    for graph in changed:
+        graph.owning_module.recompile()
 
 
 def _views_as_reshapes(gm: torch.fx.GraphModule) -> None:
