@@ -92,16 +92,20 @@ def _conv_transpose_backward(
     calls it (no recompute of the forward under autograd)."""
     import torch
 
-    empty = torch.empty(0, dtype=x.dtype)
-    dx, dw, db = torch.ops.aten.convolution_backward(
+    grads = torch.ops.aten.convolution_backward(
         grad.to(x.dtype), x, w.to(x.dtype), [w.shape[1] * groups], stride, padding, dilation, True, output_padding,
         groups, output_mask,
     )  # fmt: skip
-    return (
-        dx if output_mask[0] else empty,
-        dw.to(w.dtype) if output_mask[1] else empty,
-        db if output_mask[2] else empty,
-    )
+    return _conv_grads(grads, x, w, output_mask)
+
+
+def _conv_grads(grads, x, w, output_mask: list[bool]):
+    """``convolution_backward``'s (dx, dw, db) in the dtypes of x, w and x, an empty tensor where
+    ``output_mask`` asked for none."""
+    import torch
+
+    empty = torch.empty(0, dtype=x.dtype)
+    return tuple(g.to(t.dtype) if want else empty for g, t, want in zip(grads, (x, w, x), output_mask))
 
 
 def _conv(x, w, b, stride: list[int], padding: list[int], dilation: list[int], groups: int, half: bool):
@@ -126,16 +130,11 @@ def _conv_backward(
     import torch
 
     dt = torch.bfloat16 if half else x.dtype
-    empty = torch.empty(0, dtype=x.dtype)
-    dx, dw, db = torch.ops.aten.convolution_backward(
+    grads = torch.ops.aten.convolution_backward(
         grad.to(dt), x.to(dt), w.to(dt), [w.shape[0]], stride, padding, dilation, False, [0] * len(stride),
         groups, output_mask,
     )  # fmt: skip
-    return (
-        dx.to(x.dtype) if output_mask[0] else empty,
-        dw.to(w.dtype) if output_mask[1] else empty,
-        db.to(x.dtype) if output_mask[2] else empty,
-    )
+    return _conv_grads(grads, x, w, output_mask)
 
 
 def _hardswish(x):
