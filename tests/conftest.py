@@ -96,3 +96,18 @@ def one_exporter_on_the_engine(request):
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and callspec.params.get("exporter") == "torchscript" and parity.engine_missing("training"):
         pytest.skip("engine=onnxruntime: exporter= does not apply (the [dynamo] variant runs this test)")
+
+
+@pytest.fixture
+def gemm_dir(tmp_path, monkeypatch):
+    """A fresh measurement store (and no records from earlier tests in this process), at one thread:
+    a measurement with more threads is not kept on disk while the machine is overloaded
+    (``keep_on_disk``), as the shared test machines often are. (test_gemm_choice.py, test_conv_choice.py)"""
+    from ortwrap import gemm_choice as gc
+
+    monkeypatch.setattr(gc, "directory", lambda: str(tmp_path))
+    monkeypatch.setattr(gc, "_memo", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path
+    torch.set_num_threads(threads)

@@ -59,17 +59,6 @@ def bf16():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-@pytest.fixture
-def conv_dir(tmp_path, monkeypatch):
-    """A fresh measurement store, at one thread (as test_gemm_choice.py's ``gemm_dir``)."""
-    monkeypatch.setattr(gc, "directory", lambda: str(tmp_path))
-    monkeypatch.setattr(gc, "_memo", {})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path
-    torch.set_num_threads(threads)
-
-
 def _conv_nodes(w: ORTWrap) -> dict[str, int]:
     """How many ONNX Conv nodes and ATen conv / conv_transpose nodes the built graphs of ``w`` have."""
     counts: dict[str, int] = {}
@@ -119,9 +108,9 @@ def _first_step(exporter, autocast=None) -> ORTWrap:
     return w
 
 
-def _set_times(conv_dir, torch_faster: bool) -> None:
+def _set_times(gemm_dir, torch_faster: bool) -> None:
     """Rewrite the recorded convolution times: one route 3x the other on every shape."""
-    (path,) = conv_dir.glob("*.json")
+    (path,) = gemm_dir.glob("*.json")
     data = json.loads(path.read_text())
     convs = [r for k, r in data["rates"].items() if k.startswith("conv")]
     assert convs
@@ -170,7 +159,7 @@ def test_conv_shapes_and_keys():
 # ------------------------------------------------------------------------------------ real builds
 
 
-def test_auto_measures_convolutions_once_per_machine(conv_dir, exporter):
+def test_auto_measures_convolutions_once_per_machine(gemm_dir, exporter):
     """The first build times the graph's convolution shapes (once); the Conv nodes the times choose
     run as PyTorch's, the others as ORT's; a later build (after the in-process record is gone: from
     the disk) measures nothing and chooses the same."""
@@ -191,12 +180,12 @@ def test_auto_measures_convolutions_once_per_machine(conv_dir, exporter):
 
 
 @pytest.mark.parametrize("torch_faster", [True, False], ids=["torch-faster", "ort-faster"])
-def test_recorded_times_choose_the_route_fp32(conv_dir, exporter, torch_faster):
+def test_recorded_times_choose_the_route_fp32(gemm_dir, exporter, torch_faster):
     """Whichever route the machine's record says is faster runs the convolutions, and training
     matches eager on it (outputs, every parameter's gradient, several steps and batch sizes); an
     explicit ``gemm`` routes no convolution and measures nothing."""
     _first_step(exporter)
-    _set_times(conv_dir, torch_faster)
+    _set_times(gemm_dir, torch_faster)
     before = gc.conv_measurements
     w = check_parity(SmallUNet, unet_inputs, loss_fn=_loss, lr=0.01, wrap_options={"build_cache": False})
     choice = w.last_artifacts.gemm_choice
@@ -212,12 +201,12 @@ def test_recorded_times_choose_the_route_fp32(conv_dir, exporter, torch_faster):
 
 
 @pytest.mark.parametrize("torch_faster", [True, False], ids=["torch-faster", "ort-faster"])
-def test_recorded_times_choose_the_route_bf16(conv_dir, exporter, torch_faster):
+def test_recorded_times_choose_the_route_bf16(gemm_dir, exporter, torch_faster):
     """Under bf16 autocast PyTorch's route computes the convolutions (and the ConvTranspose) in bf16,
     as eager does (a Conv from float32 values, casting inside the op); training matches eager autocast
     either way."""
     _first_step(exporter, bf16)
-    _set_times(conv_dir, torch_faster)
+    _set_times(gemm_dir, torch_faster)
     w = check_parity(
         SmallUNet, unet_inputs, loss_fn=_loss, lr=0.01, autocast=bf16, wrap_options={"build_cache": False}, **BF16
     )

@@ -45,19 +45,6 @@ def gpt_loss(out):
     return out[0]
 
 
-@pytest.fixture
-def gemm_dir(tmp_path, monkeypatch):
-    """A fresh measurement store (and no records from earlier tests in this process), at one thread:
-    a measurement with more threads is not kept on disk while the machine is overloaded
-    (``keep_on_disk``), as the shared test machines often are."""
-    monkeypatch.setattr(gc, "directory", lambda: str(tmp_path))
-    monkeypatch.setattr(gc, "_memo", {})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path
-    torch.set_num_threads(threads)
-
-
 def _one_step(w: ORTWrap, b: int = 4) -> None:
     args, _ = gpt_inputs(b, torch.Generator().manual_seed(0))
     gpt_loss(w(*args)).backward()
