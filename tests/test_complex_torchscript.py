@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_op_fixes import check, randn
+from test_op_fixes import Fn, check, randn
 
 from ortwrap import ORTWrap
 from ortwrap.errors import ORTWrapError
@@ -71,7 +71,7 @@ def test_complex_through_prim_constants(exporter, case, grad):
     # last dim 2: a [..., 2] pair computed on as reals would broadcast against fftfreq's 2 values
     inputs = [randn(3, 2, grad=grad), randn(3, 2, seed=5, grad=grad)]
     if refused is not None and exporter in refused[1]:
-        m = ORTWrap(_Fn(fn), fallback=False, exporter=exporter, build_cache=False)
+        m = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)
         with pytest.raises(ORTWrapError, match=refused[0]), torch.set_grad_enabled(grad):
             m(*inputs)
         return
@@ -79,15 +79,6 @@ def test_complex_through_prim_constants(exporter, case, grad):
         check(fn, inputs, exporter)
         return
     with torch.no_grad():
-        got = ORTWrap(_Fn(fn), fallback=False, exporter=exporter, build_cache=False)(*inputs)
+        got = ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)(*inputs)
         want = fn(*inputs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
