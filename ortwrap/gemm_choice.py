@@ -105,14 +105,15 @@ CONV_BUDGET_S = 0.1
 #: What a routed convolution's ATen node costs a training step besides its op, a call (it makes two):
 #: the bridge inside ORT's run (40-55 us, docs/performance.md "ATen nodes: what a call costs") and, for
 #: a bf16 one, the casts to bf16 and back that the isolated timing includes but the step pays again on
-#: colder data. Measured in UNet training steps (Zen 5 EPYC, 1 thread, CPU time, idle machine): every
-#: Conv routed against none, the step's change against the ATen ops' own time in that step.
+#: colder data. Measured in UNet training steps (Zen 5 EPYC, 1 thread, CPU time, load 0.5-2): every
+#: Conv routed against none, the step's change against the ATen ops' own time in that step (~45-90 us
+#: a call left over; docs/performance.md "Where the route's extra cost went").
 CONV_CROSSING_S = 6e-5
 #: PyTorch's convolution ops inside a training step take this much longer than their isolated timing
 #: (best of :data:`CONV_REPS` on warm data): 1.53 against 1.38 ms (fp32) and 1.17 against 1.04 ms
 #: (bf16) for the UNet's two routed shapes, timed around ``aten.convolution`` /
-#: ``convolution_backward`` in the step. ORT's Conv + ConvGrad run in the step as isolated (its
-#: im2col GEMMs are compute-bound): the step saved what ORT's isolated time minus this says.
+#: ``convolution_backward`` in the step. ORT's Conv + ConvGrad took in the step about what they take
+#: isolated (inferred: the routed step's change matched ORT's isolated time minus the routed ops').
 CONV_TORCH_IN_STEP = 1.1
 #: PyTorch's route is taken where its estimate is below (1 - CONV_MARGIN) x ORT's.
 CONV_MARGIN = 0.05
