@@ -41,8 +41,8 @@ convolution shape of at least :data:`CONV_MIN_FLOPS` (the :data:`CONV_MAX_SHAPES
 forward and backward, through ORT (Conv + ConvGrad, float32) and PyTorch (``convolution`` +
 ``convolution_backward`` in the convolution's dtype: bf16 under autocast, where ORT computes in
 float32), kept in the same record; :func:`decide_convs` (pure) routes a convolution to PyTorch where
-its time plus two ATen calls (:data:`CONV_CROSSING_S` each: their measured cost in a training step)
-is below ORT's by :data:`CONV_MARGIN`
+its time in a step (:data:`CONV_TORCH_IN_STEP` x the isolated one) plus two ATen calls
+(:data:`CONV_CROSSING_S` each), both measured in training steps, is below ORT's by :data:`CONV_MARGIN`
 (``passes/torch_conv.py`` rewrites those nodes). Per node, not per graph: a convolution is one node
 and its gradient, so a routed one adds its own two crossings and nothing else, and which library
 wins changes with the shape (on a Zen 5 EPYC, ORT's direct kernels win on few channels, oneDNN's
@@ -102,14 +102,19 @@ CONV_MAX_SHAPES = 12
 #: after which a shape's measurement stops.
 CONV_REPS = 5
 CONV_BUDGET_S = 0.1
-#: What a routed convolution's ATen node costs a training step besides its op, a call (it makes two).
-#: Not the bridge's own cost (40-55 us a call, docs/performance.md "ATen nodes: what a call costs";
-#: a two-node ORT session of the ATen conv and conv_backward runs as fast as the ops): inside a UNet's
-#: training graph (Zen 5 EPYC, 1 thread, interleaved steps) a routed convolution cost 0.1-0.5 ms a step
-#: more than the same shape's isolated timing says, for reasons not yet found (docs/performance.md
-#: "Convolutions"). With this value no convolution of the zoo is routed on that machine, where routing
-#: them made the steps slower; a CPU whose oneDNN beats ORT by more (AMX bf16) still gets the route.
-CONV_CROSSING_S = 2.5e-4
+#: What a routed convolution's ATen node costs a training step besides its op, a call (it makes two):
+#: the bridge inside ORT's run (40-55 us, docs/performance.md "ATen nodes: what a call costs") and, for
+#: a bf16 one, the casts to bf16 and back that the isolated timing includes but the step pays again on
+#: colder data. Measured in UNet training steps (Zen 5 EPYC, 1 thread, CPU time, load 0.5-2): every
+#: Conv routed against none, the step's change against the ATen ops' own time in that step (~45-90 us
+#: a call left over; docs/performance.md "Where the route's extra cost went").
+CONV_CROSSING_S = 6e-5
+#: PyTorch's convolution ops inside a training step take this much longer than their isolated timing
+#: (best of :data:`CONV_REPS` on warm data): 1.53 against 1.38 ms (fp32) and 1.17 against 1.04 ms
+#: (bf16) for the UNet's two routed shapes, timed around ``aten.convolution`` /
+#: ``convolution_backward`` in the step. ORT's Conv + ConvGrad took in the step about what they take
+#: isolated (inferred: the routed step's change matched ORT's isolated time minus the routed ops').
+CONV_TORCH_IN_STEP = 1.1
 #: PyTorch's route is taken where its estimate is below (1 - CONV_MARGIN) x ORT's.
 CONV_MARGIN = 0.05
 
@@ -499,11 +504,23 @@ def conv_problems(
 
 
 def decide_convs(
-    rates: Sequence[ConvRate], crossing_s: float = CONV_CROSSING_S, margin: float = CONV_MARGIN
+    rates: Sequence[ConvRate],
+    crossing_s: float = CONV_CROSSING_S,
+    margin: float = CONV_MARGIN,
+    in_step: float = CONV_TORCH_IN_STEP,
 ) -> list[Conv]:
-    """The convolutions PyTorch's route runs faster, its two ATen calls included, by ``margin``
-    (a transposed one is an ATen node either way: PyTorch's bf16 against its float32). Pure."""
-    return [r.conv for r in rates if r.torch_s + 2 * crossing_s * (not r.conv.transposed) < (1.0 - margin) * r.ort_s]
+    """The convolutions PyTorch's route runs faster, its time in a step (``in_step`` x the isolated
+    one) and its two ATen calls included, by ``margin`` (a transposed one is an ATen node either way:
+    PyTorch's bf16 against its float32, no factor on either side). Pure."""
+    return [
+        r.conv
+        for r in rates
+        if (
+            r.torch_s < (1.0 - margin) * r.ort_s
+            if r.conv.transposed
+            else in_step * r.torch_s + 2 * crossing_s < (1.0 - margin) * r.ort_s
+        )
+    ]
 
 
 def decide(rates: Sequence[Rate], crossing_s: float = CROSSING_S, margin: float = MARGIN) -> tuple[bool, float, float]:

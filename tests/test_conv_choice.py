@@ -126,26 +126,43 @@ def _set_times(gemm_dir, torch_faster: bool) -> None:
 
 @no_exporter
 def test_decide_convs_weighs_the_crossings():
-    """PyTorch's route wins where its time plus two ATen calls is below ORT's by the margin: a conv
-    3x faster there, not a tie, not a tiny one whose crossings eat the gain; a transposed one (an ATen
-    node either way) needs no crossing."""
+    """PyTorch's route wins where its time in a step (CONV_TORCH_IN_STEP x the isolated one) plus two
+    ATen calls is below ORT's by the margin: a conv 3x faster there, not a tie, not a tiny one whose
+    crossings eat the gain; a transposed one (an ATen node either way) needs no crossing nor factor."""
     big = Conv(4, 24, 40, 40, 8, 3, 3, pads=(1, 1))
     tiny = Conv(4, 8, 10, 10, 8, 3, 3, pads=(1, 1))
+    tie = Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1))
     up = Conv(4, 16, 20, 20, 16, 2, 2, stride=(2, 2), dtype="bf16", transposed=True)
     rates = [
         ConvRate(big, 1.2e-3, 0.4e-3),
-        ConvRate(tiny, 0.5e-3, 0.2e-3),  # 2.5x faster, but 0.2 ms + 2 x CONV_CROSSING_S (0.25 ms) of crossings
-        ConvRate(Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1)), 0.5e-3, 0.49e-3),  # a tie
+        ConvRate(tiny, 0.2e-3, 0.08e-3),  # 2.5x faster, but 0.09 ms + 2 x CONV_CROSSING_S (0.06 ms) of crossings
+        ConvRate(tie, 0.5e-3, 0.49e-3),
         ConvRate(up, 0.3e-3, 0.2e-3),
         ConvRate(Conv(4, 3, 40, 40, 8, 3, 3, pads=(1, 1)), 0.2e-3, 0.4e-3),  # ORT faster
     ]
     assert decide_convs(rates) == [big, up]
-    assert decide_convs(rates, crossing_s=0.0, margin=0.0) == [
-        big,
-        tiny,
-        Conv(4, 32, 20, 20, 16, 3, 3, pads=(1, 1)),
-        up,
+    assert decide_convs(rates, crossing_s=0.0, margin=0.0, in_step=1.0) == [big, tiny, tie, up]
+
+
+@no_exporter
+def test_decide_convs_routes_the_unets_convolutions_that_pay():
+    """The UNet's shapes as measured on a Zen 5 EPYC (1 thread; ms through ORT vs PyTorch, forward and
+    backward): the 32->16 convolution (fp32 and bf16) and the bf16 24->8 one are PyTorch's (their
+    steps got faster routed, docs/performance.md "Convolutions"), the fp32 24->8 one (10% faster in
+    isolation, which a step does not keep) and the few-channel ones stay ORT's. The crossing price
+    as first measured (0.25 ms a call, a loaded machine) routed none."""
+    f32 = {"pads": (1, 1)}
+    b16 = {"pads": (1, 1), "dtype": "bf16"}
+    rates = [
+        ConvRate(Conv(4, 24, 40, 40, 8, 3, 3, **f32), 1.17e-3, 1.05e-3),
+        ConvRate(Conv(4, 32, 20, 20, 16, 3, 3, **f32), 0.54e-3, 0.33e-3),
+        ConvRate(Conv(4, 8, 20, 20, 16, 3, 3, **f32), 0.15e-3, 0.22e-3),
+        ConvRate(Conv(4, 3, 40, 40, 8, 3, 3, **f32), 0.17e-3, 0.33e-3),
+        ConvRate(Conv(4, 24, 40, 40, 8, 3, 3, **b16), 1.21e-3, 0.71e-3),
+        ConvRate(Conv(4, 32, 20, 20, 16, 3, 3, **b16), 0.55e-3, 0.33e-3),
+        ConvRate(Conv(4, 16, 10, 10, 16, 3, 3, **b16), 0.09e-3, 0.17e-3),
     ]
+    assert decide_convs(rates) == [rates[1].conv, rates[4].conv, rates[5].conv]
 
 
 @no_exporter
