@@ -1,0 +1,127 @@
+"""ortwrap's instance_norm CPU kernels (nn.GroupNorm and nn.InstanceNorm*d, which both exporters write as
+InstanceNormalization): parity with eager through both exporters (affine and not, 1, 2 and C groups, 3-D and
+4-D inputs, sizes that do not divide the thread chunks), the graph holds the kernel nodes and not the
+decomposition, the kernels against PyTorch's in a real ORT session, and the decomposition where the kernel does
+not apply (float64, native_kernels=False)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from parity import check_parity
+from test_native_kernels import F32, aten_session, native_ops
+from torch import nn
+
+DECOMPOSED = ("InstanceNormalization", "ReduceMean", "Sqrt")
+
+
+class NormNet(nn.Module):
+    """Conv -> norm -> SiLU -> conv, so the norm's input and output gradients both matter; the input's
+    mean and scale are far from 0 and 1 (a wrong centering or variance gives other numbers)."""
+
+    def __init__(self, make_norm, channels: int, dims: int) -> None:
+        super().__init__()
+        conv = nn.Conv1d if dims == 1 else nn.Conv2d
+        self.norm = make_norm()
+        # a norm per channel makes the loss independent of inp's bias (its gradient: rounding noise)
+        per_channel = getattr(self.norm, "num_groups", channels) == channels
+        self.inp = conv(3, channels, 3, padding=1, bias=not per_channel)
+        self.out = conv(channels, 2, 1)
+
+    def forward(self, x):
+        return self.out(nn.functional.silu(self.norm(self.inp(x) * 3 + 5)))
+
+
+def _with_affine_values(norm: nn.Module) -> nn.Module:
+    if getattr(norm, "weight", None) is not None:
+        with torch.no_grad():
+            norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+            norm.bias.copy_(torch.linspace(-1.0, 1.0, norm.bias.numel()))
+    return norm
+
+
+CASES = {
+    # name: (norm, channels, dims, spatial size)
+    "gn2_affine_2d": (lambda: nn.GroupNorm(2, 6), 6, 2, (7, 5)),
+    "gn1_affine_2d": (lambda: nn.GroupNorm(1, 6), 6, 2, (9, 11)),
+    "gnC_affine_2d": (lambda: nn.GroupNorm(6, 6), 6, 2, (5, 3)),
+    "gn2_no_affine_2d": (lambda: nn.GroupNorm(2, 6, affine=False), 6, 2, (7, 5)),
+    "gn3_affine_1d": (lambda: nn.GroupNorm(3, 6), 6, 1, (37,)),
+    "gn1_no_affine_1d": (lambda: nn.GroupNorm(1, 4, affine=False), 4, 1, (13,)),
+    "gn2_large_2d": (lambda: nn.GroupNorm(2, 4, eps=1e-3), 4, 2, (67, 71)),  # several chunks per row set
+    "in_affine_2d": (lambda: nn.InstanceNorm2d(4, affine=True), 4, 2, (6, 7)),
+    "in_1d": (lambda: nn.InstanceNorm1d(4), 4, 1, (19,)),
+}
+
+
+@pytest.mark.usefixtures("exporter")
+@pytest.mark.parametrize("name", list(CASES))
+def test_group_norm_parity_on_the_kernel(name):
+    make_norm, channels, dims, size = CASES[name]
+
+    def model():
+        return NormNet(lambda: _with_affine_values(make_norm()), channels, dims)
+
+    def inputs(b, g):
+        return (torch.randn(b, 3, *size, generator=g).requires_grad_(),), {}
+
+    wrapped = check_parity(model, inputs, batch_sizes=(4, 3, 1), lr=0.01)
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert ops["instance_norm"] == 1 and ops["instance_norm_backward"] == 1, ops
+    for slow in DECOMPOSED:
+        assert ops[slow] == 0, ops
+
+
+@pytest.mark.usefixtures("exporter")
+def test_group_norm_decomposed_without_native_kernels():
+    make_norm, channels, dims, size = CASES["gn2_affine_2d"]
+
+    def inputs(b, g):
+        return (torch.randn(b, 3, *size, generator=g).requires_grad_(),), {}
+
+    wrapped = check_parity(
+        lambda: NormNet(lambda: _with_affine_values(make_norm()), channels, dims),
+        inputs,
+        batch_sizes=(4, 3),
+        wrap_options={"native_kernels": False},
+    )
+    ops = native_ops(wrapped.last_artifacts.graph.model())
+    assert ops["instance_norm"] == 0 and ops["ReduceMean"] >= 2, ops
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 1000), (3, 5, 7, 9), (1, 1, 100_003), (2, 3, 1)], ids=str)
+def test_instance_norm_kernels_match_pytorch(shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 40 + 300  # large mean and variance
+    c = shape[1]
+    s, b = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    dy = torch.randn(shape, generator=g)
+    dims = [f"d{i}" for i in range(len(shape))]
+    stat = [*shape[:2], *[1] * (len(shape) - 2)]
+    fwd = aten_session(
+        "instance_norm",
+        [("x", F32, dims), ("s", F32, [c]), ("b", F32, [c])],
+        [("y", F32, dims), ("mean", F32, None), ("rstd", F32, None)],
+        consts=[("eps", np.array(1e-5, dtype=np.float32))],
+    )
+    y, mean, rstd = fwd.run(None, {"x": x.numpy(), "s": s.numpy(), "b": b.numpy()})
+    n, hw = shape[0], int(np.prod(shape[2:]))
+    # PyTorch's kernels in float64: the reference (its float32 ones are further off, e.g. y of a 1-element row)
+    ref, ref_mean, ref_rstd = torch.ops.aten.native_group_norm(x.double(), s.double(), b.double(), n, c, hw, c, 1e-5)
+    torch.testing.assert_close(torch.from_numpy(y).double(), ref, atol=1e-4, rtol=1e-4)
+    assert list(mean.shape) == stat and list(rstd.shape) == stat
+    torch.testing.assert_close(torch.from_numpy(mean).double().reshape(ref_mean.shape), ref_mean, atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(rstd).double().reshape(ref_rstd.shape), ref_rstd, atol=1e-6, rtol=1e-5)
+    bwd = aten_session(
+        "instance_norm_backward",
+        [("dy", F32, dims), ("x", F32, dims), ("s", F32, [c]), ("mean", F32, stat), ("rstd", F32, stat)],
+        [("dx", F32, dims), ("ds", F32, [c]), ("db", F32, [c])],
+    )
+    dx, ds, db = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy(), "s": s.numpy(), "mean": mean, "rstd": rstd})
+    rdx, rds, rdb = torch.ops.aten.native_group_norm_backward(
+        dy.double(), x.double(), ref_mean, ref_rstd, s.double(), n, c, hw, c, [True, True, True]
+    )
+    torch.testing.assert_close(torch.from_numpy(dx).double(), rdx, atol=1e-5, rtol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(ds).double(), rds, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(db).double(), rdb, atol=1e-3, rtol=1e-5)
