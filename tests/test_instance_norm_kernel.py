@@ -7,11 +7,15 @@ not apply (float64, native_kernels=False)."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnx_text
 import pytest
 import torch
 from parity import check_parity
-from test_native_kernels import F32, aten_session, native_ops
+from test_native_kernels import F32, aten_session, native_ops, run_pass
 from torch import nn
+
+from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
 
 DECOMPOSED = ("InstanceNormalization", "ReduceMean", "Sqrt")
 
@@ -125,3 +129,24 @@ def test_instance_norm_kernels_match_pytorch(shape):
     torch.testing.assert_close(torch.from_numpy(dx).double(), rdx, atol=1e-5, rtol=1e-3)
     torch.testing.assert_close(torch.from_numpy(ds).double(), rds, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(torch.from_numpy(db).double(), rdb, atol=1e-3, rtol=1e-5)
+
+
+def test_pass_instance_norm_conditions():
+    body = """
+    agraph (float[2, 3, 8] x, float[3] s, float[3] b, double[2, 3, 8] xd, double[3] sd, double[3] bd, float[2, 3, 8] z)
+           => (float[2, 3, 8] y1, double[2, 3, 8] y2, float[2, 3, 8] y3) {
+        y1 = InstanceNormalization <epsilon = 0.001> (x, s, b)
+        y2 = InstanceNormalization (xd, sd, bd)
+        y3 = Softmax <axis = -1> (z)
+    }
+    """
+    p, model = run_pass(body)
+    assert p.rewritten["instance_norm"] == 1 and p.rewritten["softmax"] == 1, p.rewritten  # not float64
+    (node,) = [n for n in model.graph.node if n.op_type == "ATen" and b"instance_norm" in n.attribute[0].s]
+    assert node.attribute[0].s == b"ortwrap_cpu::instance_norm" and node.output[0] == "y1"
+    eps = next(n for n in model.graph.node if n.output[0] == node.input[3])
+    assert np.isclose(onnx.numpy_helper.to_array(eps.attribute[0].t), 1e-3)
+    # the pipeline's early run: only InstanceNormalization
+    only = NativeCPUKernelsPass(("InstanceNormalization",))
+    onnx_text.run_pass(only, body)
+    assert only.rewritten["instance_norm"] == 1 and sum(only.rewritten.values()) == 1, only.rewritten
