@@ -980,8 +980,8 @@ static int op_layer_norm_bf16_backward(Call* c, size_t n_in, DLManagedTensor** i
  * x [N, C, *] is normalized over its m = prod(shape[2:]) elements, then y = xh * scale[c] + bias[c]. One kernel
  * each way instead of ORT's ~60 small nodes of the decomposition (passes/instance_norm.py). */
 typedef struct {
-  const float *x, *scale, *bias, *dy, *mean_in, *rstd_in;
-  float *y, *mean, *rstd, *dx;
+  const float *x, *scale, *bias, *dy;
+  float *y, *dx;
   float* row_sums; /* backward: per row, sum(dy) then sum(dy * xh) (2 * rows floats) */
   int64_t rows, channels, m;
   float eps;
@@ -998,8 +998,6 @@ static void instance_norm_part(void* p, int part, int parts) {
     const float mean = row_sum(x, m) / (float)m;
     const float var = row_centered_sq(x, m, mean) / (float)m;
     const float rstd = 1.0f / sqrtf(var + L->eps);
-    L->mean[r] = mean;
-    L->rstd[r] = rstd;
     const int64_t c = r % L->channels;
     const float a = rstd * L->scale[c], shift = L->bias[c];
     for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * a + shift; /* centered first: no cancellation */
@@ -1016,7 +1014,10 @@ static void instance_norm_backward_part(void* p, int part, int parts) {
     const float* restrict x = L->x + r * m;
     const float* restrict dy = L->dy + r * m;
     float* restrict dx = L->dx + r * m;
-    const float mean = L->mean_in[r], rstd = L->rstd_in[r];
+    /* the forward's statistics, computed again as it computes them (bit for bit): cheaper than saving them,
+     * for which recompute="cheap" ran the whole forward kernel again in the backward */
+    const float mean = row_sum(x, m) / (float)m;
+    const float rstd = 1.0f / sqrtf(row_centered_sq(x, m, mean) / (float)m + L->eps);
     float s1[LANES] = {0}, s2[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= m; i += LANES)
@@ -1055,7 +1056,7 @@ static int in_geometry(Call* c, const DLTensor* x, int64_t* rows, int64_t* chann
   return 0;
 }
 
-/* instance_norm(x [N, C, *], scale [C], bias [C], eps) -> y, mean, rstd   (mean and rstd: [N, C, 1, ...]) */
+/* instance_norm(x [N, C, *], scale [C], bias [C], eps) -> y */
 static int op_instance_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
   FLOAT_IN(0, "x", x);
   FLOAT_IN(1, "scale", s);
@@ -1066,48 +1067,34 @@ static int op_instance_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n
   if (in_geometry(c, x, &rows, &channels, &m)) return -1;
   if (numel(s) != channels || numel(b) != channels)
     return fail(c, "scale and bias must have the %lld elements of x's dimension 1", (long long)channels);
-  int64_t stat_shape[MAX_DIMS];
-  for (int i = 0; i < x->ndim; ++i) stat_shape[i] = i < 2 ? x->shape[i] : 1;
   DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
-  DLManagedTensor* mean = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
-  DLManagedTensor* rstd = new_tensor(x->ndim, stat_shape, kDLFloat, 32);
-  if (y == NULL || mean == NULL || rstd == NULL) {
-    owned_deleter(y);
-    owned_deleter(mean);
-    owned_deleter(rstd);
-    return fail(c, "out of memory");
-  }
+  if (y == NULL) return fail(c, "out of memory");
   InstanceNorm L = {0};
   L.x = data_of(x);
   L.scale = data_of(s);
   L.bias = data_of(b);
   L.y = y->dl_tensor.data;
-  L.mean = mean->dl_tensor.data;
-  L.rstd = rstd->dl_tensor.data;
   L.rows = rows;
   L.channels = channels;
   L.m = m;
   L.eps = eps;
   if (rows > 0) parallel(instance_norm_part, &L, chunks_for(rows * m, rows));
   out[0] = y;
-  out[1] = mean;
-  out[2] = rstd;
   return 0;
 }
 
-/* instance_norm_backward(dy, x, scale, mean, rstd) -> dx, dscale, dbias */
+/* instance_norm_backward(dy, x, scale, eps) -> dx, dscale, dbias */
 static int op_instance_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
                                      DLManagedTensor** out) {
   FLOAT_IN(0, "dy", dy);
   FLOAT_IN(1, "x", x);
   FLOAT_IN(2, "scale", s);
-  FLOAT_IN(3, "mean", mean);
-  FLOAT_IN(4, "rstd", rstd);
+  float eps = 0.0f;
   int64_t rows = 0, channels = 0, m = 0;
+  if (scalar_f32(c, n_in, in, 3, "eps", &eps)) return -1;
   if (in_geometry(c, x, &rows, &channels, &m)) return -1;
   if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
-  if (numel(s) != channels || numel(mean) != rows || numel(rstd) != rows)
-    return fail(c, "scale, mean or rstd has the wrong size");
+  if (numel(s) != channels) return fail(c, "scale must have the %lld elements of x's dimension 1", (long long)channels);
   DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
   DLManagedTensor* ds = new_tensor(s->ndim, s->shape, kDLFloat, 32);
   DLManagedTensor* db = new_tensor(s->ndim, s->shape, kDLFloat, 32);
@@ -1123,13 +1110,12 @@ static int op_instance_norm_backward(Call* c, size_t n_in, DLManagedTensor** in,
   L.x = data_of(x);
   L.scale = data_of(s);
   L.dy = data_of(dy);
-  L.mean_in = data_of(mean);
-  L.rstd_in = data_of(rstd);
   L.dx = dx->dl_tensor.data;
   L.row_sums = sums;
   L.rows = rows;
   L.channels = channels;
   L.m = m;
+  L.eps = eps;
   if (rows > 0) parallel(instance_norm_backward_part, &L, chunks_for(rows * m, rows));
   /* dscale[c] = sum over n of sum(dy * xh), dbias[c] = sum over n of sum(dy), in row order */
   float* dsp = ds->dl_tensor.data;
@@ -2228,8 +2214,8 @@ static const struct {
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},
     {"layer_norm_bf16_backward", op_layer_norm_bf16_backward, "hffffI>fff"},
-    {"instance_norm", op_instance_norm, "fffF>fff"},
-    {"instance_norm_backward", op_instance_norm_backward, "fffff>fff"},
+    {"instance_norm", op_instance_norm, "fffF>f"},
+    {"instance_norm_backward", op_instance_norm_backward, "fffF>fff"},
     {"embedding", op_embedding, "fi>f"},
     {"embedding_backward", op_embedding_backward, "fif>f"},
     {"softmax", op_softmax, "f>f"},

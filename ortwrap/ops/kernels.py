@@ -103,18 +103,14 @@ KERNELS: tuple[Kernel, ...] = (
     # instead of the decomposition's ~60 (passes/instance_norm.py), which stays for what this does not cover.
     Kernel(
         "instance_norm",
-        "fffF>fff",
-        "x [N, C, *], scale [C], bias [C], eps -> y, mean, rstd ([N, C] + 1s), normalized over shape[2:]",
-        gradient(
-            "instance_norm_backward",
-            ["GO(0)", "I(0)", "I(1)", "O(1)", "O(2)"],
-            ["GI(0)", "GI(1)", "GI(2)"],
-            stop=[3],
-        ),
+        "fffF>f",
+        "x [N, C, *], scale [C], bias [C], eps -> y, normalized over shape[2:]",
+        # the backward computes the statistics again (saved ones made recompute="cheap" rerun the forward for them)
+        gradient("instance_norm_backward", ["GO(0)", "I(0)", "I(1)", "I(3)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]),
         replaces=("InstanceNormalization",),
         rewrite="_instance_norm",
     ),
-    Kernel("instance_norm_backward", "fffff>fff", "dy, x, scale, mean, rstd -> dx, dscale, dbias"),
+    Kernel("instance_norm_backward", "fffF>fff", "dy, x, scale, eps -> dx, dscale, dbias"),
     Kernel(
         "embedding",
         "fi>f",

@@ -311,7 +311,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
     def _instance_norm(self, graph: ir.Graph, node: ir.Node) -> None:
         """``InstanceNormalization(x, scale, bias)`` (both exporters' ``nn.GroupNorm`` on ``x``
         reshaped to ``[N, G, -1]``, and ``nn.InstanceNorm*d``), float32 -> ``instance_norm(x, scale,
-        bias, epsilon)``, whose first output replaces the node's."""
+        bias, epsilon)``."""
         if len(node.inputs) != 3 or len(node.outputs) != 1 or any(v is None for v in node.inputs):
             return
         # the three inputs share one type T: x has the scale's when inference left it unknown.
@@ -323,12 +323,9 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         eps = node.attributes.get("epsilon")
         b = NodeBuilder(node.name or f"instance_norm_{id(node):x}")
         eps_value = b.const(np.array(eps.as_float() if eps is not None else 1e-5, dtype=np.float32))
-        inorm = _aten(b, "instance_norm", *node.inputs, eps_value, outputs=3)
+        inorm = _aten(b, "instance_norm", *node.inputs, eps_value)
         y = inorm.outputs[0]
         y.shape = node.outputs[0].shape or x.shape
-        if x.shape is not None:
-            for stat in inorm.outputs[1:]:  # mean and rstd: [N, C] + 1s
-                stat.shape = ir.Shape([d if i < 2 else 1 for i, d in enumerate(x.shape)])
         b.replace(graph, node, [y])
         self.rewritten["instance_norm"] += 1
 
