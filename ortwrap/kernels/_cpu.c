@@ -974,6 +974,164 @@ static int op_layer_norm_bf16_backward(Call* c, size_t n_in, DLManagedTensor** i
   return layer_norm_backward_op(c, n_in, in, n_out, out, 1);
 }
 
+/* ------------------------------------------------------------------------------------------ instance norm */
+/* instance_norm: ONNX InstanceNormalization, which is how both exporters write nn.GroupNorm (x reshaped to
+ * [N, G, -1], scale ones, bias zeros; the affine Mul/Add follow) and nn.InstanceNorm*d: each row r = (n, c) of
+ * x [N, C, *] is normalized over its m = prod(shape[2:]) elements, then y = xh * scale[c] + bias[c]. One kernel
+ * each way instead of ORT's ~60 small nodes of the decomposition (passes/instance_norm.py). */
+typedef struct {
+  const float *x, *scale, *bias, *dy;
+  float *y, *dx;
+  float* row_sums; /* backward: per row, sum(dy) then sum(dy * xh) (2 * rows floats) */
+  int64_t rows, channels, m;
+  float eps;
+} InstanceNorm;
+
+static void instance_norm_part(void* p, int part, int parts) {
+  InstanceNorm* L = (InstanceNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t m = L->m;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    float* restrict y = L->y + r * m;
+    const float mean = row_sum(x, m) / (float)m;
+    const float var = row_centered_sq(x, m, mean) / (float)m;
+    const float rstd = 1.0f / sqrtf(var + L->eps);
+    const int64_t c = r % L->channels;
+    const float a = rstd * L->scale[c], shift = L->bias[c];
+    for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * a + shift; /* centered first: no cancellation */
+  }
+}
+
+static void instance_norm_backward_part(void* p, int part, int parts) {
+  InstanceNorm* L = (InstanceNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t m = L->m;
+  const float inv_m = 1.0f / (float)m;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    const float* restrict dy = L->dy + r * m;
+    float* restrict dx = L->dx + r * m;
+    /* the forward's statistics, computed again as it computes them (bit for bit): cheaper than saving them,
+     * for which recompute="cheap" ran the whole forward kernel again in the backward */
+    const float mean = row_sum(x, m) / (float)m;
+    const float rstd = 1.0f / sqrtf(row_centered_sq(x, m, mean) / (float)m + L->eps);
+    float s1[LANES] = {0}, s2[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= m; i += LANES)
+      for (int j = 0; j < LANES; ++j) {
+        s1[j] += dy[i + j];
+        s2[j] += dy[i + j] * (x[i + j] - mean);
+      }
+    float sum_dy = 0.0f, sum_dyxc = 0.0f;
+    for (; i < m; ++i) {
+      sum_dy += dy[i];
+      sum_dyxc += dy[i] * (x[i] - mean);
+    }
+    for (int j = 0; j < LANES; ++j) {
+      sum_dy += s1[j];
+      sum_dyxc += s2[j];
+    }
+    const float sum_dyxh = sum_dyxc * rstd;
+    L->row_sums[2 * r] = sum_dy;
+    L->row_sums[2 * r + 1] = sum_dyxh;
+    /* dx = rstd * scale * (dy - mean(dy) - xh * mean(dy * xh)) = (dy - mean(dy)) * a + (x - mean) * k */
+    const float a = rstd * L->scale[r % L->channels];
+    const float k = -a * rstd * sum_dyxh * inv_m;
+    const float mdy = sum_dy * inv_m;
+    for (int64_t q = 0; q < m; ++q) dx[q] = (dy[q] - mdy) * a + (x[q] - mean) * k;
+  }
+}
+
+/* Rows (N * C), channels (C) and the normalized size m = prod(shape[2:]) of an instance_norm input. */
+static int in_geometry(Call* c, const DLTensor* x, int64_t* rows, int64_t* channels, int64_t* m) {
+  if (x->ndim < 2) return fail(c, "x must have rank 2 or more, not %d", x->ndim);
+  *rows = x->shape[0] * x->shape[1];
+  *channels = x->shape[1];
+  *m = 1;
+  for (int i = 2; i < x->ndim; ++i) *m *= x->shape[i];
+  if (*m < 1 || *channels < 1) return fail(c, "x has no elements to normalize");
+  return 0;
+}
+
+/* instance_norm(x [N, C, *], scale [C], bias [C], eps) -> y */
+static int op_instance_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  FLOAT_IN(1, "scale", s);
+  FLOAT_IN(2, "bias", b);
+  float eps = 0.0f;
+  int64_t rows = 0, channels = 0, m = 0;
+  if (scalar_f32(c, n_in, in, 3, "eps", &eps)) return -1;
+  if (in_geometry(c, x, &rows, &channels, &m)) return -1;
+  if (numel(s) != channels || numel(b) != channels)
+    return fail(c, "scale and bias must have the %lld elements of x's dimension 1", (long long)channels);
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  InstanceNorm L = {0};
+  L.x = data_of(x);
+  L.scale = data_of(s);
+  L.bias = data_of(b);
+  L.y = y->dl_tensor.data;
+  L.rows = rows;
+  L.channels = channels;
+  L.m = m;
+  L.eps = eps;
+  if (rows > 0) parallel(instance_norm_part, &L, chunks_for(rows * m, rows));
+  out[0] = y;
+  return 0;
+}
+
+/* instance_norm_backward(dy, x, scale, eps) -> dx, dscale, dbias */
+static int op_instance_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out,
+                                     DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  FLOAT_IN(2, "scale", s);
+  float eps = 0.0f;
+  int64_t rows = 0, channels = 0, m = 0;
+  if (scalar_f32(c, n_in, in, 3, "eps", &eps)) return -1;
+  if (in_geometry(c, x, &rows, &channels, &m)) return -1;
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  if (numel(s) != channels) return fail(c, "scale must have the %lld elements of x's dimension 1", (long long)channels);
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  DLManagedTensor* ds = new_tensor(s->ndim, s->shape, kDLFloat, 32);
+  DLManagedTensor* db = new_tensor(s->ndim, s->shape, kDLFloat, 32);
+  float* sums = (float*)malloc(sizeof(float) * 2 * (size_t)(rows > 0 ? rows : 1));
+  if (dx == NULL || ds == NULL || db == NULL || sums == NULL) {
+    owned_deleter(dx);
+    owned_deleter(ds);
+    owned_deleter(db);
+    free(sums);
+    return fail(c, "out of memory");
+  }
+  InstanceNorm L = {0};
+  L.x = data_of(x);
+  L.scale = data_of(s);
+  L.dy = data_of(dy);
+  L.dx = dx->dl_tensor.data;
+  L.row_sums = sums;
+  L.rows = rows;
+  L.channels = channels;
+  L.m = m;
+  L.eps = eps;
+  if (rows > 0) parallel(instance_norm_backward_part, &L, chunks_for(rows * m, rows));
+  /* dscale[c] = sum over n of sum(dy * xh), dbias[c] = sum over n of sum(dy), in row order */
+  float* dsp = ds->dl_tensor.data;
+  float* dbp = db->dl_tensor.data;
+  for (int64_t ch = 0; ch < channels; ++ch) dsp[ch] = dbp[ch] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) {
+    dbp[r % channels] += sums[2 * r];
+    dsp[r % channels] += sums[2 * r + 1];
+  }
+  free(sums);
+  out[0] = dx;
+  out[1] = ds;
+  out[2] = db;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ embedding */
 typedef struct {
   const float* table;
@@ -2056,6 +2214,8 @@ static const struct {
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},
     {"layer_norm_bf16_backward", op_layer_norm_bf16_backward, "hffffI>fff"},
+    {"instance_norm", op_instance_norm, "fffF>f"},
+    {"instance_norm_backward", op_instance_norm_backward, "fffF>fff"},
     {"embedding", op_embedding, "fi>f"},
     {"embedding_backward", op_embedding_backward, "fif>f"},
     {"softmax", op_softmax, "f>f"},

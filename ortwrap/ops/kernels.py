@@ -99,6 +99,18 @@ KERNELS: tuple[Kernel, ...] = (
         variant_of="layer_norm",
     ),
     Kernel("layer_norm_bf16_backward", "hffffI>fff", "layer_norm_backward with dy in bfloat16"),
+    # nn.GroupNorm and nn.InstanceNorm*d (both exporters write InstanceNormalization): one node each way
+    # instead of the decomposition's ~60 (passes/instance_norm.py), which stays for what this does not cover.
+    Kernel(
+        "instance_norm",
+        "fffF>f",
+        "x [N, C, *], scale [C], bias [C], eps -> y, normalized over shape[2:]",
+        # the backward computes the statistics again (saved ones made recompute="cheap" rerun the forward for them)
+        gradient("instance_norm_backward", ["GO(0)", "I(0)", "I(1)", "I(3)"], ["GI(0)", "GI(1)", "GI(2)"], stop=[3]),
+        replaces=("InstanceNormalization",),
+        rewrite="_instance_norm",
+    ),
+    Kernel("instance_norm_backward", "fffF>fff", "dy, x, scale, eps -> dx, dscale, dbias"),
     Kernel(
         "embedding",
         "fi>f",

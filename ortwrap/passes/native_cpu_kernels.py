@@ -16,6 +16,9 @@ replacement (the kernel's ATen node). The other rewrites start at one node each.
 * ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
   them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
   outputs, mean and inverse standard deviation in the same shapes.
+* ``InstanceNormalization(x, scale, bias)`` in float32 (both exporters' ``nn.GroupNorm`` and
+  ``nn.InstanceNorm*d``) -> ``instance_norm(x, scale, bias, epsilon)``: one node each way instead
+  of ``DecomposeInstanceNormPass``'s ~60 (the pipeline runs this rewrite alone before that pass).
 * ``SoftmaxCrossEntropyLoss(scores, labels)`` on 2-D float scores without class weights, whose
   ``log_prob`` output nothing else reads -> ``cross_entropy(scores, labels, ignore_index,
   reduction)``, same two outputs.
@@ -179,14 +182,19 @@ def _aten(b: NodeBuilder | Any, name: str, *inputs: ir.Value | None, outputs: in
 class NativeCPUKernelsPass(ir.passes.InPlacePass):
     """Replace erf GELUs, LayerNormalizations, cross-entropies and parameter lookups with ortwrap's CPU kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: tuple[str, ...] | None = None) -> None:
+        """``ops``: only the rewrites that start at these op types (``InstanceNormalization``, before
+        ``DecomposeInstanceNormPass``); None: all of them."""
         super().__init__()
+        self.ops = ops
         self.rewritten: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         self.rewritten = {k.name: 0 for k in KERNELS if k.gradient is not None and k.replaces}  # per rewrite
         present = {n.op_type for n in graph if n.domain in _ONNX}
+        if self.ops is not None:
+            present &= set(self.ops)
         for k in KERNELS:
             rules = _RULES.get(k.rewrite)
             if rules is not None and set(k.replaces) <= present:
@@ -194,6 +202,8 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         for node in list(graph):
             if node.graph is None or (node.domain not in _ONNX and node.op_type != "ATen"):
                 continue  # removed by an earlier rewrite
+            if self.ops is not None and node.op_type not in self.ops:
+                continue
             for method in _REWRITES.get(node.op_type, ()):
                 if node.graph is None:
                     break
@@ -297,6 +307,27 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
                 stat.shape = ir.Shape([d if i < k else 1 for i, d in enumerate(x.shape)])
         b.replace(graph, node, list(ln.outputs))
         self.rewritten["layer_norm"] += 1
+
+    def _instance_norm(self, graph: ir.Graph, node: ir.Node) -> None:
+        """``InstanceNormalization(x, scale, bias)`` (both exporters' ``nn.GroupNorm`` on ``x``
+        reshaped to ``[N, G, -1]``, and ``nn.InstanceNorm*d``), float32 -> ``instance_norm(x, scale,
+        bias, epsilon)``."""
+        if len(node.inputs) != 3 or len(node.outputs) != 1 or any(v is None for v in node.inputs):
+            return
+        # the three inputs share one type T: x has the scale's when inference left it unknown.
+        if any((v.dtype or node.inputs[1].dtype) != ir.DataType.FLOAT for v in node.inputs):
+            return
+        x = node.inputs[0]
+        if x.shape is not None and len(x.shape) < 2:
+            return
+        eps = node.attributes.get("epsilon")
+        b = NodeBuilder(node.name or f"instance_norm_{id(node):x}")
+        eps_value = b.const(np.array(eps.as_float() if eps is not None else 1e-5, dtype=np.float32))
+        inorm = _aten(b, "instance_norm", *node.inputs, eps_value)
+        y = inorm.outputs[0]
+        y.shape = node.outputs[0].shape or x.shape
+        b.replace(graph, node, [y])
+        self.rewritten["instance_norm"] += 1
 
     def _embedding(self, graph: ir.Graph, node: ir.Node) -> None:
         lookup = parameter_lookup(node, {ir.DataType.FLOAT})

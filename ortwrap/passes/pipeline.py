@@ -260,6 +260,12 @@ def _graph_passes(
         passes += [
             P(DecomposeEvalBatchNormPass()),
             P(DecomposeNLLLossPass()),
+        ]
+        if device_type == "cpu" and native_kernels:
+            # float32 InstanceNormalization (nn.GroupNorm) on ortwrap's kernel, before the decomposition below.
+            ops = ("InstanceNormalization",)
+            passes.append(P(NativeCPUKernelsPass(ops), requires=("native",), stage="NativeInstanceNorm"))
+        passes += [
             P(DecomposeInstanceNormPass()),
             P(EinsumToMatMulPass()),
             P(VectorMatMulPass()),  # after EinsumToMatMulPass, which may write vector products
