@@ -624,6 +624,14 @@ static inline float row_centered_sq(const float* restrict v, int64_t m, float me
 
 /* The largest element of v[0..m), m >= 1. GCC vectorizes a float max only under -ffinite-math-only (which
  * would break the -inf of masked attention scores), so the x86 vector units are used explicitly. */
+/* A row's mean (into *mean) and 1 / sqrt(var + eps): one definition for every norm kernel, so that a
+ * backward that computes the statistics again gets the forward's bit for bit. */
+static inline float row_rstd(const float* restrict v, int64_t m, float eps, float* mean) {
+  *mean = row_sum(v, m) / (float)m;
+  const float var = row_centered_sq(v, m, *mean) / (float)m;
+  return 1.0f / sqrtf(var + eps);
+}
+
 static inline float row_max(const float* restrict v, int64_t m) {
   float mx = v[0];
   int64_t i = 0;
@@ -682,9 +690,8 @@ static void layer_norm_part(void* p, int part, int parts) {
   for (int64_t r = b; r < end; ++r) {
     const float* restrict x = L->x + r * m;
     float* restrict y = L->y + r * m;
-    float mean = row_sum(x, m) / (float)m;
-    float var = row_centered_sq(x, m, mean) / (float)m;
-    float rstd = 1.0f / sqrtf(var + L->eps);
+    float mean;
+    const float rstd = row_rstd(x, m, L->eps, &mean);
     L->mean[r] = mean;
     L->rstd[r] = rstd;
     if (L->y16 != NULL) {
@@ -995,9 +1002,8 @@ static void instance_norm_part(void* p, int part, int parts) {
   for (int64_t r = b; r < end; ++r) {
     const float* restrict x = L->x + r * m;
     float* restrict y = L->y + r * m;
-    const float mean = row_sum(x, m) / (float)m;
-    const float var = row_centered_sq(x, m, mean) / (float)m;
-    const float rstd = 1.0f / sqrtf(var + L->eps);
+    float mean;
+    const float rstd = row_rstd(x, m, L->eps, &mean);
     const int64_t c = r % L->channels;
     const float a = rstd * L->scale[c], shift = L->bias[c];
     for (int64_t i = 0; i < m; ++i) y[i] = (x[i] - mean) * a + shift; /* centered first: no cancellation */
@@ -1016,8 +1022,8 @@ static void instance_norm_backward_part(void* p, int part, int parts) {
     float* restrict dx = L->dx + r * m;
     /* the forward's statistics, computed again as it computes them (bit for bit): cheaper than saving them,
      * for which recompute="cheap" ran the whole forward kernel again in the backward */
-    const float mean = row_sum(x, m) / (float)m;
-    const float rstd = 1.0f / sqrtf(row_centered_sq(x, m, mean) / (float)m + L->eps);
+    float mean;
+    const float rstd = row_rstd(x, m, L->eps, &mean);
     float s1[LANES] = {0}, s2[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= m; i += LANES)
