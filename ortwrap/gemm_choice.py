@@ -71,6 +71,12 @@ import torch
 from ._logging import logger
 from .options import Options, cache_dir
 
+#: ORT's intra-op pool (torch's thread count) only where a training graph's GEMMs and convolutions that
+#: ORT runs take at least this many seconds a step per node of the graph (measured rates): below it
+#: the graph's kernels are small and ORT runs them on one thread (:func:`decide_pool`).
+POOL_MIN_NODE_S = 15e-6
+#: ... or where a value of the forward graph has at least this many elements (large elementwise kernels).
+POOL_BIG_ELEMENTS = 1 << 20
 #: A step whose GEMMs (forward and backward) take fewer FLOPs than this keeps MLAS and float32 without
 #: measuring: ~1-2 ms of GEMMs, where the PyTorch route's crossings cost as much as it could save.
 MIN_STEP_FLOPS = 2e8
@@ -281,6 +287,26 @@ class GemmChoice:
     torch_convs: tuple[str, ...] = ()
     conv_rates: tuple[ConvRate, ...] = ()
     conv_how: str = ""
+    largest_elements: int = 0
+
+    def ort_matrix_seconds(self) -> float | None:
+        """The estimated seconds a step of the graph's GEMMs and convolutions that ORT runs take (at
+        the measured thread counts): the timed GEMM shapes' time scaled to the step's GEMM FLOPs (none
+        where PyTorch's route runs them), plus each measured convolution left to ORT times its count.
+        ``None`` where nothing says (the options given, the measurement failed, no shapes)."""
+        if self.how == "small":
+            gemm_s = 0.0
+        elif self.how.startswith(("measured", "cached")) and self.rates:
+            timed = sum(r.gemm.flops * r.gemm.count for r in self.rates)
+            routed = self.torch_gemm if self.option == "gemm" else self.native_bf16
+            gemm_s = 0.0 if routed else self.ort_s * self.step_flops / timed
+        else:
+            return None
+        if self.conv_how == "measurement failed":
+            return None
+        torch_shapes = set(decide_convs(self.conv_rates))  # the shapes routed to PyTorch: not ORT's work
+        conv_s = sum(r.ort_s * r.conv.count for r in self.conv_rates if r.conv not in torch_shapes)
+        return gemm_s + conv_s
 
     def summary(self) -> str:
         if self.option == "gemm":
@@ -521,6 +547,25 @@ def decide_convs(
             else in_step * r.torch_s + 2 * crossing_s < (1.0 - margin) * r.ort_s
         )
     ]
+
+
+def decide_pool(
+    matrix_s: float | None,
+    nodes: int,
+    largest_elements: int,
+    min_node_s: float = POOL_MIN_NODE_S,
+    big_elements: int = POOL_BIG_ELEMENTS,
+) -> bool:
+    """Whether a CPU training graph of ``nodes`` nodes runs on ORT's intra-op pool (torch's thread
+    count) rather than on one ORT thread: where the GEMMs and convolutions ORT runs take at least
+    ``min_node_s`` a node (``matrix_s`` seconds a step, ``GemmChoice.ort_matrix_seconds``), or a value
+    holds ``big_elements`` elements. ORT's pool wakes a sleeping worker for each kernel it splits;
+    on a graph of small kernels that costs more than the split saves, and PyTorch's OpenMP workers
+    (spinning after each of its parallel regions in the step) hold the other cores meanwhile
+    (docs/performance.md, "Threads"). Unknown (``None``): the pool, as before. Pure."""
+    if matrix_s is None or largest_elements >= big_elements:
+        return True
+    return matrix_s >= min_node_s * max(nodes, 1)
 
 
 def decide(rates: Sequence[Rate], crossing_s: float = CROSSING_S, margin: float = MARGIN) -> tuple[bool, float, float]:
@@ -808,6 +853,16 @@ class _Graph:
     with_backward: bool
     _concrete: dict | None = field(default=None, repr=False)
 
+    def largest_elements(self) -> int:
+        """The element count of the graph's largest value whose dims the first call's inputs give."""
+        env = input_dims(self.model, self.input_names, self.leaves)
+        values = [*self.model.graph.inputs, *(v for node in self.model.graph for v in node.outputs)]
+        sizes = [_dims(v, env, self._concrete or {}) for v in values]
+        if self._concrete is None and any(d is None or None in d for d in sizes):
+            self._concrete = concrete_shapes(self.exported, self.input_names, self.leaves)
+            sizes = [_dims(v, env, self._concrete) for v in values]
+        return max((math.prod(d) for d in sizes if d and None not in d), default=0)
+
     def problems(self, dtype: ir.DataType) -> list[Gemm] | None:
         env = input_dims(self.model, self.input_names, self.leaves)
         found = gemm_problems(self.model, env, dtype, self.with_backward)
@@ -856,7 +911,12 @@ def choose(
             convs = {"conv_how": "measurement failed"}
     routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
     routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
-    choice = GemmChoice(**routes, option=option, **fields, **convs)
+    try:
+        largest = graph.largest_elements()
+    except Exception as e:  # NOTE: only the thread choice reads it: unknown keeps ORT's pool
+        logger.debug("the graph's largest value could not be sized (%s: %s)", type(e).__name__, e)
+        largest = POOL_BIG_ELEMENTS
+    choice = GemmChoice(**routes, option=option, **fields, **convs, largest_elements=largest)
     logger.debug("%s", choice.summary())  # the build summary line is the one INFO line of a build
     return choice
 

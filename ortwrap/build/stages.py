@@ -247,6 +247,27 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         except Exception as e:
             raise GradientBuildError(f"rewriting the built graph failed: {type(e).__name__}: {e}") from e
 
+    @stage("ort_threads", ("graph", "gemm_choice"), ("graph",), group="gradient_build")
+    def ort_threads(graph: TrainingGraph, gemm_choice: gemms.GemmChoice | None) -> dict:
+        """ORT's intra-op threads: one for a CPU training graph of small kernels, unless
+        ``intra_op_threads`` is given (``gemm_choice.decide_pool``). Kept with the graph in the build
+        cache: decided at one thread (slower measured rates) it keeps the pool more often, not less."""
+        threads = torch.get_num_threads()
+        if not with_backward or device.type != "cpu" or o.intra_op_threads or gemm_choice is None:
+            return {"graph": graph}
+        matrix_s = gemm_choice.ort_matrix_seconds()
+        if matrix_s is None or gemm_choice.largest_elements >= gemms.POOL_BIG_ELEMENTS:
+            return {"graph": graph}
+        nodes = len(graph.model().graph.node)
+        if gemms.decide_pool(matrix_s, nodes, gemm_choice.largest_elements):
+            return {"graph": graph}
+        logger.debug(
+            "ORT runs this graph on 1 intra-op thread, not %d: its GEMMs and convolutions take ~%.1f us a step "
+            "for each of its %d nodes (< %.0f us) and its largest value has %d elements",
+            threads, matrix_s / nodes * 1e6, nodes, gemms.POOL_MIN_NODE_S * 1e6, gemm_choice.largest_elements,
+        )  # fmt: skip
+        return {"graph": dataclasses.replace(graph, ort_threads=1)}
+
     @stage("session", ("graph",), ("runner",), group="session")
     def session(graph: TrainingGraph) -> dict:
         return {"runner": (TrainingRunner if with_backward else InferenceRunner)(graph, device, o)}
@@ -284,6 +305,7 @@ def build_stages(request: BuildRequest) -> list[Stage]:
         gradient_build,
         recompute,
         integration_rewrites,
+        ort_threads,
         session,
         program,
     ]

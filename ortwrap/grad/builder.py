@@ -64,6 +64,9 @@ class TrainingGraph:
             ``(index, name, value)`` in the order of the forward's outputs: they are not outputs of
             ``model_bytes`` (see :func:`split_constant_outputs`); the program puts ``value`` back at
             ``index`` of the outputs on every run. ``info`` counts only the graph's own outputs.
+        ort_threads: ORT intra-op threads for its sessions, where the build chose them (1 for a CPU
+            training graph of small kernels: ``gemm_choice.decide_pool``); 0: ``intra_op_threads``,
+            else torch's count at session creation.
     """
 
     model_bytes: bytes
@@ -73,6 +76,7 @@ class TrainingGraph:
     has_backward: bool
     float_feeds: frozenset[str] = frozenset()
     constant_outputs: tuple[tuple[int, str, torch.Tensor], ...] = ()
+    ort_threads: int = 0
 
     def model(self) -> onnx.ModelProto:
         """The built graph as an ``onnx.ModelProto`` (parsed on each call)."""

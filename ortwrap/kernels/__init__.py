@@ -76,6 +76,8 @@ def install() -> ctypes.CDLL:
     check_kernel_table(compiled_table(lib))
     lib.ortwrap_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.ortwrap_cpu_set_threads.restype = ctypes.c_int
+    lib.ortwrap_cpu_set_serial.argtypes = [ctypes.c_int]
+    lib.ortwrap_cpu_set_serial.restype = None
     lib.ortwrap_cpu_set_bf16_gemm.argtypes = [ctypes.c_char_p]
     lib.ortwrap_cpu_set_bf16_gemm.restype = ctypes.c_int
     mkl = bundled_mkl_library()
@@ -180,6 +182,13 @@ def release_cached() -> None:
 def set_threads(threads: int) -> None:
     """Let the kernels use ``threads`` threads (the pool only grows)."""
     install().ortwrap_cpu_set_threads(max(1, int(threads)))
+
+
+def serial_setter():
+    """``f(1)``: the kernels that the calling thread's next ORT runs call stay on that thread (a graph
+    ORT runs on one intra-op thread); ``f(0)``: they use the pool. Called by the runners before each
+    run of a graph with these kernels; the results are the same either way."""
+    return install().ortwrap_cpu_set_serial
 
 
 _warned = False

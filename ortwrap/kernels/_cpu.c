@@ -198,10 +198,17 @@ static void ensure_workers(void) {
   }
 }
 
+/* Set per run, on the thread that runs a graph (runtime/session.py): kernels called from a graph that ORT runs on one
+ * intra-op thread (a graph of small kernels: gemm_choice.decide_pool) stay on that thread too. The results are the
+ * same either way: chunk bounds depend only on the sizes. */
+static __thread int t_serial = 0;
+
+void ortwrap_cpu_set_serial(int serial) { t_serial = serial; }
+
 /* Run fn(ctx, chunk, chunks) for every chunk in [0, chunks), on the pool; returns when all ran. */
 static void parallel(chunk_fn fn, void* ctx, int chunks) {
   if (chunks <= 0) return;
-  if (chunks == 1 || g_pool.threads <= 1) {
+  if (chunks == 1 || g_pool.threads <= 1 || t_serial) {
     for (int k = 0; k < chunks; ++k) fn(ctx, k, chunks);
     return;
   }

@@ -9,7 +9,7 @@ from .._compat import torch as compat
 from .._logging import ort_log_wanted
 from .._ort import C, ort
 from ..bridge import state as bridge_state
-from ..bridge.aten import ATEN_DOMAIN
+from ..bridge.aten import ATEN_DOMAIN, NATIVE_PREFIX
 from ..errors import RuntimeRunError, SessionError
 from ..grad import TrainingGraph
 from ..kernels import release_cached
@@ -59,16 +59,30 @@ def uses_cpu_arena(model: onnx.ModelProto) -> bool:
     return not any(node.domain == ATEN_DOMAIN and _operator(node) in DTYPE_ARGUMENT_OPS for node in model.graph.node)
 
 
+def _serial_kernels(graph: TrainingGraph, model: onnx.ModelProto):
+    """For a graph that ORT runs on one intra-op thread (``graph.ort_threads == 1``) and that calls
+    ortwrap's kernels: their per-thread switch (``kernels.serial_setter``), set around each run so
+    that they stay on the running thread too; ``None`` otherwise."""
+    if graph.ort_threads != 1 or not any(
+        n.domain == ATEN_DOMAIN and (_operator(n) or "").startswith(NATIVE_PREFIX) for n in model.graph.node
+    ):
+        return None
+    from ..kernels import serial_setter
+
+    return serial_setter()
+
+
 def _operator(node: onnx.NodeProto) -> str | None:
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
 
 
-def session_options(options: Options, *, cpu_arena: bool = True) -> ort.SessionOptions:
+def session_options(options: Options, *, cpu_arena: bool = True, threads: int = 0) -> ort.SessionOptions:
     """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``);
-    ``cpu_arena``: ORT's CPU memory arena (:func:`uses_cpu_arena`)."""
+    ``cpu_arena``: ORT's CPU memory arena (:func:`uses_cpu_arena`); ``threads``: the build's choice
+    of intra-op threads (``TrainingGraph.ort_threads``; 0: none), below ``intra_op_threads``."""
     so = ort.SessionOptions()
     so.enable_cpu_mem_arena = cpu_arena
-    threads = options.intra_op_threads or torch.get_num_threads()
+    threads = options.intra_op_threads or threads or torch.get_num_threads()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     spin = "1" if options.allow_spinning else "0"
@@ -134,7 +148,7 @@ def _create_session(
     try:
         sess = ort.InferenceSession(
             graph.model_bytes,
-            session_options(options, cpu_arena=uses_cpu_arena(model)),
+            session_options(options, cpu_arena=uses_cpu_arena(model), threads=graph.ort_threads),
             providers,
             provider_options,
             disabled_optimizers=disabled,
@@ -350,6 +364,7 @@ class TrainingRunner:
         # does not reach (AdamW then skips it; a zero gradient would decay it).
         self._grad_deps = _grad_dependencies(graph, model)
         self._constant_grads = tuple(j for j, m in enumerate(self._grad_deps) if m == 0)
+        self._serial = _serial_kernels(graph, model)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -362,10 +377,16 @@ class TrainingRunner:
         fetches = _OrtValueVector()
         if _pending:
             _pending.clear()
+        serial = self._serial
         try:
+            if serial is not None:
+                serial(1)
             self._agent.run_forward(feeds, fetches, state, None)
         except Exception as e:
             _raise_run_error("forward", e)
+        finally:
+            if serial is not None:
+                serial(0)
         if _pending:
             bridge_state.reraise_pending(None)
         outputs = fetches.to_dlpacks(self._from_dlpack)
@@ -388,10 +409,16 @@ class TrainingRunner:
         fetches = _OrtValueVector()
         if _pending:
             _pending.clear()
+        serial = self._serial
         try:
+            if serial is not None:
+                serial(1)
             self._agent.run_backward(vec, fetches, state)
         except Exception as e:
             _raise_run_error("backward", e)
+        finally:
+            if serial is not None:
+                serial(0)
         release_cached()  # the kernels' freed blocks, for the optimizer step (kernels.release_cached)
         if _pending:
             bridge_state.reraise_pending(None)
