@@ -20,8 +20,8 @@ step needs beyond parameters, gradients and optimizer state.
    * ``"layers"``: every one, from the segment's entry checkpoint, the parameters and the values
      that do not depend on the inputs' data (masks, positions): only checkpoints stay stashed, for
      about one more forward per step.
-   * ``"cheap"`` (the default): those that at most :data:`MAX_CHEAP_CHAIN` cheap nodes (no GEMM or
-     convolution; a ``MatMul`` of two activations only with a reduction of at most
+   * ``"cheap"`` (the default): those that at most :data:`MAX_CHEAP_CHAIN` cheap nodes (no GEMM,
+     convolution or windowed pooling; a ``MatMul`` of two activations only with a reduction of at most
      :data:`MAX_CHEAP_REDUCTION`) compute from values that stay stashed anyway; nothing computed
      from the inputs' data is newly stashed (a causal mask built from shapes may be). In a transformer: the attention probabilities ``[B, H, T, T]`` (from the stashed
      scaled ``q`` and ``k^T`` and the mask: one batched matmul and a softmax per layer, about 1% of
@@ -84,6 +84,11 @@ _HEAVY = frozenset(
         "LSTM",
         "GRU",
         "RNN",
+        # windowed pooling: ORT's MaxPool with indices takes ~0.1 ms on a UNet's 4x16x40x40 activation,
+        # to free an output a quarter of its input's size (and the copy's indices go unread)
+        "MaxPool",
+        "AveragePool",
+        "LpPool",
     }
 )
 #: ``"cheap"`` recomputes a product of two activations (attention scores, ``q @ k^T``) when its
