@@ -1,8 +1,8 @@
-"""ortwrap's instance_norm CPU kernels (nn.GroupNorm and nn.InstanceNorm*d, which both exporters write as
-InstanceNormalization): parity with eager through both exporters (affine and not, 1, 2 and C groups, 3-D and
-4-D inputs, sizes that do not divide the thread chunks), the graph holds the kernel nodes and not the
-decomposition, the kernels against PyTorch's in a real ORT session, and the decomposition where the kernel does
-not apply (float64, native_kernels=False)."""
+"""ortwrap's group_norm and instance_norm CPU kernels (nn.GroupNorm and nn.InstanceNorm*d, which both exporters
+write as InstanceNormalization; an affine GroupNorm, and the SiLU after it, as one group_norm node): parity with
+eager through both exporters (affine and not, 1, 2 and C groups, 3-D and 4-D inputs, sizes that do not divide the
+thread chunks), the graph holds the kernel nodes and not the decomposition, the kernels against PyTorch's in a
+real ORT session, and the decomposition where the kernel does not apply (float64, native_kernels=False)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import onnx_text
 import pytest
 import torch
 from parity import check_parity
-from test_native_kernels import F32, aten_session, native_ops, run_pass
+from test_native_kernels import F32, aten_session, native_ops, run_pass, run_raising
 from torch import nn
 
 from ortwrap.passes.native_cpu_kernels import NativeCPUKernelsPass
@@ -46,7 +46,7 @@ def _with_affine_values(norm: nn.Module) -> nn.Module:
 
 
 CASES = {
-    # name: (norm, channels, dims, spatial size)
+    # name: (norm, channels, dims, spatial size); the affine GroupNorms (and their SiLU) become group_norm
     "gn2_affine_2d": (lambda: nn.GroupNorm(2, 6), 6, 2, (7, 5)),
     "gn1_affine_2d": (lambda: nn.GroupNorm(1, 6), 6, 2, (9, 11)),
     "gnC_affine_2d": (lambda: nn.GroupNorm(6, 6), 6, 2, (5, 3)),
@@ -57,6 +57,7 @@ CASES = {
     "in_affine_2d": (lambda: nn.InstanceNorm2d(4, affine=True), 4, 2, (6, 7)),
     "in_1d": (lambda: nn.InstanceNorm1d(4), 4, 1, (19,)),
 }
+GROUP_NORM_KERNEL = {"gn2_affine_2d", "gn1_affine_2d", "gnC_affine_2d", "gn3_affine_1d", "gn2_large_2d"}
 
 
 @pytest.mark.usefixtures("exporter")
@@ -72,9 +73,56 @@ def test_group_norm_parity_on_the_kernel(name):
 
     wrapped = check_parity(model, inputs, batch_sizes=(4, 3, 1), lr=0.01)
     ops = native_ops(wrapped.last_artifacts.graph.model())
-    assert ops["instance_norm"] == 1 and ops["instance_norm_backward"] == 1, ops
+    kernel, other = ("group_norm", "instance_norm") if name in GROUP_NORM_KERNEL else ("instance_norm", "group_norm")
+    assert ops[kernel] == 1 and ops[f"{kernel}_backward"] == 1 and ops[other] == 0, ops
     for slow in DECOMPOSED:
         assert ops[slow] == 0, ops
+    if name in GROUP_NORM_KERNEL:  # the affine and the SiLU are in the kernel too
+        assert ops["Sigmoid"] == 0 and ops["InstanceNormalization"] == 0, ops
+
+
+class GroupNormTails(nn.Module):
+    """GroupNorms the group_norm rewrite must take apart correctly: a SiLU written as ``sigmoid(z) * z``
+    (the other operand order), a GroupNorm whose output a residual also reads (its SiLU stays outside the
+    kernel), and one with no activation after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(3, 8, 3, padding=1)
+        self.n1, self.n2, self.n3 = (_with_affine_values(nn.GroupNorm(g, 8)) for g in (2, 4, 1))
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        h = self.inp(x) * 2 + 3
+        z = self.n1(h)
+        h = torch.sigmoid(z) * z
+        z = self.n2(h)
+        h = z + nn.functional.silu(z)  # z is read twice: no SiLU in the kernel
+        return self.out(self.n3(h))
+
+
+@pytest.mark.usefixtures("exporter")
+def test_group_norm_rewrite_takes_the_silu_only_where_it_alone_reads_the_norm():
+    def inputs(b, g):
+        return (torch.randn(b, 3, 6, 5, generator=g).requires_grad_(),), {}
+
+    wrapped = check_parity(GroupNormTails, inputs, batch_sizes=(2, 3), lr=0.01)
+    model = wrapped.last_artifacts.graph.model()
+    ops = native_ops(model)
+    assert ops["group_norm"] == 3 and ops["group_norm_backward"] == 3 and ops["instance_norm"] == 0, ops
+    consts = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    consts.update(
+        {n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node if n.op_type == "Constant"}
+    )
+    forward = [
+        n
+        for n in model.graph.node
+        if n.op_type == "ATen"
+        and any(a.name == "operator" and a.s == b"ortwrap_cpu::group_norm" for a in n.attribute)
+        and "recompute" not in n.name
+    ]
+    # (groups, silu) per norm, in graph order: n1 with its SiLU, n2 without (z is read twice), n3 without
+    assert [(int(consts[n.input[4]]), int(consts[n.input[5]])) for n in forward] == [(2, 1), (4, 0), (1, 0)]
 
 
 @pytest.mark.usefixtures("exporter")
@@ -127,6 +175,75 @@ def test_instance_norm_kernels_match_pytorch(shape):
     torch.testing.assert_close(torch.from_numpy(dx).double(), rdx, atol=1e-5, rtol=1e-3)
     torch.testing.assert_close(torch.from_numpy(ds).double(), rds, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(torch.from_numpy(db).double(), rdb, atol=1e-3, rtol=1e-5)
+
+
+# (shape, groups): uneven chunks, one long row, a 1-element group, C groups
+@pytest.mark.parametrize(
+    "shape,groups",
+    [((4, 6, 1000), 2), ((3, 6, 7, 9), 3), ((3, 8, 33, 35), 2), ((1, 2, 100_003), 1), ((2, 4, 1), 4), ((2, 6, 5), 6)],
+    ids=str,
+)
+@pytest.mark.parametrize("silu", [0, 1])
+def test_group_norm_kernels_match_pytorch(shape, groups, silu):
+    """group_norm and its backward (in ORT sessions) against PyTorch's GroupNorm (+ SiLU) in float64:
+    the output and the gradients of x, gamma and beta, on inputs with a large mean and variance."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 40 + 300
+    c = shape[1]
+    gamma, beta = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    dy = torch.randn(shape, generator=g)
+    dims = [f"d{i}" for i in range(len(shape))]
+    scalars = [
+        ("eps", np.array(1e-5, dtype=np.float32)),
+        ("groups", np.array(groups, dtype=np.int64)),
+        ("silu", np.array(silu, dtype=np.int64)),
+    ]
+    fwd = aten_session(
+        "group_norm", [("x", F32, dims), ("g", F32, [c]), ("b", F32, [c])], [("y", F32, dims)], consts=scalars
+    )
+    (y,) = fwd.run(None, {"x": x.numpy(), "g": gamma.numpy(), "b": beta.numpy()})
+    xd, gd, bd = (t.double().requires_grad_() for t in (x, gamma, beta))
+    ref = nn.functional.group_norm(xd, groups, gd, bd, 1e-5)
+    if silu:
+        ref = nn.functional.silu(ref)
+    torch.testing.assert_close(torch.from_numpy(y).double(), ref.detach(), atol=1e-4, rtol=1e-4)
+    ref.backward(dy.double())
+    bwd = aten_session(
+        "group_norm_backward",
+        [("dy", F32, dims), ("x", F32, dims), ("g", F32, [c]), ("b", F32, [c])],
+        [("dx", F32, dims), ("dg", F32, [c]), ("db", F32, [c])],
+        consts=scalars,
+    )
+    dx, dg, db = bwd.run(None, {"dy": dy.numpy(), "x": x.numpy(), "g": gamma.numpy(), "b": beta.numpy()})
+    torch.testing.assert_close(torch.from_numpy(dx).double(), xd.grad, atol=1e-5, rtol=1e-3)
+    torch.testing.assert_close(torch.from_numpy(dg).double(), gd.grad, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(db).double(), bd.grad, atol=1e-3, rtol=1e-5)
+
+
+def test_group_norm_kernel_refuses_bad_arguments():
+    """A group count that does not divide the channels, or a gamma of the wrong size: a clear error."""
+    scalars = [("eps", np.array(1e-5, dtype=np.float32)), ("groups", np.array(4, dtype=np.int64))]
+    fwd = aten_session(
+        "group_norm",
+        [("x", F32, [2, 6, 5]), ("g", F32, ["c"]), ("b", F32, ["c"])],
+        [("y", F32, [2, 6, 5])],
+        consts=[*scalars, ("silu", np.array(0, dtype=np.int64))],
+    )
+    x = np.ones((2, 6, 5), dtype=np.float32)
+    with pytest.raises(RuntimeError, match="group_norm: groups=4 must divide x's 6 channels"):
+        run_raising(fwd, {"x": x, "g": np.ones(6, np.float32), "b": np.ones(6, np.float32)})
+    fwd = aten_session(
+        "group_norm",
+        [("x", F32, [2, 6, 5]), ("g", F32, ["c"]), ("b", F32, ["c"])],
+        [("y", F32, [2, 6, 5])],
+        consts=[
+            ("eps", np.array(1e-5, dtype=np.float32)),
+            ("groups", np.array(3, dtype=np.int64)),
+            ("silu", np.array(0, dtype=np.int64)),
+        ],
+    )
+    with pytest.raises(RuntimeError, match="gamma and beta must have the 6 elements"):
+        run_raising(fwd, {"x": x, "g": np.ones(5, np.float32), "b": np.ones(5, np.float32)})
 
 
 def test_pass_instance_norm_conditions():

@@ -271,6 +271,7 @@ def test_pass_layer_norm_and_embedding_conditions():
         "hardsigmoid": 0,
         "clamp": 0,
         "layer_norm": 1,
+        "group_norm": 0,
         "instance_norm": 0,
         "embedding": 1,
         "cross_entropy": 0,

@@ -1145,6 +1145,215 @@ static int op_instance_norm_backward(Call* c, size_t n_in, DLManagedTensor** in,
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ group norm */
+/* group_norm: nn.GroupNorm with its affine, and the SiLU after it (silu = 1), in one kernel each way: what both
+ * exporters write as Reshape [N, G, -1], InstanceNormalization (scale ones, bias zeros), Reshape back, Mul gamma,
+ * Add beta (then Sigmoid, Mul): ~25 small nodes forward and backward per norm (the UNets' blocks). Row r = (n, g)
+ * holds the C / G channels of group g, contiguous in x [N, C, *], normalized over their m = C / G * prod(shape[2:])
+ * elements; z = (x - mean) * rstd * gamma[c] + beta[c]; y = z, or z * sigmoid(z). The backward computes the row
+ * statistics again (row_rstd: the forward's bit for bit) and z with them. */
+typedef struct {
+  const float *x, *gamma, *beta, *dy;
+  float *y, *dx;
+  float* sums; /* backward: per (n, c), sum(dz) then sum(dz * xh) (2 * N * C floats) */
+  int64_t rows, groups, cpg, hw; /* rows N * G; cpg = C / G channels a group; hw = prod(shape[2:]) */
+  float eps;
+  int silu;
+} GroupNorm;
+
+/* 1 / (1 + exp(-z)) without overflow, branch-free (vectorizes). */
+static inline float sigmoid_f32(float z) {
+  const float e = exp_nonpos(-fabsf(z));
+  const float s = 1.0f / (1.0f + e);
+  return z >= 0.0f ? s : e * s;
+}
+
+static void group_norm_part(void* p, int part, int parts) {
+  GroupNorm* L = (GroupNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t hw = L->hw, cpg = L->cpg, m = cpg * hw;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    float* restrict y = L->y + r * m;
+    float mean;
+    const float rstd = row_rstd(x, m, L->eps, &mean);
+    const int64_t c0 = (r % L->groups) * cpg;
+    for (int64_t j = 0; j < cpg; ++j) {
+      const float a = rstd * L->gamma[c0 + j], shift = L->beta[c0 + j];
+      const float* restrict xc = x + j * hw;
+      float* restrict yc = y + j * hw;
+      if (L->silu) {
+        for (int64_t i = 0; i < hw; ++i) {
+          const float z = (xc[i] - mean) * a + shift;
+          yc[i] = z * sigmoid_f32(z);
+        }
+      } else {
+        for (int64_t i = 0; i < hw; ++i) yc[i] = (xc[i] - mean) * a + shift;
+      }
+    }
+  }
+}
+
+static void group_norm_backward_part(void* p, int part, int parts) {
+  GroupNorm* L = (GroupNorm*)p;
+  int64_t b, end;
+  split(L->rows, part, parts, &b, &end);
+  const int64_t hw = L->hw, cpg = L->cpg, m = cpg * hw;
+  const float inv_m = 1.0f / (float)m;
+  for (int64_t r = b; r < end; ++r) {
+    const float* restrict x = L->x + r * m;
+    const float* restrict dy = L->dy + r * m;
+    float* restrict dx = L->dx + r * m;
+    float mean;
+    const float rstd = row_rstd(x, m, L->eps, &mean);
+    const int64_t c0 = (r % L->groups) * cpg;
+    float* sums = L->sums + 2 * r * cpg; /* channel n * C + c0 + j is r * cpg + j */
+    float sum_dxh = 0.0f, sum_dxh_xh = 0.0f; /* over the row: dxh = dz * gamma */
+    for (int64_t j = 0; j < cpg; ++j) {
+      const float g = L->gamma[c0 + j];
+      const float* restrict xc = x + j * hw;
+      const float* restrict dz = dy + j * hw;
+      if (L->silu) { /* dz = dy * s * (1 + z * (1 - s)), kept in dx for the second pass */
+        float* restrict t = dx + j * hw;
+        const float a = rstd * g, shift = L->beta[c0 + j];
+        for (int64_t i = 0; i < hw; ++i) {
+          const float z = (xc[i] - mean) * a + shift;
+          const float s = sigmoid_f32(z);
+          t[i] = dz[i] * s * (1.0f + z * (1.0f - s));
+        }
+        dz = t;
+      }
+      float s1[LANES] = {0}, s2[LANES] = {0};
+      int64_t i = 0;
+      for (; i + LANES <= hw; i += LANES)
+        for (int q = 0; q < LANES; ++q) {
+          s1[q] += dz[i + q];
+          s2[q] += dz[i + q] * (xc[i + q] - mean);
+        }
+      float sd = 0.0f, sdx = 0.0f;
+      for (; i < hw; ++i) {
+        sd += dz[i];
+        sdx += dz[i] * (xc[i] - mean);
+      }
+      for (int q = 0; q < LANES; ++q) {
+        sd += s1[q];
+        sdx += s2[q];
+      }
+      sdx *= rstd; /* sum(dz * xh) */
+      sums[2 * j] = sd;
+      sums[2 * j + 1] = sdx;
+      sum_dxh += g * sd;
+      sum_dxh_xh += g * sdx;
+    }
+    /* dx = rstd * (dxh - mean(dxh) - xh * mean(dxh * xh)) = (dz * gamma - mean(dxh)) * rstd + (x - mean) * k
+     * (the difference first: a group of one element gets dx = 0 exactly) */
+    const float mdxh = sum_dxh * inv_m, k = -rstd * rstd * sum_dxh_xh * inv_m;
+    for (int64_t j = 0; j < cpg; ++j) {
+      const float g = L->gamma[c0 + j];
+      const float* restrict xc = x + j * hw;
+      const float* dz = L->silu ? dx + j * hw : dy + j * hw;
+      float* dxc = dx + j * hw; /* (in place over dz on the SiLU path: elementwise) */
+      for (int64_t i = 0; i < hw; ++i) dxc[i] = (dz[i] * g - mdxh) * rstd + (xc[i] - mean) * k;
+    }
+  }
+}
+
+/* The geometry of a group_norm call: x [N, C, *] with C divisible by groups, gamma (and beta) of C elements. */
+static int gn_geometry(Call* c, const DLTensor* x, const DLTensor* gamma, int64_t groups, int64_t silu, GroupNorm* L) {
+  if (x->ndim < 2) return fail(c, "x must have rank 2 or more, not %d", x->ndim);
+  const int64_t channels = x->shape[1];
+  if (groups < 1 || channels % groups != 0)
+    return fail(c, "groups=%lld must divide x's %lld channels", (long long)groups, (long long)channels);
+  if (numel(gamma) != channels) return fail(c, "gamma and beta must have the %lld elements of x's dimension 1", (long long)channels);
+  if (silu != 0 && silu != 1) return fail(c, "silu must be 0 or 1, not %lld", (long long)silu);
+  L->hw = 1;
+  for (int i = 2; i < x->ndim; ++i) L->hw *= x->shape[i];
+  L->groups = groups;
+  L->cpg = channels / groups;
+  L->rows = x->shape[0] * groups;
+  L->silu = (int)silu;
+  return 0;
+}
+
+/* group_norm(x [N, C, *], gamma [C], beta [C], eps, groups, silu) -> y */
+static int op_group_norm(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  FLOAT_IN(1, "gamma", g);
+  FLOAT_IN(2, "beta", b);
+  float eps = 0.0f;
+  int64_t groups = 0, silu = 0;
+  if (scalar_f32(c, n_in, in, 3, "eps", &eps) || scalar_i64(c, n_in, in, 4, "groups", &groups) ||
+      scalar_i64(c, n_in, in, 5, "silu", &silu))
+    return -1;
+  GroupNorm L = {0};
+  if (gn_geometry(c, x, g, groups, silu, &L)) return -1;
+  if (numel(b) != numel(g)) return fail(c, "gamma and beta must have the same number of elements");
+  DLManagedTensor* y = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  L.x = data_of(x);
+  L.gamma = data_of(g);
+  L.beta = data_of(b);
+  L.y = y->dl_tensor.data;
+  L.eps = eps;
+  const int64_t m = L.cpg * L.hw;
+  if (L.rows > 0 && m > 0) parallel(group_norm_part, &L, chunks_for(L.rows * m, L.rows));
+  out[0] = y;
+  return 0;
+}
+
+/* group_norm_backward(dy, x, gamma, beta, eps, groups, silu) -> dx, dgamma, dbeta */
+static int op_group_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  FLOAT_IN(2, "gamma", g);
+  FLOAT_IN(3, "beta", b);
+  float eps = 0.0f;
+  int64_t groups = 0, silu = 0;
+  if (scalar_f32(c, n_in, in, 4, "eps", &eps) || scalar_i64(c, n_in, in, 5, "groups", &groups) ||
+      scalar_i64(c, n_in, in, 6, "silu", &silu))
+    return -1;
+  GroupNorm L = {0};
+  if (gn_geometry(c, x, g, groups, silu, &L)) return -1;
+  if (numel(b) != numel(g)) return fail(c, "gamma and beta must have the same number of elements");
+  if (!same_shape(dy, x)) return fail(c, "dy and x have different shapes");
+  const int64_t channels = x->shape[1], n = x->shape[0];
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  DLManagedTensor* dg = new_tensor(g->ndim, g->shape, kDLFloat, 32);
+  DLManagedTensor* db = new_tensor(g->ndim, g->shape, kDLFloat, 32);
+  float* sums = (float*)malloc(sizeof(float) * 2 * (size_t)(n * channels > 0 ? n * channels : 1));
+  if (dx == NULL || dg == NULL || db == NULL || sums == NULL) {
+    owned_deleter(dx);
+    owned_deleter(dg);
+    owned_deleter(db);
+    free(sums);
+    return fail(c, "out of memory");
+  }
+  L.x = data_of(x);
+  L.gamma = data_of(g);
+  L.beta = data_of(b);
+  L.dy = data_of(dy);
+  L.dx = dx->dl_tensor.data;
+  L.sums = sums;
+  L.eps = eps;
+  const int64_t m = L.cpg * L.hw;
+  if (L.rows > 0 && m > 0) parallel(group_norm_backward_part, &L, chunks_for(L.rows * m, L.rows));
+  /* dgamma[c] = sum over n of sum(dz * xh), dbeta[c] = sum over n of sum(dz), in batch order */
+  float* dgp = dg->dl_tensor.data;
+  float* dbp = db->dl_tensor.data;
+  for (int64_t ch = 0; ch < channels; ++ch) dgp[ch] = dbp[ch] = 0.0f;
+  if (m > 0)
+    for (int64_t q = 0; q < n * channels; ++q) {
+      dbp[q % channels] += sums[2 * q];
+      dgp[q % channels] += sums[2 * q + 1];
+    }
+  free(sums);
+  out[0] = dx;
+  out[1] = dg;
+  out[2] = db;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ embedding */
 typedef struct {
   const float* table;
@@ -2227,6 +2436,8 @@ static const struct {
     {"layer_norm_backward", op_layer_norm_backward, "fffffI>fff"},
     {"layer_norm_bf16", op_layer_norm_bf16, "fff?FI>hff"},
     {"layer_norm_bf16_backward", op_layer_norm_bf16_backward, "hffffI>fff"},
+    {"group_norm", op_group_norm, "fffFII>f"},
+    {"group_norm_backward", op_group_norm_backward, "ffffFII>fff"},
     {"instance_norm", op_instance_norm, "fffF>f"},
     {"instance_norm_backward", op_instance_norm_backward, "fffF>fff"},
     {"embedding", op_embedding, "fi>f"},

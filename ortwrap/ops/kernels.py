@@ -99,6 +99,23 @@ KERNELS: tuple[Kernel, ...] = (
         variant_of="layer_norm",
     ),
     Kernel("layer_norm_bf16_backward", "hffffI>fff", "layer_norm_backward with dy in bfloat16"),
+    # nn.GroupNorm with its affine (and a SiLU after it): both exporters' Reshape, InstanceNormalization,
+    # Reshape, Mul, Add (Sigmoid, Mul) as one node each way (a rewrite rule: passes/native_cpu_kernels.py).
+    Kernel(
+        "group_norm",
+        "fffFII>f",
+        "x [N, C, *], gamma [C], beta [C], eps, groups, silu -> z = GroupNorm(x) * gamma + beta; z * sigmoid(z) if silu",
+        # the backward computes the statistics (and z) again, as instance_norm's
+        gradient(
+            "group_norm_backward",
+            ["GO(0)", "I(0)", "I(1)", "I(2)", "I(3)", "I(4)", "I(5)"],
+            ["GI(0)", "GI(1)", "GI(2)"],
+            stop=[3, 4, 5],
+        ),
+        replaces=("InstanceNormalization",),
+        rewrite="_group_norm",
+    ),
+    Kernel("group_norm_backward", "ffffFII>fff", "dy, x, gamma, beta, eps, groups, silu -> dx, dgamma, dbeta"),
     # nn.GroupNorm and nn.InstanceNorm*d (both exporters write InstanceNormalization): one node each way
     # instead of the decomposition's ~60 (passes/instance_norm.py), which stays for what this does not cover.
     Kernel(

@@ -52,7 +52,7 @@ from onnxscript.rewriter import pattern
 from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
 from ..ops import KERNELS, OPS_NAMESPACE, kernel
 from ._build import NodeBuilder, constant_value
-from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus
+from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus, forget_matches
 from .gather_to_gathernd import parameter_lookup
 
 _ONNX = ("", "ai.onnx")
@@ -141,9 +141,118 @@ def _gelu_tanh_rules() -> pattern.RewriteRuleSet:
     )
 
 
-#: ``Kernel.rewrite`` -> the rules that write that kernel (built on first use: the 960 commuted
-#: tanh patterns take about half a second).
-_RULES = {"_gelu": _gelu_rules, "_gelu_tanh": _gelu_tanh_rules}
+class _GroupNormKernel(pattern.RewriteRuleClassBase):
+    """Both exporters' ``nn.GroupNorm`` with its affine -- ``Reshape(x, [0, G, -1])``,
+    ``InstanceNormalization`` with scale ones and bias zeros, ``Reshape`` back to ``Shape(x)``, ``Mul``
+    by the unsqueezed gamma, ``Add`` of the unsqueezed beta -- and with ``silu`` the ``Mul(z,
+    Sigmoid(z))`` after it -> ``group_norm(x, gamma, beta, eps, groups, silu)``."""
+
+    def __init__(self, silu: bool) -> None:
+        super().__init__(f"GroupNormKernel{'Silu' if silu else ''}")
+        self.silu = silu
+
+    def pattern(self, op, x, shape, ones, zeros, gamma, axes_g, beta, axes_b):
+        grouped = op.Reshape(x, shape)
+        normed = op.InstanceNormalization(grouped, ones, zeros, _outputs=["normed"])
+        z = op.Add(op.Mul(op.Reshape(normed, op.Shape(x)), op.Unsqueeze(gamma, axes_g)), op.Unsqueeze(beta, axes_b))
+        return op.Mul(z, op.Sigmoid(z)) if self.silu else z
+
+    def check(self, context, x, shape, ones, zeros, gamma, axes_g, beta, axes_b, normed, **_) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        # Mul/Add/InstanceNormalization take one type T: x has gamma's when inference left it unknown.
+        if any((v.dtype or gamma.dtype) != ir.DataType.FLOAT for v in (x, gamma, beta)):
+            return result.fail("not float32", x)
+        dims = None if x.shape is None else list(x.shape)
+        if dims is None or len(dims) < 3 or not isinstance(dims[1], int):
+            return result.fail("x's rank or channels are unknown", x)
+        s = constant_value(shape)
+        if s is None or s.size != 3 or int(s.reshape(-1)[2]) != -1:
+            return result.fail("not a reshape to [N, G, -1]", shape)
+        batch, groups = (int(v) for v in s.reshape(-1)[:2])
+        if groups < 1 or dims[1] % groups or not (batch == 0 or batch == dims[0]):
+            return result.fail("not a reshape to [N, G, -1]", shape)
+        for v, want in ((ones, 1.0), (zeros, 0.0)):
+            c = constant_value(v)
+            if c is None or c.size != groups or not np.all(c == want):
+                return result.fail("the InstanceNormalization is not bare (scale ones, bias zeros)", v)
+        for v, axes in ((gamma, axes_g), (beta, axes_b)):
+            a = constant_value(axes)
+            if (
+                v.shape is None
+                or list(v.shape) != [dims[1]]
+                or a is None
+                or a.reshape(-1).tolist() != list(range(1, len(dims) - 1))
+            ):
+                return result.fail("the affine is not per channel", v)
+        return result
+
+    def rewrite(self, op, x, shape, gamma, beta, normed, **_):
+        eps = normed.producer().attributes.get("epsilon")
+        eps = eps.as_float() if eps is not None else 1e-5
+        groups = int(constant_value(shape).reshape(-1)[1])
+        scalars = (
+            np.array(eps, dtype=np.float32),
+            np.array(groups, dtype=np.int64),
+            np.array(int(self.silu), dtype=np.int64),
+        )
+        y = _aten(op, "group_norm", x, gamma, beta, *(op.Constant(value=ir.tensor(v)) for v in scalars))
+        y.shape = x.shape
+        return y
+
+
+@functools.cache
+def _group_norm_rules() -> tuple[pattern.RewriteRuleSet, pattern.RewriteRuleSet]:
+    """(the GroupNorm + SiLU rules, the GroupNorm rules), every operand order of the Mul/Add."""
+    return tuple(pattern.RewriteRuleSet([_GroupNormKernel.rule(silu)], commute=True) for silu in (True, False))
+
+
+def _apply_group_norms(model: ir.Model, cores: Any = None) -> int:
+    """:class:`_GroupNormKernel` at each ``InstanceNormalization`` (in the graph and its subgraphs)
+    whose output a ``Reshape``, ``Mul`` and ``Add`` follow: with the SiLU after it where one is,
+    else without. Returns the number of GroupNorms rewritten."""
+    with_silu, plain = _group_norm_rules()
+    count = 0
+    for core in list(ir.traversal.RecursiveGraphIterator(model.graph)):
+        graph = core.graph
+        if graph is None or core.op_type != "InstanceNormalization" or core.domain not in _ONNX:
+            continue
+        adds = [
+            add
+            for back, _ in core.outputs[0].uses()
+            for mul, _ in back.outputs[0].uses()
+            for add, _ in mul.outputs[0].uses()
+            if (back.op_type, mul.op_type, add.op_type) == ("Reshape", "Mul", "Add") and add.graph is graph
+        ]
+        silus = [
+            m
+            for add in adds
+            for sig, _ in add.outputs[0].uses()
+            for m, _ in sig.outputs[0].uses()
+            if sig.op_type == "Sigmoid" and m.op_type == "Mul"
+        ]
+        tries = [(rule, root) for root in silus for rule in with_silu.rules] + [
+            (rule, root) for root in adds for rule in plain.rules
+        ]
+        for rule, root in tries:
+            delta = rule.try_rewrite(model, graph, root)
+            if delta is not None:
+                ir.convenience.replace_nodes_and_values(
+                    graph, root, delta.match.nodes, delta.new_nodes, delta.match.outputs, delta.new_outputs
+                )
+                count += 1
+                break
+    for rules in (with_silu, plain):
+        forget_matches(rules)
+    return count
+
+
+#: ``Kernel.rewrite`` -> how the rules that write that kernel are applied: ``f(model, cores)`` -> how
+#: many it wrote (built on first use: the 960 commuted tanh patterns take about half a second).
+_RULES = {
+    "_gelu": lambda model, cores: apply_at_gelus(_gelu_rules(), model, cores),
+    "_gelu_tanh": lambda model, cores: apply_at_gelus(_gelu_tanh_rules(), model, cores),
+    "_group_norm": _apply_group_norms,
+}
 
 
 _OUTPUT_TYPES = {
@@ -196,9 +305,9 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         if self.ops is not None:
             present &= set(self.ops)
         for k in KERNELS:
-            rules = _RULES.get(k.rewrite)
-            if rules is not None and set(k.replaces) <= present:
-                self.rewritten[k.name] += apply_at_gelus(rules(), model, k.replaces)
+            apply = _RULES.get(k.rewrite)
+            if apply is not None and set(k.replaces) <= present:
+                self.rewritten[k.name] += apply(model, k.replaces)
         for node in list(graph):
             if node.graph is None or (node.domain not in _ONNX and node.op_type != "ATen"):
                 continue  # removed by an earlier rewrite
@@ -214,6 +323,7 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
     # The GELUs: rewrite rules (:data:`_RULES`), applied first.
     _gelu = staticmethod(_gelu_rules)
     _gelu_tanh = staticmethod(_gelu_tanh_rules)
+    _group_norm = staticmethod(_group_norm_rules)
 
     def _hard_activation(self, graph: ir.Graph, node: ir.Node) -> None:
         """``ortwrap_ops::hardswish(x)`` -> ``hardswish(x)``; ``ortwrap_ops::hard_sigmoid(x, 1/6, 1/2)``
