@@ -113,7 +113,7 @@ def env(out=sys.stdout) -> None:
         o = Options.resolve()
         w(
             f"threads: ORT intra-op {o.intra_op_threads or torch.get_num_threads()} "
-            f"({'intra_op_threads' if o.intra_op_threads else 'torch.get_num_threads()'}), ORT spinning "
+            f"({'intra_op_threads' if o.intra_op_threads else 'torch.get_num_threads(); 1 for a CPU training graph of small kernels'}), ORT spinning "
             f"{'on' if o.allow_spinning else 'off'}; PyTorch's OpenMP: OMP_WAIT_POLICY="
             f"{os.environ.get('OMP_WAIT_POLICY', 'unset')} (docs/performance.md, Threads)\n"
         )

@@ -76,7 +76,8 @@ class Options:
     intra_op_threads: int = _opt(
         0,
         "ORTWRAP_INTRA_OP_THREADS",
-        "ONNX Runtime intra-op threads; 0 means torch.get_num_threads() at session creation.",
+        "ONNX Runtime intra-op threads; 0 means torch.get_num_threads() at session creation, or 1 for a CPU "
+        "training graph of small kernels, where ORT's pool costs more than it saves (gemm_choice.decide_pool).",
     )
     inline_functions: tuple[str, ...] = _opt(
         (),

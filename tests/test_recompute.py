@@ -350,3 +350,18 @@ def test_recompute_pooled_normalization_torchscript(chain, mode):
         lambda b, g: ((torch.randn(b, 3, 6, 6, generator=g),), {}),
         wrap_options={"recompute": mode, "build_cache": False},
     )
+
+
+@pytest.mark.skipif(ON_ENGINE, reason="the training engine's built graph")
+def test_cheap_recompute_keeps_windowed_pooling():
+    """``"cheap"`` treats windowed pooling as heavy: no MaxPool copy in the UNet's backward (ORT's
+    MaxPool with indices costs as much again, to free an output a quarter of its input; before, the
+    second max-pool's output was recomputed, with the norm and SiLU before it, from the block's
+    stashed input); parity with eager."""
+    from model_zoo import UNet, unet_inputs
+
+    wrapped = check_parity(UNet, unet_inputs, batch_sizes=(2, 3), wrap_options={"build_cache": False})
+    model = wrapped.last_artifacts.graph.model()
+    copies = [n for n in model.graph.node if n.name.endswith(SUFFIX)]
+    assert not [n.name for n in copies if n.op_type in ("MaxPool", "AveragePool")]
+    assert sum(n.op_type == "MaxPool" for n in model.graph.node) == 2

@@ -10,12 +10,17 @@ whose gradient definition pairs it with its backward kernel:
   approximate="tanh")`` from either exporter, transformers' ``gelu_new`` with ``Pow``), the 0.5
   anywhere -> ``gelu_tanh(x)``.
 
-The two GELUs are onnxscript rewrite rules: ``passes/fusions.py``'s patterns (every operand order),
+The two GELUs are onnxscript rewrite rules (the GroupNorm below is one too): ``passes/fusions.py``'s patterns (every operand order),
 with this pass's check (float32; the constants as written, or rounded to half precision) and
 replacement (the kernel's ATen node). The other rewrites start at one node each.
 * ``LayerNormalization(X, Scale, B)`` with all three outputs (``RestoreOptionalOutputsPass`` adds
   them), a bias and ``stash_type=1`` -> ``layer_norm(X, Scale, B, epsilon, axis)``: the same three
   outputs, mean and inverse standard deviation in the same shapes.
+* Both exporters' affine ``nn.GroupNorm`` (``Reshape`` to ``[0, G, -1]``, ``InstanceNormalization``
+  with scale ones and bias zeros, ``Reshape`` back, ``Mul`` gamma, ``Add`` beta), and the SiLU's
+  ``Mul(z, Sigmoid(z))`` after it where nothing else reads ``z`` -> ``group_norm(x, gamma, beta,
+  epsilon, groups, silu)``: an onnxscript rewrite rule (:class:`_GroupNormKernel`) tried at each
+  ``InstanceNormalization`` first, then the next rewrite takes what it leaves.
 * ``InstanceNormalization(x, scale, bias)`` in float32 (both exporters' ``nn.GroupNorm`` and
   ``nn.InstanceNorm*d``) -> ``instance_norm(x, scale, bias, epsilon)``: one node each way instead
   of ``DecomposeInstanceNormPass``'s ~60 (the pipeline runs this rewrite alone before that pass).
