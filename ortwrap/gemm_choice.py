@@ -858,6 +858,9 @@ class _Graph:
         env = input_dims(self.model, self.input_names, self.leaves)
         values = [*self.model.graph.inputs, *(v for node in self.model.graph for v in node.outputs)]
         sizes = [_dims(v, env, self._concrete or {}) for v in values]
+        known = max((math.prod(d) for d in sizes if d and None not in d), default=0)
+        if known >= POOL_BIG_ELEMENTS:  # (all the thread choice asks; no shape inference for the rest)
+            return known
         if self._concrete is None and any(d is None or None in d for d in sizes):
             self._concrete = concrete_shapes(self.exported, self.input_names, self.leaves)
             sizes = [_dims(v, env, self._concrete) for v in values]
@@ -912,7 +915,7 @@ def choose(
     routes = {"torch_gemm": bool(torch_gemm), "native_bf16": bool(native)}
     routes["torch_gemm" if option == "gemm" else "native_bf16"] = chosen
     try:
-        largest = graph.largest_elements()
+        largest = graph.largest_elements() if with_backward else 0  # (read for training graphs only)
     except Exception as e:  # NOTE: only the thread choice reads it: unknown keeps ORT's pool
         logger.debug("the graph's largest value could not be sized (%s: %s)", type(e).__name__, e)
         largest = POOL_BIG_ELEMENTS
