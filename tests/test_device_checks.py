@@ -35,7 +35,7 @@ def test_a_requested_provider_that_did_not_load_is_refused(monkeypatch):
     model_bytes = model.SerializeToString()
     cpu = session.providers_for(torch.device("cpu"))
     sess, _ = session._create_session(
-        types.SimpleNamespace(model_bytes=model_bytes, has_backward=False), torch.device("cpu"), Options()
+        types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0), torch.device("cpu"), Options()
     )
     assert sess.get_providers() == ["CPUExecutionProvider"]
     # A provider list naming one this onnxruntime cannot load (the CPU wheel has no CUDA provider).
@@ -44,7 +44,7 @@ def test_a_requested_provider_that_did_not_load_is_refused(monkeypatch):
     )
     with pytest.raises(SessionError, match="without CUDAExecutionProvider"):
         session._create_session(
-            types.SimpleNamespace(model_bytes=model_bytes, has_backward=False), torch.device("cpu"), Options()
+            types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0), torch.device("cpu"), Options()
         )
 
 
@@ -58,7 +58,7 @@ def test_cuda_session_has_the_cuda_provider():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     sess, _ = session._create_session(
-        types.SimpleNamespace(model_bytes=model.SerializeToString(), has_backward=False),
+        types.SimpleNamespace(model_bytes=model.SerializeToString(), has_backward=False, ort_threads=0),
         torch.device("cuda"),
         Options(),
     )
