@@ -35,7 +35,9 @@ def test_a_requested_provider_that_did_not_load_is_refused(monkeypatch):
     model_bytes = model.SerializeToString()
     cpu = session.providers_for(torch.device("cpu"))
     sess, _ = session._create_session(
-        types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0), torch.device("cpu"), Options()
+        types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0),
+        torch.device("cpu"),
+        Options(),
     )
     assert sess.get_providers() == ["CPUExecutionProvider"]
     # A provider list naming one this onnxruntime cannot load (the CPU wheel has no CUDA provider).
@@ -44,7 +46,9 @@ def test_a_requested_provider_that_did_not_load_is_refused(monkeypatch):
     )
     with pytest.raises(SessionError, match="without CUDAExecutionProvider"):
         session._create_session(
-            types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0), torch.device("cpu"), Options()
+            types.SimpleNamespace(model_bytes=model_bytes, has_backward=False, ort_threads=0),
+            torch.device("cpu"),
+            Options(),
         )
 
 
