@@ -639,6 +639,30 @@ static inline float row_rstd(const float* restrict v, int64_t m, float eps, floa
   return 1.0f / sqrtf(var + eps);
 }
 
+/* sum(dy) and sum(dy * (x - mean)) over v[0..m): the two sums every norm backward takes of a row (lane-split,
+ * then the tail, then the lanes: one order, so the norm kernels that share it add alike). */
+static inline void row_dy_sums(const float* restrict dy, const float* restrict x, int64_t m, float mean, float* sum_dy,
+                               float* sum_dyxc) {
+  float s1[LANES] = {0}, s2[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= m; i += LANES)
+    for (int j = 0; j < LANES; ++j) {
+      s1[j] += dy[i + j];
+      s2[j] += dy[i + j] * (x[i + j] - mean);
+    }
+  float a = 0.0f, b = 0.0f;
+  for (; i < m; ++i) {
+    a += dy[i];
+    b += dy[i] * (x[i] - mean);
+  }
+  for (int j = 0; j < LANES; ++j) {
+    a += s1[j];
+    b += s2[j];
+  }
+  *sum_dy = a;
+  *sum_dyxc = b;
+}
+
 static inline float row_max(const float* restrict v, int64_t m) {
   float mx = v[0];
   int64_t i = 0;
@@ -1031,22 +1055,8 @@ static void instance_norm_backward_part(void* p, int part, int parts) {
      * for which recompute="cheap" ran the whole forward kernel again in the backward */
     float mean;
     const float rstd = row_rstd(x, m, L->eps, &mean);
-    float s1[LANES] = {0}, s2[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= m; i += LANES)
-      for (int j = 0; j < LANES; ++j) {
-        s1[j] += dy[i + j];
-        s2[j] += dy[i + j] * (x[i + j] - mean);
-      }
-    float sum_dy = 0.0f, sum_dyxc = 0.0f;
-    for (; i < m; ++i) {
-      sum_dy += dy[i];
-      sum_dyxc += dy[i] * (x[i] - mean);
-    }
-    for (int j = 0; j < LANES; ++j) {
-      sum_dy += s1[j];
-      sum_dyxc += s2[j];
-    }
+    float sum_dy, sum_dyxc;
+    row_dy_sums(dy, x, m, mean, &sum_dy, &sum_dyxc);
     const float sum_dyxh = sum_dyxc * rstd;
     L->row_sums[2 * r] = sum_dy;
     L->row_sums[2 * r + 1] = sum_dyxh;
@@ -1224,22 +1234,8 @@ static void group_norm_backward_part(void* p, int part, int parts) {
         }
         dz = t;
       }
-      float s1[LANES] = {0}, s2[LANES] = {0};
-      int64_t i = 0;
-      for (; i + LANES <= hw; i += LANES)
-        for (int q = 0; q < LANES; ++q) {
-          s1[q] += dz[i + q];
-          s2[q] += dz[i + q] * (xc[i + q] - mean);
-        }
-      float sd = 0.0f, sdx = 0.0f;
-      for (; i < hw; ++i) {
-        sd += dz[i];
-        sdx += dz[i] * (xc[i] - mean);
-      }
-      for (int q = 0; q < LANES; ++q) {
-        sd += s1[q];
-        sdx += s2[q];
-      }
+      float sd, sdx;
+      row_dy_sums(dz, xc, hw, mean, &sd, &sdx);
       sdx *= rstd; /* sum(dz * xh) */
       sums[2 * j] = sd;
       sums[2 * j + 1] = sdx;
