@@ -263,6 +263,7 @@ print("RESULT " + json.dumps(dict(cached=w.last_artifacts.cached, exports=w.expo
 """
 
 
+@pytest.mark.slow  # ~11 s of two processes; test_a_new_process_loads_the_cache... covers a second process by default
 def test_a_second_process_loads_an_hf_model_exported_by_dynamo(cache_dir):
     """HF GPT-2 returns a ``DynamicCache`` ORTWrap cannot take apart; the dynamo capture leaves fake
     tensors in it, which do not pickle. It used to keep the whole build out of the cache (every

@@ -627,6 +627,7 @@ class TwoLayerLSTM(nn.Module):
         return self.lstm(x)[0]
 
 
+@pytest.mark.slow  # ~19 s; the engine's LSTM parity by default: tests/test_rnn.py in the engine venv
 def test_lstm_traced_without_mkldnn():
     check_parity(TwoLayerLSTM, lambda b, g: ((torch.randn(b, 3 + b, 4, generator=g),), {}), wrap_options=ORT,
                  optimizer=adamw, atol=1e-4)  # fmt: skip

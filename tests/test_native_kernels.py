@@ -273,6 +273,7 @@ def test_pass_layer_norm_and_embedding_conditions():
         "layer_norm": 1,
         "group_norm": 0,
         "instance_norm": 0,
+        "max_pool": 0,
         "embedding": 1,
         "cross_entropy": 0,
         "softmax": 0,

@@ -1350,6 +1350,214 @@ static int op_group_norm_backward(Call* c, size_t n_in, DLManagedTensor** in, si
   return 0;
 }
 
+/* ------------------------------------------------------------------------------------------ max pool */
+/* max_pool: ONNX MaxPool over the spatial dimensions of x [N, C, H, W] or [N, C, W] (floor mode, any kernel,
+ * stride, padding and dilation) without its int64 indices output, which ORT's gradient adds and fills at ~9x the cost of
+ * the pooling. The backward finds each window's maximum again in x: PyTorch's choice (max_pool2d on CPU), the
+ * first of equal maxima in row-major order, the last NaN where there is one, the window's first element where all
+ * are -inf. Each (n, c) plane is one task in both directions. */
+typedef struct {
+  const float *x, *dy;
+  float *y, *dx;
+  int64_t planes, h, w, oh, ow;
+  int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+  atomic_int failed; /* a backward chunk could not allocate its row scratch */
+} MaxPool;
+
+/* The window of output (i, j) clipped to the plane: rows h0, h0 + dh, ... < h1, columns w0, w0 + dw, ... < w1. */
+static inline void window_of(const MaxPool* L, int64_t i, int64_t j, int64_t* h0, int64_t* h1, int64_t* w0,
+                             int64_t* w1) {
+  int64_t a = i * L->sh - L->ph, b = j * L->sw - L->pw;
+  int64_t ae = a + (L->kh - 1) * L->dh + 1, be = b + (L->kw - 1) * L->dw + 1;
+  if (a < 0) a += (-a + L->dh - 1) / L->dh * L->dh;
+  if (b < 0) b += (-b + L->dw - 1) / L->dw * L->dw;
+  *h0 = a;
+  *h1 = ae < L->h ? ae : L->h;
+  *w0 = b;
+  *w1 = be < L->w ? be : L->w;
+}
+
+/* Output row i of a plane: m[j] the maximum of window (i, j) (NaN where it holds one; -inf where it holds no
+ * element of x) and, with idx, arg[j] the offset in the plane of PyTorch's choice (above; -1: no element). The
+ * elements are visited in row-major order and taken with selects, not branches (which element wins is a coin
+ * toss per window on real activations): where a window is whole in W, across the row's windows at once, one
+ * window element at a time (vectorized); the windows clipped at the left and right edges one by one. */
+static void pool_row(const MaxPool* L, const float* restrict x, int64_t i, float* restrict m, int64_t* restrict arg) {
+  const int64_t W = L->w, sw = L->sw, pw = L->pw, span = (L->kw - 1) * L->dw + 1;
+  int64_t h0, h1, unused0, unused1;
+  window_of(L, i, 0, &h0, &h1, &unused0, &unused1);
+  /* whole in W: j * sw - pw >= 0 and j * sw - pw + span <= W */
+  int64_t jl = (pw + sw - 1) / sw, jh = W + pw - span >= 0 ? (W + pw - span) / sw + 1 : 0;
+  if (jh > L->ow) jh = L->ow;
+  if (jl > jh) jl = jh;
+  for (int64_t j = jl; j < jh; ++j) {
+    m[j] = -INFINITY;
+    if (arg) arg[j] = h0 < h1 ? h0 * W + j * sw - pw : -1;
+  }
+  for (int64_t r = h0; r < h1; r += L->dh)
+    for (int64_t t = 0; t < L->kw; ++t) {
+      const int64_t off = r * W + t * L->dw - pw;
+      const float* restrict xr = x + off;
+      if (arg)
+        for (int64_t j = jl; j < jh; ++j) {
+          const float v = xr[j * sw];
+          const int takes = (v > m[j]) | (v != v);
+          m[j] = takes ? v : m[j];
+          arg[j] = takes ? off + j * sw : arg[j];
+        }
+      else
+        for (int64_t j = jl; j < jh; ++j) {
+          const float v = xr[j * sw];
+          m[j] = ((v > m[j]) | (v != v)) ? v : m[j];
+        }
+    }
+  for (int64_t j = 0; j < L->ow; ++j) {
+    if (j == jl) j = jh; /* the whole windows are done */
+    if (j >= L->ow) break;
+    int64_t r0, r1, w0, w1;
+    window_of(L, i, j, &r0, &r1, &w0, &w1);
+    float best_v = -INFINITY;
+    int64_t best = r0 < r1 && w0 < w1 ? r0 * W + w0 : -1;
+    for (int64_t r = r0; r < r1; r += L->dh)
+      for (int64_t q = w0; q < w1; q += L->dw) {
+        const float v = x[r * W + q];
+        const int takes = (v > best_v) | (v != v);
+        best_v = takes ? v : best_v;
+        best = takes ? r * W + q : best;
+      }
+    m[j] = best_v;
+    if (arg) arg[j] = best;
+  }
+}
+
+static void max_pool_part(void* p, int part, int parts) {
+  MaxPool* L = (MaxPool*)p;
+  int64_t b, end;
+  split(L->planes, part, parts, &b, &end);
+  const int64_t in_plane = L->h * L->w, out_plane = L->oh * L->ow;
+  const int dense = L->kh == 2 && L->kw == 2 && L->sh == 2 && L->sw == 2 && L->ph == 0 && L->pw == 0 && L->dh == 1 &&
+                    L->dw == 1;
+  for (int64_t pl = b; pl < end; ++pl) {
+    const float* restrict x = L->x + pl * in_plane;
+    float* restrict y = L->y + pl * out_plane;
+    if (!dense) {
+      for (int64_t i = 0; i < L->oh; ++i) pool_row(L, x, i, y + i * L->ow, NULL);
+      continue;
+    }
+    for (int64_t i = 0; i < L->oh; ++i) { /* nn.MaxPool2d(2): the four elements in one pass over the row */
+      const float* restrict r0 = x + 2 * i * L->w;
+      const float* restrict r1 = r0 + L->w;
+      float* restrict yr = y + i * L->ow;
+      for (int64_t j = 0; j < L->ow; ++j) {
+        float a = r0[2 * j], v = r0[2 * j + 1];
+        a = ((v > a) | (v != v)) ? v : a;
+        v = r1[2 * j];
+        a = ((v > a) | (v != v)) ? v : a;
+        v = r1[2 * j + 1];
+        yr[j] = ((v > a) | (v != v)) ? v : a;
+      }
+    }
+  }
+}
+
+static void max_pool_backward_part(void* p, int part, int parts) {
+  MaxPool* L = (MaxPool*)p;
+  int64_t b, end;
+  split(L->planes, part, parts, &b, &end);
+  const int64_t in_plane = L->h * L->w, out_plane = L->oh * L->ow;
+  float* m = (float*)malloc(sizeof(float) * (size_t)L->ow);
+  int64_t* arg = (int64_t*)malloc(sizeof(int64_t) * (size_t)L->ow);
+  if (m == NULL || arg == NULL) { /* (a row's scratch: ow values) */
+    free(m);
+    free(arg);
+    L->failed = 1;
+    return;
+  }
+  for (int64_t pl = b; pl < end; ++pl) {
+    const float* restrict x = L->x + pl * in_plane;
+    const float* restrict dy = L->dy + pl * out_plane;
+    float* restrict dx = L->dx + pl * in_plane;
+    memset(dx, 0, sizeof(float) * (size_t)in_plane);
+    for (int64_t i = 0; i < L->oh; ++i) {
+      pool_row(L, x, i, m, arg);
+      /* in PyTorch's order: overlapping windows add their gradients output by output, row-major */
+      for (int64_t j = 0; j < L->ow; ++j)
+        if (arg[j] >= 0) dx[arg[j]] += dy[i * L->ow + j];
+    }
+  }
+  free(m);
+  free(arg);
+}
+
+/* The geometry of a max_pool call: x [N, C, H, W] and params [kh, kw, sh, sw, pad_top, pad_left, pad_bottom,
+ * pad_right, dh, dw] (ONNX MaxPool's kernel_shape, strides, pads and dilations; floor mode); a 1-D pool's x
+ * [N, C, W] is x [N, C, 1, W] with kh = sh = dh = 1 and no padding in H. */
+static int mp_geometry(Call* c, const DLTensor* x, const DLTensor* params, MaxPool* L) {
+  if (x->ndim != 4 && x->ndim != 3) return fail(c, "x must have rank 4 [N, C, H, W] or 3 [N, C, W], not %d", x->ndim);
+  if (numel(params) != 10)
+    return fail(c, "params must hold 10 values (kernel, strides, pads begin and end, dilations), not %lld",
+                (long long)numel(params));
+  const int64_t* q = data_of(params);
+  L->kh = q[0], L->kw = q[1], L->sh = q[2], L->sw = q[3], L->ph = q[4], L->pw = q[5], L->dh = q[8], L->dw = q[9];
+  const int64_t pb = q[6], pr = q[7];
+  if (L->kh < 1 || L->kw < 1 || L->sh < 1 || L->sw < 1 || L->dh < 1 || L->dw < 1 || L->ph < 0 || L->pw < 0 || pb < 0 ||
+      pr < 0)
+    return fail(c, "kernel, strides and dilations must be positive and pads not negative");
+  if (x->ndim == 3 && (L->kh != 1 || L->sh != 1 || L->dh != 1 || L->ph != 0 || pb != 0))
+    return fail(c, "a 1-D pool (x of rank 3) takes kernel, stride and dilation 1 and no padding in H");
+  L->planes = x->shape[0] * x->shape[1];
+  L->h = x->ndim == 4 ? x->shape[2] : 1;
+  L->w = x->shape[x->ndim - 1];
+  const int64_t span_h = L->h + L->ph + pb - L->dh * (L->kh - 1) - 1, span_w = L->w + L->pw + pr - L->dw * (L->kw - 1) - 1;
+  if (span_h < 0 || span_w < 0)
+    return fail(c, "the %lldx%lld window (with dilation) is larger than the padded %lldx%lld input",
+                (long long)L->kh, (long long)L->kw, (long long)L->h, (long long)L->w);
+  L->oh = span_h / L->sh + 1;
+  L->ow = span_w / L->sw + 1;
+  return 0;
+}
+
+/* max_pool(x [N, C, H, W] or [N, C, W], params) -> y [N, C, oh, ow] or [N, C, ow] */
+static int op_max_pool(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "x", x);
+  INT64_IN(1, "params", params);
+  MaxPool L = {0};
+  if (mp_geometry(c, x, params, &L)) return -1;
+  const int64_t shape[4] = {x->shape[0], x->shape[1], x->ndim == 4 ? L.oh : L.ow, L.ow};
+  DLManagedTensor* y = new_tensor(x->ndim, shape, kDLFloat, 32);
+  if (y == NULL) return fail(c, "out of memory");
+  L.x = data_of(x);
+  L.y = y->dl_tensor.data;
+  if (L.planes > 0) parallel(max_pool_part, &L, chunks_for(L.planes * L.h * L.w, L.planes));
+  out[0] = y;
+  return 0;
+}
+
+/* max_pool_backward(dy, x, params) -> dx */
+static int op_max_pool_backward(Call* c, size_t n_in, DLManagedTensor** in, size_t n_out, DLManagedTensor** out) {
+  FLOAT_IN(0, "dy", dy);
+  FLOAT_IN(1, "x", x);
+  INT64_IN(2, "params", params);
+  MaxPool L = {0};
+  if (mp_geometry(c, x, params, &L)) return -1;
+  if (dy->ndim != x->ndim || dy->shape[0] != x->shape[0] || dy->shape[1] != x->shape[1] ||
+      (x->ndim == 4 && dy->shape[2] != L.oh) || dy->shape[dy->ndim - 1] != L.ow)
+    return fail(c, "dy must have the pooled shape [%lld, %lld, %lld, %lld] (no third value for a 1-D pool)",
+                (long long)x->shape[0], (long long)x->shape[1], (long long)L.oh, (long long)L.ow);
+  DLManagedTensor* dx = new_tensor(x->ndim, x->shape, kDLFloat, 32);
+  if (dx == NULL) return fail(c, "out of memory");
+  L.x = data_of(x);
+  L.dy = data_of(dy);
+  L.dx = dx->dl_tensor.data;
+  if (L.planes > 0) parallel(max_pool_backward_part, &L, chunks_for(L.planes * L.h * L.w, L.planes));
+  if (L.failed) {
+    owned_deleter(dx);
+    return fail(c, "out of memory");
+  }
+  out[0] = dx;
+  return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ embedding */
 typedef struct {
   const float* table;
@@ -2435,6 +2643,8 @@ static const struct {
     {"group_norm", op_group_norm, "fffFII>f"},
     {"group_norm_backward", op_group_norm_backward, "ffffFII>fff"},
     {"instance_norm", op_instance_norm, "fffF>f"},
+    {"max_pool", op_max_pool, "fi>f"},
+    {"max_pool_backward", op_max_pool_backward, "ffi>f"},
     {"instance_norm_backward", op_instance_norm_backward, "fffF>fff"},
     {"embedding", op_embedding, "fi>f"},
     {"embedding_backward", op_embedding_backward, "fif>f"},

@@ -128,6 +128,20 @@ KERNELS: tuple[Kernel, ...] = (
         rewrite="_instance_norm",
     ),
     Kernel("instance_norm_backward", "fffF>fff", "dy, x, scale, eps -> dx, dscale, dbias"),
+    # ONNX MaxPool (1-D and 2-D, floor mode) without the int64 indices ORT's gradient adds to it (~9x the pooling's
+    # cost): the backward finds each window's maximum again in x, PyTorch's choice among equal ones.
+    Kernel(
+        "max_pool",
+        "fi>f",
+        "x [N, C, H, W] or [N, C, W], params [kh, kw, sh, sw, pad top, left, bottom, right, dh, dw] -> y (floor mode)",
+        gradient("max_pool_backward", ["GO(0)", "I(0)", "I(1)"], ["GI(0)"], stop=[1]),
+        replaces=("MaxPool",),
+        rewrite="_max_pool",
+        heavy=True,  # recompute="cheap" keeps windowed pooling (grad/recompute.py)
+    ),
+    Kernel(
+        "max_pool_backward", "ffi>f", "dy, x, params -> dx: each dy to its window's maximum (first of equals, last NaN)"
+    ),
     Kernel(
         "embedding",
         "fi>f",

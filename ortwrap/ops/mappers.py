@@ -254,6 +254,34 @@ def _avg_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | N
     return args if nd == 1 else [*args, None]
 
 
+def _max_pool(node: Any, value: Callable[[int], Any], b: Any = None, what: str = "a float64 MaxPool") -> list | None:
+    from ..errors import PassError
+
+    k = list(_attr(node, "kernel_shape", []))
+    nd = len(k)
+    if len(node.outputs) > 1 and node.outputs[1].uses():
+        raise PassError(f"node {node.name!r}: {what} whose indices are read cannot be trained")
+    pads = _symmetric_pads(node, nd, what, refused=("storage_order",))
+    return [
+        value(0),
+        k,
+        list(_attr(node, "strides", [1] * nd)),
+        pads,
+        list(_attr(node, "dilations", [1] * nd)),
+        bool(_attr(node, "ceil_mode", 0)),
+    ]
+
+
+def _max_pool_unsized(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
+    """A MaxPool that ortwrap's kernel left to ORT (ceil mode, indices read, 3-D, not float32) whose input has a
+    dimension after the batch that shape inference left unknown (a TorchScript-exported reshape to computed
+    sizes): ORT 1.19.2's MaxPoolGrad sizes its result from the inferred shape and would write past it."""
+    x = node.inputs[0] if node.inputs else None
+    if x is None or x.shape is None or all(isinstance(d, int) for d in list(x.shape)[1:]):
+        return None  # ORT's, where it is sized (x's rank unknown: ORT's gradient build says what it lacks)
+    return _max_pool(node, value, b, what="a MaxPool of an input whose sizes after the batch are not known statically")
+
+
 def _axes_input(node: Any, index: int) -> list[int] | None:
     """Constant axes from input ``index`` (opset 18 reductions) or the ``axes`` attribute; None if
     they are computed at run time."""
@@ -455,6 +483,14 @@ GRADIENTS: dict[str, OnnxViaTorch] = {
         OnnxViaTorch("Resize", "upsample", _resize, devices=("cpu",), why="no ResizeGrad kernel on CPU in ORT 1.19.2"),
         OnnxViaTorch("GridSample", "grid_sampler", _grid_sample),
         OnnxViaTorch("Col2Im", "col2im", _col2im),  # F.fold under dynamo
+        # After ortwrap's max_pool kernel (passes/native_cpu_kernels.py): what it leaves, where sizes are unknown.
+        OnnxViaTorch(
+            "MaxPool",
+            "max_pool",
+            _max_pool_unsized,
+            devices=("cpu",),
+            why="MaxPoolGrad sizes its result from static shapes (an unknown H or W writes past it)",
+        ),
         # After AveragePoolToConvPass (what it leaves: ceil_mode, a channel count not static).
         OnnxViaTorch(
             "AveragePool",
@@ -498,24 +534,6 @@ def _conv(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
         False,
         [0] * rank,
         int(_attr(node, "group", 1)),
-    ]
-
-
-def _max_pool(node: Any, value: Callable[[int], Any], b: Any = None) -> list | None:
-    from ..errors import PassError
-
-    k = list(_attr(node, "kernel_shape", []))
-    nd = len(k)
-    if len(node.outputs) > 1 and node.outputs[1].uses():
-        raise PassError(f"node {node.name!r}: a float64 MaxPool whose indices are read cannot be trained")
-    pads = _symmetric_pads(node, nd, "a float64 MaxPool", refused=("storage_order",))
-    return [
-        value(0),
-        k,
-        list(_attr(node, "strides", [1] * nd)),
-        pads,
-        list(_attr(node, "dilations", [1] * nd)),
-        bool(_attr(node, "ceil_mode", 0)),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Run the erf GELU, LayerNorm, cross-entropy and embedding lookups on ortwrap's CPU kernels (``ortwrap.kernels``).
+"""Run the erf GELU, LayerNorm, cross-entropy, max pooling and embedding lookups on ortwrap's CPU kernels (``ortwrap.kernels``).
 
 Rewrites, float32 only, each into one ``org.pytorch.aten::ATen`` node (``operator="ortwrap_cpu::*"``)
 whose gradient definition pairs it with its backward kernel:
@@ -34,6 +34,12 @@ replacement (the kernel's ATen node). The other rewrites start at one node each.
   ``clamp_min``/``clamp_max`` with number bounds -> ``clamp(x, lo, hi)``:
   gradient 0 at a bound as eager's, without a Python call per node and step.
 * ``Softmax`` over the last dimension (opset 13 and later; float) -> ``softmax(x)``.
+* ``MaxPool`` over 1 or 2 spatial dimensions of a float32 input in floor mode (``ceil_mode=0``,
+  ``storage_order=0``, explicit pads or ``VALID``), its indices unread -> ``max_pool(x, params)``,
+  without the int64 indices ORT's gradient adds (~9x the pooling's cost), and sized at run time (ORT's
+  ``MaxPoolGrad`` sizes its result from the inferred shape). Runs early (stage ``NativeEarly``, with
+  the ``InstanceNormalization`` rewrites), before ``TorchGradientsPass`` routes what it leaves where
+  sizes are unknown to PyTorch's op.
 * ``Gather(table, indices, axis=0)`` with a graph-input table (a parameter) and int64 indices not
   produced by ``Range`` (ORT makes those a ``Slice``) -> ``embedding(table, indices)``; negative
   indices count from the end, as in ``Gather``.
@@ -56,7 +62,7 @@ from onnxscript.rewriter import pattern
 
 from ..graph.names import ATEN_DOMAIN, NATIVE_PREFIX
 from ..ops import KERNELS, OPS_NAMESPACE, kernel
-from ._build import NodeBuilder, constant_value
+from ._build import NodeBuilder, constant_value, ints_attr
 from .fusions import GeluErfRule, GeluTanhRule, apply_at_gelus, forget_matches
 from .gather_to_gathernd import parameter_lookup
 
@@ -443,6 +449,40 @@ class NativeCPUKernelsPass(ir.passes.InPlacePass):
         y.shape = node.outputs[0].shape or x.shape
         b.replace(graph, node, [y])
         self.rewritten["instance_norm"] += 1
+
+    def _max_pool(self, graph: ir.Graph, node: ir.Node) -> None:
+        """``MaxPool`` over the 1 or 2 spatial dimensions of a float32 ``x [N, C, (H,) W]`` in floor mode,
+        its indices unread (ORT's gradient would add them) -> ``max_pool(x, params)``: a 1-D pool's
+        params are a 2-D pool's over ``H = 1``."""
+        x = node.inputs[0] if node.inputs else None
+        if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) not in (3, 4):
+            return
+        spatial = len(x.shape) - 2
+        if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
+            return  # the indices are read: ORT's MaxPool writes them
+        auto_pad = node.attributes.get("auto_pad")
+        if auto_pad is not None and auto_pad.as_string() not in ("NOTSET", "VALID"):
+            return
+        for name in ("ceil_mode", "storage_order"):
+            a = node.attributes.get(name)
+            if a is not None and a.as_int() != 0:
+                return
+        kernel_shape = ints_attr(node, "kernel_shape", [])
+        strides, dilations = ints_attr(node, "strides", [1] * spatial), ints_attr(node, "dilations", [1] * spatial)
+        pads = ints_attr(node, "pads", [0] * 2 * spatial)
+        if auto_pad is not None and auto_pad.as_string() == "VALID":
+            pads = [0] * 2 * spatial
+        if any(len(a) != n * spatial for a, n in ((kernel_shape, 1), (strides, 1), (dilations, 1), (pads, 2))):
+            return
+        if spatial == 1:  # [N, C, W] as [N, C, 1, W]
+            kernel_shape, strides, dilations = [1, *kernel_shape], [1, *strides], [1, *dilations]
+            pads = [0, pads[0], 0, pads[1]]
+        b = NodeBuilder(node.name or f"max_pool_{id(node):x}")
+        params = b.const(np.array([*kernel_shape, *strides, *pads, *dilations], dtype=np.int64))
+        pool = _aten(b, "max_pool", x, params)
+        pool.outputs[0].shape = node.outputs[0].shape
+        b.replace(graph, node, list(pool.outputs))  # (the indices, where written, are read by nothing)
+        self.rewritten["max_pool"] += 1
 
     def _embedding(self, graph: ir.Graph, node: ir.Node) -> None:
         lookup = parameter_lookup(node, {ir.DataType.FLOAT})

@@ -262,9 +262,10 @@ def _graph_passes(
             P(DecomposeNLLLossPass()),
         ]
         if device_type == "cpu" and native_kernels:
-            # float32 InstanceNormalization (nn.GroupNorm) on ortwrap's kernel, before the decomposition below.
-            ops = ("InstanceNormalization",)
-            passes.append(P(NativeCPUKernelsPass(ops), requires=("native",), stage="NativeInstanceNorm"))
+            # float32 InstanceNormalization (nn.GroupNorm) on ortwrap's kernel, before the decomposition below;
+            # MaxPool on ortwrap's before TorchGradientsPass takes those ORT would crash on (unknown H/W).
+            ops = ("InstanceNormalization", "MaxPool")
+            passes.append(P(NativeCPUKernelsPass(ops), requires=("native",), stage="NativeEarly"))
         passes += [
             P(DecomposeInstanceNormPass()),
             P(EinsumToMatMulPass()),
