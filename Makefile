@@ -113,6 +113,7 @@ bench-scale: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ortwrap tests benchmarks examples
+	$(PY) -m ruff format --check ortwrap tests benchmarks examples
 
 clean:
 	rm -rf .venv .venv-* *.egg-info .pytest_cache build ortwrap/bridge/*.so

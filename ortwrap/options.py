@@ -193,7 +193,9 @@ class Options:
             except ValueError as e:
                 raise ValueError(f"ORTWrap option log_level={self.log_level!r} is invalid: {e}") from None
         if self.exporter not in EXPORTER_CHOICES:
-            raise ValueError(f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(EXPORTER_CHOICES)}")
+            raise ValueError(
+                f"ORTWrap option exporter={self.exporter!r} is invalid; allowed: {', '.join(EXPORTER_CHOICES)}"
+            )
         if self.engine not in _ENGINES:
             raise ValueError(f"ORTWrap option engine={self.engine!r} is invalid; allowed: {', '.join(_ENGINES)}")
         if self.zero3_gather not in _ZERO3_GATHER:

@@ -123,7 +123,10 @@ def _weights(outs):
     import torch
 
     g = torch.Generator().manual_seed(1234)
-    return [torch.rand(torch.view_as_real(o.resolve_conj()).shape if o.is_complex() else o.shape, generator=g) + 0.5 for o in outs]
+    return [
+        torch.rand(torch.view_as_real(o.resolve_conj()).shape if o.is_complex() else o.shape, generator=g) + 0.5
+        for o in outs
+    ]
 
 
 def _differentiable(o) -> bool:
@@ -397,9 +400,7 @@ def sweep_op(op, exporters=EXPORTERS, samples=SAMPLES, timeout=CASE_TIMEOUT_S, l
     return results
 
 
-def sweep(
-    names=None, exporters=EXPORTERS, samples=SAMPLES, progress=None, log=None, shard=(0, 1)
-) -> dict[str, str]:
+def sweep(names=None, exporters=EXPORTERS, samples=SAMPLES, progress=None, log=None, shard=(0, 1)) -> dict[str, str]:
     """Outcomes of the ops named (all by default); ``shard=(k, n)`` takes every n-th op from the k-th."""
     ops = op_db()
     if names is not None:

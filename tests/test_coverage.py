@@ -76,8 +76,12 @@ def _family_params():
         if is_training_available():
             # (20 families at 1-5 minutes each: beside the training build they would double the slow
             # sweeps' time in CI; they run in the engine's own venv, docs/engines.md)
-            marks.append(pytest.mark.skip(reason="the families on engine='onnxruntime' run in its own venv: "
-                                          "`.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`"))
+            marks.append(
+                pytest.mark.skip(
+                    reason="the families on engine='onnxruntime' run in its own venv: "
+                    "`.venv-ort/bin/python -m pytest -m slow tests/test_coverage.py -k onnxruntime`"
+                )
+            )
         if case.name in ENGINE_XFAIL:
             marks.append(pytest.mark.xfail(strict=False, reason=ENGINE_XFAIL[case.name]))
         yield pytest.param(case, None, "onnxruntime", id=f"{case.name}-onnxruntime", marks=marks)
@@ -570,7 +574,9 @@ def test_adaptive_average_pools_to_sizes_that_do_not_divide(exporter):
     if exporter == "dynamo":  # PyTorch's kernels, not one slice-and-mean per output cell
         graph = wrapped.last_artifacts.pre_grad.graph
         aten = [a.s.decode() for n in graph.node if n.op_type == "ATen" for a in n.attribute if a.name == "operator"]
-        assert {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"} <= {o.split("::")[-1] for o in aten}
+        assert {"adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"} <= {
+            o.split("::")[-1] for o in aten
+        }
         assert sum(n.op_type == "ReduceMean" for n in graph.node) <= 2, "decomposed into per-cell means"
 
 

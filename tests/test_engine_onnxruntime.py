@@ -125,9 +125,7 @@ def test_cnn_batchnorm_parity_train_then_eval():
         SmallCNN, lambda b, g: ((torch.randn(b, 3, 12, 12, generator=g),), {}), wrap_options=ORT, optimizer=adamw
     )
     # eval: running statistics used, not updated, as in eager
-    check_parity(
-        SmallCNN, lambda b, g: ((torch.randn(b, 3, 12, 12, generator=g),), {}), wrap_options=ORT, train=False
-    )
+    check_parity(SmallCNN, lambda b, g: ((torch.randn(b, 3, 12, 12, generator=g),), {}), wrap_options=ORT, train=False)
     assert w._engine.build_count == 2
 
 
@@ -813,6 +811,8 @@ def test_complex_rope_runs_its_complex_ops_in_pytorch():
         assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= set(runners[what].in_torch)
         for segment in runners[what].segments:  # (ORT sees real tensors only)
             assert all(not dtype.is_complex for _, dtype in segment.graph.output_meta)
+
+
 class DataDependent(nn.Module):
     """Python that reads a value (a branch on the batch's sum, as Wav2Vec2ForCTC's label check) and a
     gather of the rows ``nonzero`` picks (as DeBERTa's valid labels, the routed experts' tokens): one
@@ -883,6 +883,8 @@ def test_gathered_rows_into_a_linear():
         return (torch.randn(b, 6, generator=g), torch.randperm(b, generator=g)[: b - 1]), {}
 
     check_parity(GathersRows, inputs, wrap_options=ORT, optimizer=adamw)
+
+
 # ---- autocast (bf16, fp16): autocast's casts traced into the graphs, computed in float32 between Casts
 
 #: test_coverage_amp.py's tolerances (check_parity's atol == rtol, relative to each tensor's largest element)
@@ -1089,6 +1091,8 @@ def test_bfloat16_scatter_add_computes_in_float32():
     binding.bind_output("out", "cpu", 0, BF16, [4, 3], out.data_ptr())
     session.run_with_iobinding(binding)  # (refused before: "BFloat16 ... not supported with ScatterND ... 'add'")
     assert torch.equal(out, data.clone().index_add_(0, idx[:, 0], upd))
+
+
 # ------------------------------------------------------------------------------------ dynamic dims
 
 #: 4 steps, batch and length (or image size) changing at each

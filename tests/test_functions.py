@@ -1729,7 +1729,9 @@ def test_no_accumulation_over_thousands_of_runs(exporter):
         gc.collect()
         growth.append(_rss_bytes() - rss0)
         assert len(LIVE_MARKERS) == 0, f"{len(LIVE_MARKERS)} objects saved in Function contexts are still alive"
-    assert _live_contexts() - ctx0 == 0, f"{_live_contexts() - ctx0} more live {SavesMarker.__name__} contexts after 6000 runs"
+    assert _live_contexts() - ctx0 == 0, (
+        f"{_live_contexts() - ctx0} more live {SavesMarker.__name__} contexts after 6000 runs"
+    )
     mib = sorted(g / 2**20 for g in growth)
     assert (mib[1] + mib[2]) / 2 < 4, f"resident memory grew in every window of 1500 runs (MiB: {mib})"
     # ... and it still computes what eager computes

@@ -200,7 +200,9 @@ def test_declared_aten_backward_ops_match_autograd():
     assert got.shape == x0.shape
 
 
-@pytest.mark.skipif(bool(engine_missing("training")), reason="registers an ATen gradient with the training build's gradient builder")
+@pytest.mark.skipif(
+    bool(engine_missing("training")), reason="registers an ATen gradient with the training build's gradient builder"
+)
 def test_declared_aten_backward_reads_defaults_of_absent_arguments():
     """An ATen node that leaves out trailing arguments (their defaults) gets them as absent inputs
     before its declared gradient is registered, and the backward op, called as ORT calls it, takes the

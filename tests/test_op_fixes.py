@@ -222,7 +222,10 @@ def test_complex_output(exporter, fn, torchscript_refuses):
         (parts * (torch.rand(parts.shape, generator=torch.Generator().manual_seed(0)) + 0.5)).sum().backward()
         return out.detach(), [x.grad for x in xs]
 
-    (got, got_grads), (want, want_grads) = run(ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)), run(Fn(fn))
+    (got, got_grads), (want, want_grads) = (
+        run(ORTWrap(Fn(fn), fallback=False, exporter=exporter, build_cache=False)),
+        run(Fn(fn)),
+    )
     assert got.dtype == want.dtype == torch.complex64 and got.shape == want.shape
     assert_close(got, want, "output")
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):

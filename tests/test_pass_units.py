@@ -608,7 +608,9 @@ def test_einsum_becomes_matmuls(equation):
 
 def test_einsum_with_an_ellipsis_is_spelled_out():
     """``...`` is spelled out from the input ranks (a batched product becomes one MatMul)."""
-    before = parse('g (float[2, 3, 4] x0, float[2, 4, 5] x1) => (float y) { y = Einsum <equation = "...ij,...jk"> (x0, x1) }')
+    before = parse(
+        'g (float[2, 3, 4] x0, float[2, 4, 5] x1) => (float y) { y = Einsum <equation = "...ij,...jk"> (x0, x1) }'
+    )
     modified, after = apply(EinsumToMatMulPass(), before)
     assert modified and ops(after) == Counter({"MatMul": 1})
     assert_same_numbers(before, after, {"x0": rand(2, 3, 4), "x1": rand(2, 4, 5, seed=1)})

@@ -164,8 +164,6 @@ def test_moe_family_trains_without_rebuilding_per_length(family):
     assert counts[2][1:] == counts[1][1:] == counts[0][1:], counts
 
 
-
-
 def test_a_fragment_with_nothing_to_compute_is_not_built():
     """OpInfo's ``gaussian_nll_loss`` samples (its ``torch.any(var < 0)`` check) under dynamic sizes:
     dynamo hands the backend a graph with no inputs and no ops. It runs as it is; an ORTWrap of it

@@ -175,9 +175,7 @@ def _check(name: str, size: int = 64, batch_sizes=BATCH_SIZES) -> ORTWrap:
     return w
 
 
-@pytest.mark.parametrize(
-    "exporter", ["dynamo", pytest.param("torchscript", marks=pytest.mark.slow)], indirect=True
-)
+@pytest.mark.parametrize("exporter", ["dynamo", pytest.param("torchscript", marks=pytest.mark.slow)], indirect=True)
 def test_mobilenetv3_changing_batch(exporter):
     """MobileNetV3 (SE blocks with hard-sigmoid gates, hard-swish): batches 4, 2, 3 through one
     build. The issue saw dynamo's second step fail (``Mismatch in shape: grad_output[0] has a shape

@@ -375,7 +375,9 @@ def _cast_or_identity(x, dtype):
     parts = {onnx.TensorProto.COMPLEX64: onnx.TensorProto.FLOAT, onnx.TensorProto.COMPLEX128: onnx.TensorProto.DOUBLE}
     if code in parts:
         real = op.Unsqueeze(op.Cast(x, to=parts[code]), op.Constant(value_ints=[-1]))
-        zero = op.Constant(value=onnx.numpy_helper.from_array(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(parts[code]))))
+        zero = op.Constant(
+            value=onnx.numpy_helper.from_array(np.zeros((), onnx.helper.tensor_dtype_to_np_dtype(parts[code])))
+        )
         return op.Concat(real, op.Expand(zero, op.Shape(real)), axis=-1)
     return op.Cast(x, to=dtype)
 

@@ -452,4 +452,3 @@ class DeepSpeedZero3(Integration):
 
     def rewrite_graph(self, graph: Any) -> Any:
         return zero3_layers.rewrite_training_graph(graph)
-
