@@ -108,7 +108,7 @@ class Options:
     native_kernels: bool = _opt(
         True,
         "ORTWRAP_NATIVE_KERNELS",
-        "On CPU, train GELU (erf and tanh), LayerNorm, softmax, cross-entropy, embedding lookups and hardtanh/relu6 with ortwrap's own kernels (compiled for this "
+        "On CPU, train GELU (erf and tanh), LayerNorm, GroupNorm/InstanceNorm, softmax, cross-entropy, embedding lookups, hardtanh/relu6 and max pooling with ortwrap's own kernels (compiled for this "
         "machine on first use) instead of ONNX Runtime's much slower CPU kernels for them (docs/performance.md).",
     )
     fusions: bool = _opt(
