@@ -1378,7 +1378,7 @@ static inline void window_of(const MaxPool* L, int64_t i, int64_t j, int64_t* h0
 }
 
 /* Output row i of a plane: m[j] the maximum of window (i, j) (NaN where it holds one; -inf where it holds no
- * element of x) and, with idx, arg[j] the offset in the plane of PyTorch's choice (above; -1: no element). The
+ * element of x) and, where arg is given, arg[j] the offset in the plane of PyTorch's choice (above; -1: no element). The
  * elements are visited in row-major order and taken with selects, not branches (which element wins is a coin
  * toss per window on real activations): where a window is whole in W, across the row's windows at once, one
  * window element at a time (vectorized); the windows clipped at the left and right edges one by one. */
