@@ -1364,28 +1364,45 @@ typedef struct {
   atomic_int failed; /* a backward chunk could not allocate its row scratch */
 } MaxPool;
 
-/* The window of output (i, j) clipped to the plane: rows h0, h0 + dh, ... < h1, columns w0, w0 + dw, ... < w1. */
-static inline void window_of(const MaxPool* L, int64_t i, int64_t j, int64_t* h0, int64_t* h1, int64_t* w0,
-                             int64_t* w1) {
-  int64_t a = i * L->sh - L->ph, b = j * L->sw - L->pw;
-  int64_t ae = a + (L->kh - 1) * L->dh + 1, be = b + (L->kw - 1) * L->dw + 1;
-  if (a < 0) a += (-a + L->dh - 1) / L->dh * L->dh;
-  if (b < 0) b += (-b + L->dw - 1) / L->dw * L->dw;
-  *h0 = a;
-  *h1 = ae < L->h ? ae : L->h;
-  *w0 = b;
-  *w1 = be < L->w ? be : L->w;
+/* Along one axis of size n: the window of output o (stride s, padding p before, k taps d apart) clipped to the
+ * axis, taps lo, lo + d, ... < hi (lo >= hi: none inside). */
+static inline void axis_window(int64_t o, int64_t s, int64_t p, int64_t k, int64_t d, int64_t n, int64_t* lo,
+                               int64_t* hi) {
+  int64_t a = o * s - p;
+  const int64_t end = a + (k - 1) * d + 1;
+  if (a < 0) a += (-a + d - 1) / d * d;
+  *lo = a;
+  *hi = end < n ? end : n;
 }
 
-/* Output row i of a plane: m[j] the maximum of window (i, j) (NaN where it holds one; -inf where it holds no
- * element of x) and, where arg is given, arg[j] the offset in the plane of PyTorch's choice (above; -1: no element). The
- * elements are visited in row-major order and taken with selects, not branches (which element wins is a coin
- * toss per window on real activations): where a window is whole in W, across the row's windows at once, one
- * window element at a time (vectorized); the windows clipped at the left and right edges one by one. */
+/* Window (i, j)'s maximum, one element at a time (NaN where it holds one; -inf where it holds no element of x),
+ * and in *arg the offset in the plane of PyTorch's choice (above; -1: no element). */
+static inline float window_max(const MaxPool* L, const float* restrict x, int64_t h0, int64_t h1, int64_t j,
+                               int64_t* arg) {
+  int64_t w0, w1;
+  axis_window(j, L->sw, L->pw, L->kw, L->dw, L->w, &w0, &w1);
+  float m = -INFINITY;
+  int64_t best = h0 < h1 && w0 < w1 ? h0 * L->w + w0 : -1;
+  for (int64_t r = h0; r < h1; r += L->dh)
+    for (int64_t q = w0; q < w1; q += L->dw) {
+      const float v = x[r * L->w + q];
+      const int takes = (v > m) | (v != v);
+      m = takes ? v : m;
+      best = takes ? r * L->w + q : best;
+    }
+  *arg = best;
+  return m;
+}
+
+/* Output row i of a plane: m[j] the maximum of window (i, j) and, where arg is given, arg[j] the offset of
+ * PyTorch's choice (window_max). The elements are visited in row-major order and taken with selects, not
+ * branches (which element wins is a coin toss per window on real activations): where a window is whole in W,
+ * across the row's windows at once, one window element at a time (vectorized); the windows clipped at the left
+ * and right edges one by one. */
 static void pool_row(const MaxPool* L, const float* restrict x, int64_t i, float* restrict m, int64_t* restrict arg) {
   const int64_t W = L->w, sw = L->sw, pw = L->pw, span = (L->kw - 1) * L->dw + 1;
-  int64_t h0, h1, unused0, unused1;
-  window_of(L, i, 0, &h0, &h1, &unused0, &unused1);
+  int64_t h0, h1;
+  axis_window(i, L->sh, L->ph, L->kh, L->dh, L->h, &h0, &h1);
   /* whole in W: j * sw - pw >= 0 and j * sw - pw + span <= W */
   int64_t jl = (pw + sw - 1) / sw, jh = W + pw - span >= 0 ? (W + pw - span) / sw + 1 : 0;
   if (jh > L->ow) jh = L->ow;
@@ -1411,22 +1428,14 @@ static void pool_row(const MaxPool* L, const float* restrict x, int64_t i, float
           m[j] = ((v > m[j]) | (v != v)) ? v : m[j];
         }
     }
-  for (int64_t j = 0; j < L->ow; ++j) {
-    if (j == jl) j = jh; /* the whole windows are done */
-    if (j >= L->ow) break;
-    int64_t r0, r1, w0, w1;
-    window_of(L, i, j, &r0, &r1, &w0, &w1);
-    float best_v = -INFINITY;
-    int64_t best = r0 < r1 && w0 < w1 ? r0 * W + w0 : -1;
-    for (int64_t r = r0; r < r1; r += L->dh)
-      for (int64_t q = w0; q < w1; q += L->dw) {
-        const float v = x[r * W + q];
-        const int takes = (v > best_v) | (v != v);
-        best_v = takes ? v : best_v;
-        best = takes ? r * W + q : best;
-      }
-    m[j] = best_v;
-    if (arg) arg[j] = best;
+  int64_t edge;
+  for (int64_t j = 0; j < jl; ++j) {
+    m[j] = window_max(L, x, h0, h1, j, &edge);
+    if (arg) arg[j] = edge;
+  }
+  for (int64_t j = jh; j < L->ow; ++j) {
+    m[j] = window_max(L, x, h0, h1, j, &edge);
+    if (arg) arg[j] = edge;
   }
 }
 
