@@ -107,20 +107,26 @@ def test_max_pools_the_kernel_does_not_cover_train_like_eager(exporter):
     assert ops["max_pool1d"] == (1 if exporter == "torchscript" else 0), ops
 
 
-def _pool_pair(x: torch.Tensor, dy: torch.Tensor, kernel, stride, padding, dilation):
-    """(y, dx) of max_pool and max_pool_backward in ORT sessions, and of PyTorch's max_pool2d."""
-    params = np.array([*kernel, *stride, padding[0], padding[1], padding[0], padding[1], *dilation], dtype=np.int64)
-    dims = ["n", "c", "h", "w"]
+def _kernels(x: torch.Tensor, dy: torch.Tensor, params: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, dx) of max_pool and max_pool_backward in ORT sessions (x of rank 3 or 4)."""
+    dims = ["n", "c", "h", "w"][-x.dim() :]
     fwd = aten_session("max_pool", [("x", F32, dims)], [("y", F32, dims)], consts=[("params", params)])
     bwd = aten_session(
         "max_pool_backward", [("dy", F32, dims), ("x", F32, dims)], [("dx", F32, dims)], consts=[("params", params)]
     )
     (y,) = run_raising(fwd, {"x": x.numpy()})
     (dx,) = run_raising(bwd, {"dy": dy.numpy(), "x": x.numpy()})
+    return torch.from_numpy(y), torch.from_numpy(dx)
+
+
+def _pool_pair(x: torch.Tensor, dy: torch.Tensor, kernel, stride, padding, dilation):
+    """(y, dx) of the kernels (:func:`_kernels`), and of PyTorch's max_pool2d."""
+    params = np.array([*kernel, *stride, padding[0], padding[1], padding[0], padding[1], *dilation], dtype=np.int64)
+    y, dx = _kernels(x, dy, params)
     xr = x.clone().requires_grad_()
     ref = nn.functional.max_pool2d(xr, kernel, stride, padding, dilation)
     ref.backward(dy)
-    return torch.from_numpy(y), torch.from_numpy(dx), ref.detach(), xr.grad
+    return y, dx, ref.detach(), xr.grad
 
 
 @pytest.mark.parametrize(
@@ -154,15 +160,9 @@ def test_max_pool_1d_kernels_match_pytorch_on_ties_and_nans():
     dy = torch.randn(ref.shape, generator=g)
     xr = x.clone().requires_grad_()
     nn.functional.max_pool1d(xr, kernel, stride, pad).backward(dy)
-    dims = ["n", "c", "w"]
-    fwd = aten_session("max_pool", [("x", F32, dims)], [("y", F32, dims)], consts=[("params", params)])
-    bwd = aten_session(
-        "max_pool_backward", [("dy", F32, dims), ("x", F32, dims)], [("dx", F32, dims)], consts=[("params", params)]
-    )
-    (y,) = run_raising(fwd, {"x": x.numpy()})
-    (dx,) = run_raising(bwd, {"dy": dy.numpy(), "x": x.numpy()})
-    torch.testing.assert_close(torch.from_numpy(y), ref.detach(), atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(torch.from_numpy(dx), xr.grad, atol=0, rtol=0)
+    y, dx = _kernels(x, dy, params)
+    torch.testing.assert_close(y, ref.detach(), atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(dx, xr.grad, atol=0, rtol=0)
 
 
 def test_max_pool_kernels_match_pytorch_on_a_large_input():
