@@ -11,6 +11,7 @@ slow where bf16 is emulated: the models are small).
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 
 import onnx
@@ -430,20 +431,93 @@ def test_recompute_on_the_native_route(exporter, recompute):
         assert not any(op.startswith("ortwrap_ops::") for op in stashed), stashed
 
 
+def _uses_env_allocator(session) -> bool:
+    try:
+        return session.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
+    except Exception:  # ORT raises when the entry is not set
+        return False
+
+
 @training_only
 @pytest.mark.parametrize("route", ROUTES)
 def test_native_route_sessions_run_without_the_cpu_arena(exporter, route):
-    """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from glibc,
-    as those GEMMs' tensors do, not from ORT's CPU arena (runtime/session.py ``uses_cpu_arena``);
-    other graphs keep the arena. The training still matches eager autocast."""
+    """Sessions of graphs with PyTorch's bf16 GEMMs inside (the native route) allocate from the
+    plain CPU allocator registered with ORT's environment, as those GEMMs' tensors come from glibc,
+    not from ORT's CPU arena (runtime/session.py ``uses_cpu_arena``, ``plain_cpu_allocator``);
+    other graphs keep the CPU provider's arena. The training still matches eager autocast.
+    (What each allocator does in a process where another session came first:
+    test_arena_choice_holds_whichever_session_came_first.)"""
     w = check_parity(mlp, mlp_inputs, autocast=autocast(torch.bfloat16), wrap_options={"half_compute": route}, **BF16)
     runners = [p.runner for p in w.programs()]
     assert runners
     for runner in runners:
-        assert runner._session.get_session_options().enable_cpu_mem_arena is (route == "float32")
+        assert _uses_env_allocator(runner._session) is (route == "native")
     plain = ORTWrap(mlp(), fallback=False, exporter=exporter)
     plain(torch.randn(4, 12)).sum().backward()
-    assert all(p.runner._session.get_session_options().enable_cpu_mem_arena for p in plain.programs())
+    assert not any(_uses_env_allocator(p.runner._session) for p in plain.programs())
+
+
+_ARENA_PROBE = r"""
+import sys
+import numpy as np
+import onnx.helper as h
+import torch
+from torch import nn
+from ortwrap import ORTWrap
+from ortwrap._ort import C, ort
+
+# A session with ORT's default options (the CPU arena on), created before any of ortwrap's: the
+# training build keeps one CPU execution provider per process, made by the first session.
+g = h.make_graph([h.make_node("Relu", ["x"], ["y"])], "g", [h.make_tensor_value_info("x", 1, [2])],
+                 [h.make_tensor_value_info("y", 1, [2])])
+first = ort.InferenceSession(h.make_model(g, ir_version=8, opset_imports=[h.make_opsetid("", 17)]).SerializeToString(),
+                             providers=["CPUExecutionProvider"])
+first.run(None, {"x": np.ones(2, np.float32)})
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+
+    def forward(self, x):
+        return x + self.inner(x)  # float32 + bf16: ORT's Add, float32, allocated by the session
+
+
+for route in ("native", "float32"):
+    torch.manual_seed(0)
+    w = ORTWrap(Residual(), fallback=False, build_cache=False, half_compute=route)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w(torch.randn(4, 256)).float().sum().backward()  # the build, and a small first step
+    # ORT's arena logs each region it adds at INFO: a batch 1024x larger than the first step's
+    # makes an arena add regions, and a session without one logs nothing.
+    C.set_default_logger_severity(0)
+    sys.stderr.write(f"PROBE-START {route}\n")
+    sys.stderr.flush()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w(torch.randn(4096, 256)).float().sum().backward()
+    sys.stderr.flush()
+    C.set_default_logger_severity(3)
+    sys.stderr.write(f"PROBE-END {route}\n")
+    sys.stderr.flush()
+"""
+
+
+@training_only
+@no_exporter
+def test_arena_choice_holds_whichever_session_came_first():
+    """In a process where a session with ORT's CPU arena came first (the user's, one of the build's
+    helpers, an earlier model), a native-route training graph still allocates without the arena
+    (it used to get the first session's arena: ~265 MiB of regions kept between GPT-2 small's steps),
+    and a float32 graph still gets the arena it asks for. Observed in ORT's own log, in a fresh
+    process."""
+    proc = subprocess.run([sys.executable, "-c", _ARENA_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    extended = {}
+    for route in ("native", "float32"):
+        part = proc.stderr.split(f"PROBE-START {route}\n", 1)[1].split(f"PROBE-END {route}\n", 1)[0]
+        extended[route] = part.count("Extending BFCArena for Cpu")
+    assert extended["native"] == 0, extended
+    assert extended["float32"] > 0, extended
 
 
 class MaskedAttention(nn.Module):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import onnx
 import torch
 
@@ -16,6 +19,8 @@ from ..kernels import release_cached
 from ..ops import DTYPE_ARGUMENT_OPS
 from ..options import Options
 from .dlpack import to_dlpack, to_tensors
+
+_log = logging.getLogger("ortwrap")
 
 #: The bridge's list of exceptions parked during a run (checked inline: it is on the hot path).
 _pending = bridge_state._pending
@@ -76,12 +81,52 @@ def _operator(node: onnx.NodeProto) -> str | None:
     return next((a.s.decode() for a in node.attribute if a.name == "operator"), None)
 
 
+@functools.cache
+def plain_cpu_allocator() -> bool:
+    """Register ORT's plain CPU allocator (no arena) with ORT's environment, once per process;
+    whether sessions can use it (``session.use_env_allocators``).
+
+    NOTE: the training build's Python module keeps one CPU execution provider per process, made by
+    the first session created (``GetProviderInstanceHash``: "for CPU, only 1 instance"), and every
+    later session gets that provider's allocator, with the arena or without it as the *first*
+    session's ``enable_cpu_mem_arena`` said. So ``enable_cpu_mem_arena=False`` did nothing in a
+    process where any session with the arena came first (one of the build's own helper sessions, a
+    GEMM measurement, an earlier ORTWrap model, the user's): GPT-2 small's native bf16 step then
+    kept ~265 MiB of arena regions between steps, and its peak RSS depended on what ran before it
+    (docs/performance.md, "Peak memory of the native bf16 route"). A session that wants no arena
+    takes this registered allocator instead (:func:`session_options`), whatever came first.
+    False where the environment has a CPU allocator already (registered by someone else, with
+    whatever arena setting they chose): those sessions then keep the provider's.
+    """
+    info = C.OrtMemoryInfo("Cpu", C.OrtAllocatorType.ORT_DEVICE_ALLOCATOR, 0, C.OrtMemType.DEFAULT)
+    try:
+        C.create_and_register_allocator(info, None)
+    except Exception as e:  # ORT raises its own exception type when one is registered already
+        _log.debug(
+            "ortwrap: ORT's environment has a CPU allocator already (%s); sessions without the arena "
+            "use the CPU execution provider's allocator",
+            e,
+        )
+        return False
+    return True
+
+
 def session_options(options: Options, *, cpu_arena: bool = True, threads: int = 0) -> ort.SessionOptions:
     """Session options: threads and spinning set deliberately (see ``Options.allow_spinning``);
     ``cpu_arena``: ORT's CPU memory arena (:func:`uses_cpu_arena`); ``threads``: the build's choice
-    of intra-op threads (``TrainingGraph.ort_threads``; 0: none), below ``intra_op_threads``."""
+    of intra-op threads (``TrainingGraph.ort_threads``; 0: none), below ``intra_op_threads``.
+
+    Without the arena, the session allocates from :func:`plain_cpu_allocator` (the process's one CPU
+    execution provider may have an arena: see there). ``enable_cpu_mem_arena`` stays on, so that
+    where ortwrap's session is the process's first, the provider it creates has the arena that
+    later sessions with ``cpu_arena`` ask for."""
     so = ort.SessionOptions()
-    so.enable_cpu_mem_arena = cpu_arena
+    if cpu_arena or plain_cpu_allocator():
+        so.enable_cpu_mem_arena = True
+        if not cpu_arena:
+            so.add_session_config_entry("session.use_env_allocators", "1")
+    else:
+        so.enable_cpu_mem_arena = False
     threads = options.intra_op_threads or threads or torch.get_num_threads()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
