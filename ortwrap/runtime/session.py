@@ -121,12 +121,12 @@ def session_options(options: Options, *, cpu_arena: bool = True, threads: int = 
     where ortwrap's session is the process's first, the provider it creates has the arena that
     later sessions with ``cpu_arena`` ask for."""
     so = ort.SessionOptions()
-    if cpu_arena or plain_cpu_allocator():
-        so.enable_cpu_mem_arena = True
-        if not cpu_arena:
+    so.enable_cpu_mem_arena = True
+    if not cpu_arena:
+        if plain_cpu_allocator():
             so.add_session_config_entry("session.use_env_allocators", "1")
-    else:
-        so.enable_cpu_mem_arena = False
+        else:
+            so.enable_cpu_mem_arena = False  # decides only where this is the process's first session
     threads = options.intra_op_threads or threads or torch.get_num_threads()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
