@@ -158,7 +158,7 @@ def attention_available() -> bool:
 
 
 def cached_bytes(release: bool = False) -> int:
-    """Bytes of freed kernel outputs kept for reuse (at most 1 GiB); ``release=True`` frees them, and
+    """Bytes of freed kernel outputs kept for reuse (at most 32 MiB); ``release=True`` frees them, and
     the buffers MKL keeps for the attention kernels' GEMMs (4.3 MB per thread that ran one)."""
     lib = install()
     lib.ortwrap_cpu_cached_bytes.argtypes = [ctypes.c_int]
@@ -169,11 +169,11 @@ def cached_bytes(release: bool = False) -> int:
 def release_cached() -> None:
     """Free the kernels' cached output blocks, if the kernels are loaded; run after each backward.
 
-    NOTE: between the end of a backward and the next forward the cache holds 94-132 MiB on
-    GPT-2 small (bf16 autocast) that nothing reads, right when the optimizer step allocates its
-    temporaries: freed, glibc hands the same (resident) heap memory to the optimizer, and the
-    next forward gets blocks back from the heap. GPT-2 small's fp32 peak RSS fell by 36 MiB at no
-    measurable step cost (docs/performance.md, "Memory").
+    NOTE: between the end of a backward and the next forward nothing reads the cached blocks (up
+    to the cache's 32 MiB; 94-132 MiB on GPT-2 small before the cap), right when the optimizer step
+    allocates its temporaries: freed, glibc hands the same (resident) heap memory to the optimizer,
+    and the next forward gets blocks back from the heap. GPT-2 small's fp32 peak RSS fell by 36 MiB
+    at no measurable step cost (docs/performance.md, "Memory").
     """
     if install.cache_info().currsize:
         cached_bytes(release=True)

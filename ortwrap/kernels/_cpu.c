@@ -43,9 +43,14 @@
 /* Output buffers come from a small cache of freed blocks (exact sizes, most recent first). Fresh pages cost a
  * page fault each on first touch: measured inside a training process, ~11 ms to fill a new 4 MB GELU output,
  * 20x the kernel itself (ORT's own buffers come from its arena and do not pay this). The cache holds at most
- * CACHE_BYTES; blocks beyond that are freed. */
+ * CACHE_BYTES; blocks beyond that are freed.
+ * NOTE: 32 MiB, was 1 GiB. In a backward the forward's stashed kernel outputs die one layer at a time and the
+ * backward asks for other sizes, so the cache filled with blocks nothing took until the backward's end (97 MiB on
+ * GPT-2 small under bf16 autocast), right at the step's peak. 32 MiB keeps a layer's transients for the next
+ * layer; GPT-2 small's peak RSS fell 15-50 MiB on both routes, step time unchanged (docs/performance.md,
+ * "The kernels' block cache, capped"). */
 #define CACHE_SLOTS 256
-#define CACHE_BYTES ((size_t)1 << 30)
+#define CACHE_BYTES ((size_t)32 << 20)
 static struct {
   pthread_mutex_t mu;
   size_t bytes;
