@@ -4,6 +4,7 @@
     python benchmarks/bench_amp.py --size small --iters 5
     python benchmarks/bench_amp.py --adapters         # frozen bf16 base + fp32 LoRA: fuse_initializers
     python benchmarks/bench_amp.py --fused-adamw      # AdamW(fused=True) on every variant, eager too
+    python benchmarks/bench_amp.py --rss-only --batch 8   # peak RSS at another batch size
 
 Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad):
 
@@ -65,13 +66,16 @@ class LoRALinear(nn.Module):
 
 
 def make_adapted(size: str):
-    model, ids, tgt = make(size)
+    model, ids, tgt = make(size, BATCH.get("batch"))
     model = model.to(torch.bfloat16).requires_grad_(False)
     for blk in model.blocks:
         blk.qkv = LoRALinear(blk.qkv)
         blk.fc = LoRALinear(blk.fc)
     return model, ids, tgt
 
+
+#: the batch size, where ``--batch`` overrides bench_scale's for the size (``{"batch": n}``)
+BATCH: dict = {}
 
 #: torch.optim.AdamW's keyword arguments for every variant (``--fused-adamw``: ``fused=True``, PyTorch's
 #: one-kernel CPU AdamW; the same optimizer on both sides either way)
@@ -114,7 +118,7 @@ ADAPTER_VARIANTS = {
 def build(size: str, adapters: bool, options: dict | None):
     from ortwrap import ORTWrap
 
-    model, ids, tgt = (make_adapted if adapters else make)(size)
+    model, ids, tgt = make_adapted(size) if adapters else make(size, BATCH.get("batch"))
     if options is not None:
         model = ORTWrap(model, fallback=False, **options)
     return model, ids, tgt
@@ -143,6 +147,7 @@ sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import bench_amp as b
 import torch
 b.OPTIM.update({OPTIM!r})
+b.BATCH.update({BATCH!r})
 torch.set_num_threads({torch.get_num_threads()})
 variants = b.ADAPTER_VARIANTS if {adapters!r} else b.VARIANTS
 options, amp = variants[{variant!r}]
@@ -163,7 +168,7 @@ def main(
     cpu_time: bool = False,
     only: list[str] | None = None,
 ) -> None:
-    s = SIZES[size]
+    s = dict(SIZES[size], **BATCH)
     variants = ADAPTER_VARIANTS if adapters else VARIANTS
     if only:
         variants = {k: v for k, v in variants.items() if k in only}
@@ -242,6 +247,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--fused-adamw", action="store_true", help="torch.optim.AdamW(fused=True) for every variant (eager too)"
     )
+    parser.add_argument("--batch", type=int, default=0, help="batch size; 0: bench_scale's for the size")
     parser.add_argument("--only", help="comma-separated variants to run (e.g. 'eager bf16,ortwrap bf16')")
     a = parser.parse_args()
     if a.threads:
@@ -249,4 +255,6 @@ if __name__ == "__main__":
     only = [v.strip() for v in a.only.split(",")] if a.only else None
     if a.fused_adamw:
         OPTIM["fused"] = True
+    if a.batch:
+        BATCH["batch"] = a.batch
     main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only, cpu_time=a.cpu_time, only=only)
