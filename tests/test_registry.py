@@ -20,7 +20,8 @@ from ortwrap.ops import (
     kernel,
     parse_signature,
 )
-from ortwrap.passes.native_cpu_kernels import _REWRITES, NativeCPUKernelsPass
+from ortwrap.passes import kernel_patterns
+from ortwrap.passes.native_cpu_kernels import _REWRITES, _RULES, NativeCPUKernelsPass
 from ortwrap.passes.torch_gradients import TorchGradientsPass
 
 
@@ -59,6 +60,8 @@ def test_every_forward_kernel_has_a_declared_backward_and_a_rewrite():
             assert k.replaces and hasattr(NativeCPUKernelsPass, k.rewrite)
         for op in k.replaces:
             assert k.rewrite in _REWRITES[op]
+        # a rewrite written as onnxscript rules is named where the pass looks and defined where it imports
+        assert (k.rewrite in _RULES) == (k.rewrite in kernel_patterns.RULES), k.name
         n_in = len(k.inputs)
         for ref in k.gradient.inputs:
             kind, index = ref[:-1].split("(")

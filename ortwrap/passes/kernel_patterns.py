@@ -22,7 +22,7 @@ from .kernel_nodes import ONNX_DOMAINS, constant_dtype, is_constant, kernel_node
 
 
 class _GeluKernel(GeluErfRule):
-    """:class:`~.fusions.GeluErfRule`'s pattern -> ``gelu(x)``."""
+    """:class:`~.fusion_patterns.GeluErfRule`'s pattern -> ``gelu(x)``."""
 
     def __init__(self, outer: int) -> None:
         super().__init__(0, outer, name="GeluKernel")
@@ -42,7 +42,7 @@ class _GeluKernel(GeluErfRule):
 
 
 class _GeluTanhKernel(GeluTanhRule):
-    """:class:`~.fusions.GeluTanhRule`'s pattern -> ``gelu_tanh(x)``."""
+    """:class:`~.fusion_patterns.GeluTanhRule`'s pattern -> ``gelu_tanh(x)``."""
 
     def __init__(self, outer: int, cube: int) -> None:
         super().__init__(0, True, outer, cube, name="GeluTanhKernel")
