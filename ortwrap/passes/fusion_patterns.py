@@ -3,7 +3,7 @@ RMSNorm; the patterns, checks and replacements that ``passes/fusions.py``'s docs
 how they are applied.
 
 NOTE: a module of its own so that onnxscript is imported by a build that runs a pass, not by
-``import ortwrap``: a build from the build cache runs none, and onnxscript's import costs ~0.2 s and
+``import ortwrap``: a build from the build cache runs none, and onnxscript's import costs ~0.1 s and
 ~22 MiB of RSS (docs/performance.md, "The fixed cost of a process"). ``passes/kernel_patterns.py``
 derives ortwrap's GELU kernel rules from the GELU rules here.
 """

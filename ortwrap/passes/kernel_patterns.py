@@ -3,7 +3,7 @@ onnxscript rewrite rules: the two GELUs (``passes/fusion_patterns.py``'s pattern
 module's check and replacement) and the affine GroupNorm (+ SiLU).
 
 NOTE: imported when the pass first applies a rule, not by ``import ortwrap`` (onnxscript's import:
-~0.2 s, ~22 MiB; a build from the build cache needs none), as ``passes/fusion_patterns.py``.
+~0.1 s, ~22 MiB; a build from the build cache needs none), as ``passes/fusion_patterns.py``.
 """
 
 from __future__ import annotations
