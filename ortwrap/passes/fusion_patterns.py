@@ -359,3 +359,22 @@ def apply_at_gelus(rules: pattern.RewriteRuleSet, model: ir.Model, cores: Iterab
             break
     forget_matches(rules)
     return count
+
+
+def apply_fusions(model: ir.Model, *, training: bool, gelu: bool, norms: bool) -> int:
+    """:class:`~.fusions.StandardOpFusionPass`'s work: the GELU families only where a GELU can end
+    (:func:`apply_at_gelus`), then the norm rules over the graph. Returns the number of fusions."""
+    opset = model.opset_imports.get("", 17)
+    op_types = {n.op_type for n in model.graph if n.domain in _ONNX}
+    count = 0
+    if gelu:
+        for family in ("gelu_erf", "gelu_tanh"):
+            if _ANCHORS[family] <= op_types:
+                count += apply_at_gelus(_rule_set(opset, training, (family,)), model, _ANCHORS[family])
+    rules = fusion_rules(opset, training=training, gelu=False, norms=norms, op_types=op_types)
+    if rules is not None:
+        count += rules.apply_to_model(model)
+        forget_matches(rules)
+    if count and any(n.domain == "com.microsoft" for n in model.graph):
+        model.opset_imports.setdefault("com.microsoft", 1)
+    return count

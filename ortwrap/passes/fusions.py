@@ -36,26 +36,14 @@ import onnx_ir as ir
 
 
 class StandardOpFusionPass(ir.passes.InPlacePass):
-    """Apply ``fusion_patterns.fusion_rules`` (see the module docstring)."""
+    """Apply ``fusion_patterns.apply_fusions`` (see the module docstring)."""
 
     def __init__(self, *, training: bool, gelu: bool = True, norms: bool = True) -> None:
         super().__init__()
         self.training, self.gelu, self.norms = training, gelu, norms
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from .fusion_patterns import _ANCHORS, _ONNX, _rule_set, apply_at_gelus, forget_matches, fusion_rules
+        from .fusion_patterns import apply_fusions
 
-        opset = model.opset_imports.get("", 17)
-        op_types = {n.op_type for n in model.graph if n.domain in _ONNX}
-        count = 0
-        if self.gelu:
-            for family in ("gelu_erf", "gelu_tanh"):
-                if _ANCHORS[family] <= op_types:
-                    count += apply_at_gelus(_rule_set(opset, self.training, (family,)), model, _ANCHORS[family])
-        rules = fusion_rules(opset, training=self.training, gelu=False, norms=self.norms, op_types=op_types)
-        if rules is not None:
-            count += rules.apply_to_model(model)
-            forget_matches(rules)
-        if count and any(n.domain == "com.microsoft" for n in model.graph):
-            model.opset_imports.setdefault("com.microsoft", 1)
+        count = apply_fusions(model, training=self.training, gelu=self.gelu, norms=self.norms)
         return ir.passes.PassResult(model, modified=bool(count))
