@@ -494,6 +494,7 @@ def conv_problems(
 ) -> dict[Conv, list[str]]:
     """The top-level graph's 2-D Conv nodes of ``dtype`` or float32 that ``ortwrap_ops::conv`` can run (explicit
     symmetric pads), with known dimensions: problem -> the nodes' names (its count: how many)."""
+    from .passes.conv_transpose_matmul import matmul_form
     from .passes.torch_conv import conv_args, conv_transpose_args
 
     found: dict[Conv, list[str]] = {}
@@ -507,8 +508,8 @@ def conv_problems(
         if x is None or w is None or x.dtype != w.dtype or x.dtype not in (dtype, ir.DataType.FLOAT):
             continue
         half = x.dtype == ir.DataType.BFLOAT16
-        if transposed and not half:  # a float32 one runs as PyTorch's anyway (TorchGradientsPass)
-            continue
+        if transposed and (not half or matmul_form(node) is not None):
+            continue  # a float32 one runs as PyTorch's anyway (TorchGradientsPass); the other, a MatMul
         args = (conv_transpose_args if transposed else conv_args)(node, lambda i: None)
         dx, dw = _dims(x, env, concrete or {}), _dims(w, env, concrete or {})
         if args is None or dx is None or dw is None or None in dx or None in dw or len(dw) != 4:

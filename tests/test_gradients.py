@@ -266,7 +266,8 @@ CONV_TRANSPOSE = {
         2,
         4,
     ),
-    "3d_no_bias": (lambda: nn.ConvTranspose3d(4, 4, 2, stride=2, bias=False), 3, 4),
+    # (kernel == stride, no padding: a MatMul, tests/test_conv_transpose_matmul.py)
+    "3d_no_bias": (lambda: nn.ConvTranspose3d(4, 4, 3, stride=2, bias=False), 3, 4),
 }
 
 

@@ -172,6 +172,10 @@ DIRECT_TESTS: dict[str, tuple[str, ...]] = {
     "RefuseControlFlowPass": ("test_pass_units.py::test_control_flow_is_refused",),
     "RefuseSequenceOpsPass": ("test_pass_units.py::test_sequence_ops_on_the_gradient_path_are_refused",),
     "GroupedConvGradPass": ("test_pass_units.py::test_grouped_conv_forms",),
+    "ConvTransposeToMatMulPass": (
+        "test_conv_transpose_matmul.py::test_the_pass_leaves_no_conv_transpose_and_keeps_the_output_name",
+        "test_conv_transpose_matmul.py::test_the_rewritten_graph_computes_the_transposed_convolution_at_any_size",
+    ),
     "TorchConvOnCPUPass": ("test_conv_choice.py::test_torch_conv_pass_rewrites_the_named_convs",),
     "RemoveUnusedConstantsPass": ("test_pass_units.py::test_unused_constants_are_removed",),
     "ShapesForGradientsPass": ("test_pass_units.py::test_shapes_are_inferred_again",),

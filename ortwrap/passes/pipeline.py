@@ -24,6 +24,7 @@ from .batchnorm_running_stats import BatchNormRunningStatsPass
 from .bidirectional_rnn import BidirectionalRNNPass
 from .control_flow import RefuseControlFlowPass
 from .conv_pads import ExplicitConvPadsPass
+from .conv_transpose_matmul import ConvTransposeToMatMulPass
 from .double_precision import DoublePrecisionOnCPUPass
 from .einsum import EinsumToMatMulPass
 from .eval_batchnorm import DecomposeEvalBatchNormPass
@@ -233,6 +234,8 @@ def _graph_passes(
         P(ExplicitConvPadsPass()),
     ]
     if device_type == "cpu" and with_backward:
+        # ConvTranspose with kernel == stride as a MatMul ORT differentiates (no CPU ConvTransposeGrad).
+        passes.append(P(ConvTransposeToMatMulPass()))
         # Conv nodes where gemm_choice measured PyTorch's convolution faster (before the next passes:
         # a bf16 one stays bf16, as eager autocast's).
         passes.append(P(TorchConvOnCPUPass, requires=("gemm_choice",), stage="TorchConvOnCPUPass"))
