@@ -133,7 +133,8 @@ def test_the_pass_leaves_no_conv_transpose_and_keeps_the_output_name():
 )
 def test_the_rewritten_graph_computes_the_transposed_convolution_at_any_size(kernel, x_shape):
     """The rewritten forward, run by ORT with sizes the graph leaves symbolic, equals PyTorch's
-    ``conv_transpose{1,2,3}d`` at two different sizes (the reshapes read them from ``Shape(x)``)."""
+    ``conv_transpose{1,2,3}d`` at different sizes (the reshapes read them from ``Shape(x)``), an
+    empty batch included."""
     import numpy as np
     import onnxruntime as ort
     import torch.nn.functional as F
@@ -154,9 +155,9 @@ def test_the_rewritten_graph_computes_the_transposed_convolution_at_any_size(ker
     g = torch.Generator().manual_seed(0)
     wt, bt = torch.randn(4, 3, *kernel, generator=g), torch.randn(3, generator=g)
     conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[r - 1]
-    for sizes in ([2, 5, 3, 4][:r], [3, 4, 6, 2][:r]):
+    for batch, sizes in ((2, [2, 5, 3, 4][:r]), (3, [3, 4, 6, 2][:r]), (0, [2, 3, 4, 5][:r])):  # and an empty batch
         sizes = [d if isinstance(d, int) else s for d, s in zip(x_shape[2:], sizes)]
-        xt = torch.randn(2 + len(sizes) % 2, 4, *sizes, generator=g)
+        xt = torch.randn(batch, 4, *sizes, generator=g)
         (y,) = session.run(None, {"x": xt.numpy(), "w": wt.numpy(), "b": bt.numpy()})
         expected = conv(xt, wt, bt, stride=kernel).numpy()
         assert y.shape == expected.shape

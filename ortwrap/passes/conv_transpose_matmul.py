@@ -13,8 +13,9 @@ keep the last axis (block copies) or move one axis (NCHW <-> NHWC) are fast (~3-
 
     z = Gemm(Reshape(Transpose(x, NCHW->NHWC), [-1, C]), Reshape(Transpose(W, [0, 2..r+1, 1]), [C, K*O]),
              Expand(b, [K, O]))                       # rows (n, S1..Sr), columns (k1..kr, O)
-    for t in 1..r-1:  move k_t after S_t:  Transpose(Reshape(z, [-1, S_{t+1}..S_r, k_t, k_{t+1}..k_r*O]), [0, 2, 1, 3])
-    y = Reshape(Transpose(Reshape(z, [N, -1, O]), [0, 2, 1]), [N, O, S1*k1, ..., Sr*kr])
+    for t in 1..r-1:  move k_t after S_t:
+        z = Transpose(Reshape(z, [N*S1*k1*..*S_t, S_{t+1}*..*S_r, k_t, k_{t+1}*..*k_r*O]), [0, 2, 1, 3])
+    y = Reshape(Transpose(Reshape(z, [N, S1*k1*..*Sr*kr, O]), [0, 2, 1]), [N, O, S1*k1, ..., Sr*kr])
 
 ORT differentiates all of it (Gemm, Transpose, Reshape, Expand), each transpose's gradient being a fast
 transpose again. A bf16 one (autocast) becomes a bf16 Gemm that the half-precision passes treat like
@@ -98,7 +99,7 @@ def _shape(b: NodeBuilder, x: ir.Value, entries: list, cache: dict) -> ir.Value:
     return b.op("Concat", *parts, axis=0)
 
 
-def _rewrite(graph: ir.Graph, node: ir.Node, c: int, o: int, k: list[int]) -> None:
+def _rewrite(graph: ir.Graph, node: ir.Node, c: int, o: int, k: list[int], zeros: dict) -> None:
     r = len(k)
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
@@ -107,6 +108,13 @@ def _rewrite(graph: ir.Graph, node: ir.Node, c: int, o: int, k: list[int]) -> No
 
     def i64(v: list[int]) -> ir.Value:
         return b.const(np.array(v, np.int64))
+
+    def reshape(v: ir.Value, entries: list) -> ir.Value:
+        # every size spelled out (no -1, no 0 for "copy"): an empty batch reshapes too
+        return b.op("Reshape", v, _shape(b, x, entries, cache), **zeros)
+
+    def spatial(upto: int) -> list:
+        return [f for u in range(upto) for f in (("x", 2 + u), k[u])]
 
     big_k = int(np.prod(k))
     last = [0, *range(2, r + 2), 1]  # channels last
@@ -119,14 +127,14 @@ def _rewrite(graph: ir.Graph, node: ir.Node, c: int, o: int, k: list[int]) -> No
         z = b.op("Gemm", rows, weight, tiled)
     # (n, S1..Sr, k1..kr, O) -> (n, S1, k1, ..., Sr, kr, O): move k_t after S_t, one at a time
     for t in range(r - 1):
+        before = [("x", 0), *spatial(t), ("x", 2 + t)]
         after = [("x", 2 + u) for u in range(t + 1, r)]
-        inner = int(np.prod(k[t + 1 :])) * o
-        z = b.op("Reshape", z, _shape(b, x, [-1, after, k[t], inner], cache))
+        z = reshape(z, [before, after, k[t], int(np.prod(k[t + 1 :])) * o])
         z = b.op("Transpose", z, perm=[0, 2, 1, 3])
-    z = b.op("Reshape", z, _shape(b, x, [[("x", 0)], -1, o], cache))
+    z = reshape(z, [[("x", 0)], spatial(r), o])
     y = b.op("Transpose", z, perm=[0, 2, 1])  # (n, O, S1 k1 ... Sr kr)
     if r > 1:
-        y = b.op("Reshape", y, _shape(b, x, [0, 0, -1] + [[("x", 2 + u), k[u]] for u in range(1, r)], cache))
+        y = reshape(y, [[("x", 0)], o] + [[("x", 2 + u), k[u]] for u in range(r)])
     b.replace(graph, node, [y])
 
 
@@ -136,9 +144,11 @@ class ConvTransposeToMatMulPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         modified = False
+        # Reshape's allowzero (opset 14): a computed size of 0 (an empty batch) is a size, not "copy"
+        zeros = {"allowzero": 1} if graph.opset_imports.get("", 0) >= 14 else {}
         for node in list(graph):
             form = matmul_form(node)
             if form is not None:
-                _rewrite(graph, node, *form)
+                _rewrite(graph, node, *form, zeros)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
