@@ -61,40 +61,33 @@ def matmul_form(node: ir.Node) -> tuple[int, int, list[int]] | None:
 
 
 def _shape(b: NodeBuilder, x: ir.Value, entries: list, cache: dict) -> ir.Value:
-    """A Reshape target: each entry an int, or a list of (int factors and ``x`` axes) to multiply,
-    constant where every factor is known."""
+    """A Reshape target: each entry an int, or a list of factors (ints and ``("x", axis)``, a size of
+    ``x``) to multiply; a constant where every factor is known, else read from ``Shape(x)`` (one per
+    ``cache``)."""
     dims = list(x.shape)
-
-    def known(entry) -> int | None:
-        if isinstance(entry, int):
-            return entry
-        out = 1
-        for f in entry:
+    sizes = []  # per entry: (the known factors' product, the axes of x read at run time)
+    for entry in entries:
+        known, axes = 1, []
+        for f in [entry] if isinstance(entry, int) else entry:
             d = f if isinstance(f, int) else dims[f[1]]
-            if not isinstance(d, int):
-                return None
-            out *= d
-        return out
-
-    static = [known(e) for e in entries]
-    if all(v is not None for v in static):
-        return b.const(np.array(static, np.int64))
+            if isinstance(d, int):
+                known *= d
+            else:
+                axes.append(f[1])
+        sizes.append((known, axes))
+    if not any(axes for _, axes in sizes):
+        return b.const(np.array([known for known, _ in sizes], np.int64))
     if "shape" not in cache:
         cache["shape"] = b.op("Shape", x)
     parts = []
-    for entry, v in zip(entries, static):
-        if v is not None:
-            parts.append(b.const(np.array([v], np.int64)))
-            continue
-        value, scale = None, 1
-        for f in entry:
-            if isinstance(f, int) or isinstance(dims[f[1]], int):
-                scale *= f if isinstance(f, int) else dims[f[1]]
-                continue
-            d = b.op("Gather", cache["shape"], b.const(np.array([f[1]], np.int64)), axis=0)
+    for known, axes in sizes:
+        value = None
+        for axis in axes:
+            d = b.op("Gather", cache["shape"], b.const(np.array([axis], np.int64)), axis=0)
             value = d if value is None else b.op("Mul", value, d)
-        if scale != 1:
-            value = b.op("Mul", value, b.const(np.array([scale], np.int64)))
+        if value is None or known != 1:
+            k = b.const(np.array([known], np.int64))
+            value = k if value is None else b.op("Mul", value, k)
         parts.append(value)
     return b.op("Concat", *parts, axis=0)
 
