@@ -62,8 +62,21 @@ def train_step(model, opt, make_loss: Callable[[object], object]) -> Callable[[]
     return step
 
 
-def peak_rss_child(code: str, timeout: int = 1800) -> dict:
-    """Run ``code`` (Python source) in a fresh interpreter; its peak RSS in MiB afterwards.
+#: glibc's setting that turns its per-thread cache of small freed chunks off (docs/performance.md, "What
+#: the gap is: glibc's per-thread cache of small chunks"); read by glibc when a process starts
+NO_TCACHE = "glibc.malloc.tcache_count=0"
+
+
+def malloc_env(setting: str) -> dict:
+    """This process's environment with glibc's ``setting`` (a ``GLIBC_TUNABLES`` entry) added."""
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(t for t in (env.get("GLIBC_TUNABLES"), setting) if t)
+    return env
+
+
+def peak_rss_child(code: str, timeout: int = 1800, env: dict | None = None) -> dict:
+    """Run ``code`` (Python source) in a fresh interpreter (``env``: its environment, default this
+    process's); its peak RSS in MiB afterwards.
 
     Returns ``{"peak_rss_mib": ...}``, or ``{"error": <the end of stderr>}`` if it failed."""
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent across fork+exec.
@@ -71,7 +84,7 @@ def peak_rss_child(code: str, timeout: int = 1800) -> dict:
         '\nhwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))'
         '\nprint("RSS " + str(hwm / 1024))\n'
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith("RSS "):
             return {"peak_rss_mib": json.loads(line[4:])}

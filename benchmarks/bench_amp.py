@@ -5,6 +5,7 @@
     python benchmarks/bench_amp.py --adapters         # frozen bf16 base + fp32 LoRA: fuse_initializers
     python benchmarks/bench_amp.py --fused-adamw      # AdamW(fused=True) on every variant, eager too
     python benchmarks/bench_amp.py --rss-only --batch 8   # peak RSS at another batch size
+    python benchmarks/bench_amp.py --rss-only --malloc both   # also with glibc's tcache off
 
 Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad):
 
@@ -16,7 +17,10 @@ Prints, from one interleaved run (forward, loss.backward, AdamW step, zero_grad)
   (the goal: <= 0.8);
 - the float32 and bfloat16 GEMM rates torch reaches on the model's own matmul shapes in the same
   run, and each variant's fraction of the float32 GEMM limit (6 * N * tokens FLOPs at that rate);
-- peak RSS of each variant in its own fresh process (``--no-rss`` skips).
+- peak RSS of each variant in its own fresh process (``--no-rss`` skips); with ``--malloc both``
+  each variant also in a process started with glibc's per-thread cache off
+  (``GLIBC_TUNABLES=glibc.malloc.tcache_count=0``, the setting docs/user-guide.md "Memory on CPU"
+  recommends where the peak matters), the two settings alternating variant by variant.
 
 With ``--adapters``: the LM in bfloat16, frozen, with float32 low-rank adapters on every qkv and fc
 projection (the fuse_initializers case): eager, ortwrap (a Cast of each frozen weight per step) and
@@ -35,7 +39,7 @@ import time
 
 import _harness  # noqa: F401  (puts examples/ on sys.path)
 import torch
-from _harness import interleaved, median_ms, peak_rss_child, report
+from _harness import NO_TCACHE, interleaved, malloc_env, median_ms, peak_rss_child, report
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +144,7 @@ def gemm_rates(shapes, reps: int = 2, clock=time.perf_counter) -> dict[str, floa
     return rates
 
 
-def _rss_child(size: str, adapters: bool, variant: str, steps: int) -> dict:
+def _rss_child(size: str, adapters: bool, variant: str, steps: int, env: dict | None = None) -> dict:
     code = f"""
 import json, sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
@@ -156,7 +160,7 @@ step = b.step_fn(model, ids, tgt, amp)
 for _ in range({steps}):
     step()
 """
-    return peak_rss_child(code, timeout=3600)
+    return peak_rss_child(code, timeout=3600, env=env)
 
 
 def main(
@@ -167,6 +171,7 @@ def main(
     timing: bool = True,
     cpu_time: bool = False,
     only: list[str] | None = None,
+    malloc: str = "default",
 ) -> None:
     s = dict(SIZES[size], **BATCH)
     variants = ADAPTER_VARIANTS if adapters else VARIANTS
@@ -174,7 +179,7 @@ def main(
         variants = {k: v for k, v in variants.items() if k in only}
     if not timing:
         print(f"\n== mixed precision: {size} {s}{' + LoRA' if adapters else ''}; CPU: {cpu_name()}")
-        return _print_rss(size, adapters, variants)
+        return _print_rss(size, adapters, variants, malloc)
     optim = "AdamW(fused=True)" if OPTIM.get("fused") else "AdamW (PyTorch's default: one tensor at a time on CPU)"
     print(f"\n== mixed precision: {size} {s}{' + LoRA, bf16 frozen base' if adapters else ''}, {optim}")
     print(
@@ -211,7 +216,7 @@ def main(
         for name, ts in times.items():
             print(f"  {name:<16} {median_ms(ts):9.0f} ms = {limit * 1e3 / median_ms(ts) * 100:5.1f}% of the fp32 limit")
     if rss:
-        _print_rss(size, adapters, variants)
+        _print_rss(size, adapters, variants, malloc)
 
 
 def _load() -> str:
@@ -221,16 +226,24 @@ def _load() -> str:
         return "unknown"
 
 
-def _print_rss(size: str, adapters: bool, variants: dict) -> None:
-    print("\n== peak RSS, each variant in its own process (3 steps)")
-    base = None
+def _print_rss(size: str, adapters: bool, variants: dict, malloc: str = "default") -> None:
+    settings = {"default": [None], "no-tcache": [NO_TCACHE], "both": [None, NO_TCACHE]}[malloc]
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    print(f"\n== peak RSS, each variant in its own process (3 steps); GLIBC_TUNABLES={tunables!r}")
+    if NO_TCACHE in settings:
+        print(f"   [no tcache]: the process started with GLIBC_TUNABLES += {NO_TCACHE}")
+    first, base = next(iter(variants)), {}
     for name in variants:
-        r = _rss_child(size, adapters, name, 3)
-        if "error" in r:
-            print(f"  {name:<16} failed: {r['error'][-300:]}")
-            continue
-        base = base or r["peak_rss_mib"]
-        print(f"  {name:<16} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base:.2f}x {next(iter(variants))})")
+        for setting in settings:
+            r = _rss_child(size, adapters, name, 3, env=malloc_env(setting) if setting else None)
+            tag = " [no tcache]" if setting else ""
+            if "error" in r:
+                print(f"  {name + tag:<28} failed: {r['error'][-300:]}")
+                continue
+            base.setdefault(setting, r["peak_rss_mib"])
+            print(
+                f"  {name + tag:<28} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base[setting]:.2f}x {first}{tag})"
+            )
 
 
 if __name__ == "__main__":
@@ -248,6 +261,13 @@ if __name__ == "__main__":
         "--fused-adamw", action="store_true", help="torch.optim.AdamW(fused=True) for every variant (eager too)"
     )
     parser.add_argument("--batch", type=int, default=0, help="batch size; 0: bench_scale's for the size")
+    parser.add_argument(
+        "--malloc",
+        choices=("default", "no-tcache", "both"),
+        default="default",
+        help="the peak-RSS processes' glibc setting: as this process, with the per-thread cache off "
+        "(GLIBC_TUNABLES=glibc.malloc.tcache_count=0), or both, alternating",
+    )
     parser.add_argument("--only", help="comma-separated variants to run (e.g. 'eager bf16,ortwrap bf16')")
     a = parser.parse_args()
     if a.threads:
@@ -257,4 +277,13 @@ if __name__ == "__main__":
         OPTIM["fused"] = True
     if a.batch:
         BATCH["batch"] = a.batch
-    main(a.size, a.iters, a.adapters, not a.no_rss, timing=not a.rss_only, cpu_time=a.cpu_time, only=only)
+    main(
+        a.size,
+        a.iters,
+        a.adapters,
+        not a.no_rss,
+        timing=not a.rss_only,
+        cpu_time=a.cpu_time,
+        only=only,
+        malloc=a.malloc,
+    )
