@@ -232,7 +232,7 @@ def _print_rss(size: str, adapters: bool, variants: dict, malloc: str = "default
     print(f"\n== peak RSS, each variant in its own process (3 steps); GLIBC_TUNABLES={tunables!r}")
     if NO_TCACHE in settings:
         print(f"   [no tcache]: the process started with GLIBC_TUNABLES += {NO_TCACHE}")
-    first, base = next(iter(variants)), {}
+    base: dict = {}  # per setting: (the first measured peak, its variant)
     for name in variants:
         for setting in settings:
             r = _rss_child(size, adapters, name, 3, env=malloc_env(setting) if setting else None)
@@ -240,10 +240,8 @@ def _print_rss(size: str, adapters: bool, variants: dict, malloc: str = "default
             if "error" in r:
                 print(f"  {name + tag:<28} failed: {r['error'][-300:]}")
                 continue
-            base.setdefault(setting, r["peak_rss_mib"])
-            print(
-                f"  {name + tag:<28} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / base[setting]:.2f}x {first}{tag})"
-            )
+            ref, ref_name = base.setdefault(setting, (r["peak_rss_mib"], name))
+            print(f"  {name + tag:<28} {r['peak_rss_mib']:8.0f} MiB ({r['peak_rss_mib'] / ref:.2f}x {ref_name}{tag})")
 
 
 if __name__ == "__main__":
