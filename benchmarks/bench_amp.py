@@ -111,6 +111,10 @@ VARIANTS = {
     "ortwrap bf16 f32": ({"half_compute": "float32"}, True),  # the emulated route, forced
     "ortwrap bf16 native": ({"half_compute": "native"}, True),  # PyTorch's bf16 GEMMs, forced
     "ortwrap bf16 layers": ({"recompute": "layers"}, True),  # layer-wise activation recompute
+    # without the region ORT's, the kernels' and PyTorch's large blocks share during ORT's runs
+    # (runtime/cpu_region.py): glibc's heap, as before session 35
+    "ortwrap fp32 no region": ({"cpu_region": False}, False),
+    "ortwrap bf16 no region": ({"cpu_region": False}, True),
 }
 ADAPTER_VARIANTS = {
     "eager": (None, False),

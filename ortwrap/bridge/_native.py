@@ -8,7 +8,9 @@ Where none was built for this Python (a source checkout on ``PYTHONPATH``), or i
 edited since (each carries its source's digest, ``_digest.py``), they are compiled on first use
 (about 0.2 s), as are ortwrap's CPU kernels (``kernels/_cpu.c``, plain C, about 1 s, always:
 ``-march=native`` code for the CPU that runs them). Compiled libraries are cached by the source,
-the Python version and the platform. ``torch.utils.cpp_extension`` is deliberately not used: its
+the Python version and the platform. One C++ file, ``_compat/_cpu_region.cpp``, is compiled on first
+use against the installed torch's headers (about 0.8 s; ``load_torch_cxx``, compiler ``$CXX`` or the
+first of ``c++``/``g++``/``clang++``). ``torch.utils.cpp_extension`` is deliberately not used: its
 builds take about a minute and were a common source of ORTModule install failures.
 
 The cache directory is ``$ORTWRAP_CACHE_DIR`` or ``~/.cache/ortwrap``; the compiler is ``$CC`` or
@@ -31,7 +33,7 @@ import tempfile
 from functools import cache
 
 from ..errors import ORTWrapError
-from ..options import c_compiler_override, cache_dir
+from ..options import c_compiler_override, cache_dir, cxx_compiler_override
 from ._digest import HEADERS, source_digest
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ _PURPOSE = {
     "_aten": "the executor that runs ATen ops inside ONNX Runtime (this ortwrap has no prebuilt copy for "
     "this Python: a source checkout, which `pip install -e .` builds them for)",
     "_cpu": "ortwrap's CPU kernels, compiled on first use for the CPU that runs them (-march=native)",
+    "_cpu_region": "the region PyTorch's large CPU blocks come from while ONNX Runtime runs (runtime/cpu_region.py), "
+    "compiled on first use against the installed torch's C++ headers",
 }
 
 #: name -> path of each native library loaded in this process (prebuilt module or compiled in the cache).
@@ -136,21 +140,70 @@ def load(name: str, directory: str = _HERE, native_code: bool = False) -> ctypes
     flags = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math"] if native_code else ["-O2"]
     key = hashlib.sha256(source + sys.version.encode() + platform.platform().encode() + include.encode())
     key.update(" ".join(flags).encode() + (_cpu_signature() if native_code else b""))
-    cache = cache_dir()
-    os.makedirs(cache, exist_ok=True)
-    lib = os.path.join(cache, f"{name}-{key.hexdigest()[:16]}.so")
-    if not os.path.exists(lib):
-        cc = _compiler(name)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        cmd = [cc, "-shared", "-fPIC", *flags, "-Wall", f"-I{include}", src, "-o", tmp, "-ldl", "-lpthread", "-lm"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise NativeBuildError(f"compiling {name}.c failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
-            os.replace(tmp, lib)  # atomic: concurrent builders (ranks) agree on the result
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    lib = _compile(
+        name, src, key.hexdigest(), _compiler(name), [*flags, "-Wall", f"-I{include}"], ["-ldl", "-lpthread", "-lm"]
+    )
     LOADED[name] = lib
     return ctypes.PyDLL(lib)  # PyDLL: calls from Python keep the GIL; py_object arguments allowed
+
+
+def _compile(name: str, src: str, digest: str, compiler: str, flags: list[str], libs: list[str]) -> str:
+    """Compile ``src`` into the cache as ``<name>-<digest[:16]>.so`` unless it is there; its path."""
+    cache = cache_dir()
+    os.makedirs(cache, exist_ok=True)
+    lib = os.path.join(cache, f"{name}-{digest[:16]}.so")
+    if os.path.exists(lib):
+        return lib
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    cmd = [compiler, "-shared", "-fPIC", *flags, src, "-o", tmp, *libs]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NativeBuildError(f"compiling {os.path.basename(src)} failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
+        os.replace(tmp, lib)  # atomic: concurrent builders (ranks) agree on the result
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _cxx_compiler(name: str) -> str:
+    override = cxx_compiler_override()
+    candidates = [override] if override else ["c++", "g++", "clang++"]
+    for c in candidates:
+        path = shutil.which(c)
+        if path:
+            return path
+    raise NativeBuildError(
+        f"no C++ compiler in this environment (tried {'CXX=' + override if override else ', '.join(candidates)}) "
+        f"to compile {name}.cpp, {_PURPOSE.get(name, 'a native helper of ortwrap')}. Install one (Debian/Ubuntu: "
+        "`apt-get install g++`; Fedora/RHEL: `dnf install gcc-c++`; conda: `conda install -c conda-forge cxx-compiler`) "
+        "or point CXX at one"
+    )
+
+
+@cache
+def load_torch_cxx(name: str, directory: str, torch_dir: str, torch_version: str, cxx11_abi: bool) -> ctypes.CDLL:
+    """Compile ``<directory>/<name>.cpp`` against the C++ API of the torch installed at ``torch_dir``
+    (its headers; linked to its ``libc10``), once per source, torch release and compiler (cached on
+    disk), and load it. No Python in it: a plain ``CDLL``.
+
+    Raises:
+        NativeBuildError: no C++ compiler, no torch headers, or the compilation failed.
+    """
+    src = os.path.join(directory, f"{name}.cpp")
+    include, libdir = os.path.join(torch_dir, "include"), os.path.join(torch_dir, "lib")
+    if not os.path.isdir(os.path.join(include, "c10")):
+        raise NativeBuildError(
+            f"torch {torch_version} at {torch_dir} ships no C++ headers ({include}/c10) to compile {name}.cpp"
+        )
+    compiler = _cxx_compiler(name)
+    flags = ["-O2", "-std=c++17", "-Wall", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}", f"-I{include}"]
+    with open(src, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + torch_version.encode() + torch_dir.encode() + compiler.encode())
+    key.update(" ".join(flags).encode() + platform.platform().encode())
+    lib = _compile(name, src, key.hexdigest(), compiler, flags, [f"-L{libdir}", "-lc10", f"-Wl,-rpath,{libdir}"])
+    LOADED[name] = lib
+    return ctypes.CDLL(lib)

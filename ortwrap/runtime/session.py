@@ -18,6 +18,7 @@ from ..grad import TrainingGraph
 from ..kernels import release_cached
 from ..ops import DTYPE_ARGUMENT_OPS
 from ..options import Options
+from . import cpu_region
 from .dlpack import to_dlpack, to_tensors
 
 _log = logging.getLogger("ortwrap")
@@ -28,19 +29,32 @@ _State = getattr(C, "PartialGraphExecutionState", None)  # (None without the tra
 _OrtValueVector = C.OrtValueVector
 
 
-def _run(what: str, fn, *args) -> None:
+def _run(what: str, fn, *args, region=None) -> None:
     """Call an ORT run; an exception a Function or ATen op raised inside it is re-raised as itself
     (an ATen op may also fail without failing the run), any other failure as RuntimeRunError.
+    ``region``: :func:`_region`'s bracket, called around the run.
 
     ``TrainingRunner`` inlines these lines: they run twice a training step."""
     if _pending:
         _pending.clear()
+    entered = region is not None and region[0]()
     try:
         fn(*args)
     except Exception as e:
         _raise_run_error(what, e)
+    finally:
+        if entered:
+            region[1]()
     if _pending:
         bridge_state.reraise_pending(None)
+
+
+def _region(device: torch.device, options: Options):
+    """The CPU region allocator's ``(enter, exit)`` for the runs of a graph on ``device``, or None
+    (not on CPU, ``cpu_region=False``, or it cannot be built here: ``runtime/cpu_region.py``)."""
+    if device.type != "cpu" or not options.cpu_region:
+        return None
+    return cpu_region.bracket()
 
 
 def _raise_run_error(what: str, e: Exception) -> None:
@@ -410,6 +424,7 @@ class TrainingRunner:
         self._grad_deps = _grad_dependencies(graph, model)
         self._constant_grads = tuple(j for j, m in enumerate(self._grad_deps) if m == 0)
         self._serial = _serial_kernels(graph, model)
+        self._region = _region(device, options)
 
     def zero_grad(self, index: int, shape: tuple) -> torch.Tensor:
         """A zero gradient for user output ``index`` (a scalar where ORT accepts one)."""
@@ -423,6 +438,8 @@ class TrainingRunner:
         if _pending:
             _pending.clear()
         serial = self._serial
+        region = self._region
+        entered = region is not None and region[0]()
         try:
             if serial is not None:
                 serial(1)
@@ -432,6 +449,8 @@ class TrainingRunner:
         finally:
             if serial is not None:
                 serial(0)
+            if entered:
+                region[1]()
         if _pending:
             bridge_state.reraise_pending(None)
         outputs = fetches.to_dlpacks(self._from_dlpack)
@@ -455,6 +474,8 @@ class TrainingRunner:
         if _pending:
             _pending.clear()
         serial = self._serial
+        region = self._region
+        entered = region is not None and region[0]()
         try:
             if serial is not None:
                 serial(1)
@@ -464,6 +485,8 @@ class TrainingRunner:
         finally:
             if serial is not None:
                 serial(0)
+            if entered:
+                region[1]()
         release_cached()  # the kernels' freed blocks, for the optimizer step (kernels.release_cached)
         if _pending:
             bridge_state.reraise_pending(None)
@@ -506,6 +529,7 @@ class InferenceRunner:
         self._run_options = ort.RunOptions()
         self._bool_outputs = _has_bool_outputs(graph, model)
         self._declared: list[torch.dtype | None] | None = _declared_dtypes(model, self._fetch_names)
+        self._region = _region(device, options)
 
     def forward(self, feeds: C.OrtValueVector) -> list[torch.Tensor]:
         fetches = C.OrtValueVector()
@@ -518,6 +542,7 @@ class InferenceRunner:
             self._fetch_names,
             fetches,
             self._devices,
+            region=self._region,
         )
         outputs = to_tensors(fetches, self._bool_outputs)
         if self._declared is not None:  # (the first run only)

@@ -4,7 +4,9 @@
 copied to a directory outside the checkout, with ``CC`` naming no compiler and an empty
 ``ORTWRAP_CACHE_DIR``: the core path must need no C compiler (the PythonOp runners and the ATen
 executor are the install's prebuilt extension modules), and the CPU kernels, which are compiled on
-first use, fall back to ONNX Runtime's own with one warning. Skipped elsewhere (``make test``).
+first use, fall back to ONNX Runtime's own with one warning. The C++ compiler stays: the CPU region
+(``cpu_region``) compiles from the installed source against the installed torch. Skipped elsewhere
+(``make test``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ def test_imported_from_the_install_not_the_checkout():
     dist = importlib.metadata.distribution("ortwrap")
     assert dist.metadata["License-Expression"] == "MIT"
     files = {str(f) for f in dist.files}
-    for f in ("ortwrap/py.typed", "ortwrap/kernels/_cpu.c", "ortwrap/bridge/_dlpack.h"):
+    for f in (
+        "ortwrap/py.typed",
+        "ortwrap/kernels/_cpu.c",
+        "ortwrap/bridge/_dlpack.h",
+        "ortwrap/_compat/_cpu_region.cpp",
+    ):
         assert f in files, f
     assert any(f.endswith("licenses/LICENSE") for f in files), files
 
@@ -128,5 +135,11 @@ def test_trains_on_ort_like_eager_with_no_compiler():
     for name in ("_runner", "_aten"):
         assert _native.LOADED[name] == os.path.join(SITE, "ortwrap", "bridge", name + suffix), _native.LOADED
     assert "_cpu" not in _native.LOADED
+    # The one C++ helper (the CPU region, optional: a warning without a C++ compiler) was compiled
+    # from the installed source against the installed torch's headers; nothing else was.
+    from ortwrap.runtime import cpu_region
+
+    assert cpu_region.library() is not None, [str(w.message) for w in caught]
+    assert _native.LOADED["_cpu_region"].startswith(os.environ["ORTWRAP_CACHE_DIR"]), _native.LOADED
     cache = os.environ["ORTWRAP_CACHE_DIR"]
-    assert not os.path.isdir(cache) or not [f for f in os.listdir(cache) if f.endswith(".so")]
+    assert [f for f in os.listdir(cache) if f.endswith(".so") and not f.startswith("_cpu_region-")] == []
