@@ -136,6 +136,16 @@ def test_bf16_native_route_takes_ort_blocks_every_step(native_kernels):
             assert torch.equal(a, b)
 
 
+def test_graphs_where_pytorch_computes_nothing_keep_glibc():
+    """A graph of ORT's and the kernels' ops alone (``gemm="ort"``) runs without the region (there it
+    would cost: runtime/session.py's ``_region``); its large blocks are the C library's."""
+    w = ORTWrap(_model(7), fallback=False, gemm="ort")
+    before = cpu_region.stats()
+    _train(w, steps=2)
+    after = cpu_region.stats()
+    assert (after["blocks"], after["hooked_blocks"]) == (before["blocks"], before["hooked_blocks"])
+
+
 def test_outside_the_runs_pytorch_allocates_as_before_and_blocks_come_back():
     """Between runs (the optimizer step, the user's own code) nothing is served by the region; the
     blocks the runs took are given back when their tensors die, wherever that happens."""
