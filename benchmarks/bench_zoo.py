@@ -338,7 +338,14 @@ def _engine(r: dict) -> str:
 
 def geomean_line(rows: list[dict], label: str) -> str:
     """The geometric mean of ortwrap/eager and compile/eager over the rows where both paths ran (a
-    fallback row counts: it is what the user gets)."""
+    fallback row counts: it is what the user gets); where compile ran on no row (``--paths
+    eager,ortwrap``), ortwrap/eager's over the rows with that ratio."""
+    if not any("compile_ratio" in r for r in rows):
+        own = [r for r in rows if "ortwrap_ratio" in r]
+        left = len(rows) - len(own)
+        return f"geomean ({label}, {len(own)} rows{f'; {left} without a ratio left out' if left else ''}): " + (
+            f"ortwrap/eager {geomean([r['ortwrap_ratio'] for r in own]):.3f}  (compile not run)"
+        )
     both = [r for r in rows if "ortwrap_ratio" in r and "compile_ratio" in r]
     o, c = geomean([r["ortwrap_ratio"] for r in both]), geomean([r["compile_ratio"] for r in both])
     left = len(rows) - len(both)

@@ -46,10 +46,11 @@ def test_zoo_row(exporter, dtype, monkeypatch, tmp_path):
     assert abs(row["ortwrap_first_loss"] - row["eager_first_loss"]) <= tol * scale
     assert abs(row["eager_loss"] - row["eager_first_loss"]) > 5 * tol * scale
     assert abs(row["ortwrap_loss"] - row["eager_loss"]) <= tol * scale, row
-    # the report's pieces take a row without compile: its columns are dashes, no geometric mean
+    # the report's pieces take a row without compile: its columns are dashes, ortwrap's geometric mean alone
     table = bench_zoo.markdown([row], "test CPU", "")
     assert "| lstm_gru |" in table and "test CPU" in table
-    assert "0 rows" in bench_zoo.geomean_line([row], "x")
+    line = bench_zoo.geomean_line([row], "x")
+    assert "1 rows" in line and f"ortwrap/eager {row['ortwrap_ratio']:.3f}" in line and "compile not run" in line
 
 
 def test_geomean():
@@ -60,6 +61,9 @@ def test_geomean():
     ]
     line = bench_zoo.geomean_line(rows, "x")
     assert "2 rows" in line and "ortwrap/eager 1.000" in line and "compile/eager 2.000" in line
+    # compile run on no row: ortwrap's over every row with its ratio
+    line = bench_zoo.geomean_line([{"ortwrap_ratio": 0.5}, {"ortwrap_ratio": 2.0}, {"eager_ms": 1.0}], "x")
+    assert "2 rows; 1 without a ratio left out" in line and "ortwrap/eager 1.000" in line and "compile not run" in line
 
 
 def test_cold_child_reports_the_anonymous_part_of_its_rss():
