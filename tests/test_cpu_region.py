@@ -222,6 +222,7 @@ def test_nested_and_concurrent_brackets():
     before = _served()
     assert enter() == 1 and enter() == 1
     a = torch.empty(BIG // 4)
+    assert a.data_ptr() % (64 << 10) == 0  # blocks are 64 KiB granules (posix_memalign may ask for that)
     leave()
     b = torch.empty(BIG // 4)
     assert _served() == before + 2

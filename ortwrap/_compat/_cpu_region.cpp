@@ -79,12 +79,15 @@ bool reserve_locked() {
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   size_t want = (pages > 0 && page > 0) ? size_t(pages) * size_t(page) : (size_t(64) << 30);
   want = (want + kCommitStep - 1) / kCommitStep * kCommitStep;
-  void* p = mmap(nullptr, want, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // One granule more, so that base (and every block) is granule-aligned: posix_memalign's callers
+  // may ask for up to kGranule.
+  void* p = mmap(nullptr, want + kGranule, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     broken = true;
     return false;
   }
-  base = static_cast<char*>(p);
+  uintptr_t aligned = (reinterpret_cast<uintptr_t>(p) + kGranule - 1) & ~uintptr_t(kGranule - 1);
+  base = reinterpret_cast<char*>(aligned);
   reserved = want;
   return true;
 }
@@ -359,6 +362,8 @@ int ortwrap_region_enter() {
     fallback_raw_deleter = current->raw_deleter();
   }
   saved = current;
+  // NOTE: c10 keeps the highest priority it was given: after the restore below, a later
+  // SetCPUAllocator with a priority under 100 (none in torch itself) is ignored.
   c10::SetCPUAllocator(&region, /*priority=*/100);
   if (c10::GetCPUAllocator() != &region) {
     --depth;
