@@ -18,7 +18,7 @@
 // Contract:
 //   - ortwrap_region_enter()/ortwrap_region_exit() bracket each ORT run (nested and concurrent
 //     brackets count: the allocator is swapped in at the first enter and restored at the last exit).
-//   - PyTorch's requests of at least min_bytes come from the region; smaller ones, and any the region
+//   - PyTorch's requests of at least kMinBytes come from the region; smaller ones, and any the region
 //     cannot serve (address space or commit refused), go to the allocator that was installed. ORT's
 //     and the kernels' likewise, through their GOT slots (ortwrap_region_hook, below).
 //   - A block keeps its deleter whoever frees it and whenever: the region outlives every tensor (it
@@ -37,9 +37,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
-
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -52,7 +51,7 @@ namespace {
 constexpr size_t kGranule = size_t(64) << 10;  // block sizes and offsets: 64 KiB multiples
 constexpr size_t kCommitStep = size_t(64) << 20;  // address space made writable 64 MiB at a time
 
-size_t min_bytes = size_t(1) << 20;
+constexpr size_t kMinBytes = size_t(1) << 20;  // smaller requests go where they went before
 char* base = nullptr;
 size_t reserved = 0;   // bytes of address space reserved (PROT_NONE until committed)
 size_t committed = 0;  // bytes made writable, from base
@@ -62,7 +61,7 @@ std::mutex mu;
 std::map<size_t, size_t> free_at;                // offset -> size of each free range
 std::set<std::pair<size_t, size_t>> free_sized;  // (size, offset) of the same ranges: best fit
 std::unordered_map<size_t, size_t> used;         // offset -> size of each live block
-uint64_t n_region = 0, n_refused = 0, in_use = 0, peak_in_use = 0;
+uint64_t n_region = 0, n_hooked = 0, n_refused = 0, in_use = 0, peak_in_use = 0;  // blocks to PyTorch, to the hooked libraries
 
 void add_free(size_t off, size_t size) {
   free_at.emplace(off, size);
@@ -154,6 +153,23 @@ void free_block(void* p) {
   give_back_locked(static_cast<size_t>(static_cast<char*>(p) - base));
 }
 
+// A block of at least nbytes from the region, counted in *served, or nullptr (counted as refused):
+// the one path of PyTorch's and the hooked libraries' requests.
+void* take_block(size_t nbytes, uint64_t* served) {
+  size_t n = (nbytes + kGranule - 1) / kGranule * kGranule;
+  std::lock_guard<std::mutex> guard(mu);
+  size_t off = reserve_locked() ? take_locked(n) : SIZE_MAX;
+  if (off == SIZE_MAX) {
+    ++n_refused;
+    return nullptr;
+  }
+  used.emplace(off, n);
+  in_use += n;
+  if (in_use > peak_in_use) peak_in_use = in_use;
+  ++*served;
+  return base + off;
+}
+
 c10::DeleterFnPtr fallback_raw_deleter = nullptr;
 
 void free_any(void* p) {
@@ -167,19 +183,8 @@ struct RegionAllocator final : c10::Allocator {
   c10::Allocator* fallback = nullptr;
 
   c10::DataPtr allocate(size_t nbytes) override {
-    if (nbytes >= min_bytes) {
-      size_t n = (nbytes + kGranule - 1) / kGranule * kGranule;
-      std::lock_guard<std::mutex> guard(mu);
-      size_t off = reserve_locked() ? take_locked(n) : SIZE_MAX;
-      if (off != SIZE_MAX) {
-        used.emplace(off, n);
-        in_use += n;
-        if (in_use > peak_in_use) peak_in_use = in_use;
-        ++n_region;
-        void* p = base + off;
-        return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
-      }
-      ++n_refused;
+    if (nbytes >= kMinBytes) {
+      if (void* p = take_block(nbytes, &n_region)) return {p, p, &free_block, c10::Device(c10::DeviceType::CPU)};
     }
     return fallback->allocate(nbytes);
   }
@@ -201,28 +206,19 @@ std::mutex swap_mu;
 // outputs of ortwrap's CPU kernels (kernels/_cpu.c) come from aligned_alloc. The 1.19.2 training
 // wheel's module exports no C API to register another allocator, so ortwrap points those GOT slots
 // of those two libraries (ortwrap_region_hook) at the functions below: while a run is bracketed,
-// their requests of at least min_bytes come from the region too (the freed blocks then merge with
+// their requests of at least kMinBytes come from the region too (the freed blocks then merge with
 // PyTorch's); everything else, and every pointer outside the region, goes to the C library as
 // before. Nothing else in the process is affected.
 int (*real_posix_memalign)(void**, size_t, size_t) = &::posix_memalign;
 void* (*real_aligned_alloc)(size_t, size_t) = &::aligned_alloc;
 void (*real_free)(void*) = &::free;
-uint64_t n_hooked = 0;
 
 int hooked_posix_memalign(void** out, size_t alignment, size_t nbytes) {
-  if (active.load(std::memory_order_relaxed) > 0 && nbytes >= min_bytes && alignment <= kGranule) {
-    size_t n = (nbytes + kGranule - 1) / kGranule * kGranule;
-    std::lock_guard<std::mutex> guard(mu);
-    size_t off = reserve_locked() ? take_locked(n) : SIZE_MAX;
-    if (off != SIZE_MAX) {
-      used.emplace(off, n);
-      in_use += n;
-      if (in_use > peak_in_use) peak_in_use = in_use;
-      ++n_hooked;
-      *out = base + off;
+  if (active.load(std::memory_order_relaxed) > 0 && nbytes >= kMinBytes && alignment <= kGranule) {
+    if (void* p = take_block(nbytes, &n_hooked)) {
+      *out = p;
       return 0;
     }
-    ++n_refused;
   }
   return real_posix_memalign(out, alignment, nbytes);
 }
@@ -351,12 +347,9 @@ int ortwrap_region_enter() {
   std::lock_guard<std::mutex> guard(swap_mu);
   if (depth++ > 0) return 1;
   c10::Allocator* current = c10::GetCPUAllocator();
-  if (region.fallback == nullptr) {
-    region.fallback = current;
-    fallback_raw_deleter = current->raw_deleter();
-  } else if (current != region.fallback) {
-    // Someone installed another CPU allocator since the last run: serve its small blocks from it
-    // too. Blocks the old one handed out keep their own deleters; only raw pointers of the old one
+  if (current != region.fallback) {
+    // The first run, or someone installed another CPU allocator since the last one: serve small
+    // blocks from it. Blocks an older one handed out keep their own deleters; only its raw pointers
     // freed through raw_deleter() would be misrouted, and PyTorch frees those through the DataPtr.
     region.fallback = current;
     fallback_raw_deleter = current->raw_deleter();
@@ -388,8 +381,6 @@ int ortwrap_region_hook(const char* name_part) {
   dl_iterate_phdr(&patch_object, &req);
   return req.patched;
 }
-
-void ortwrap_region_set_min_bytes(size_t n) { min_bytes = n < kGranule ? kGranule : n; }
 
 // PyTorch blocks served, requests refused, bytes in use, peak bytes in use, bytes of the region
 // touched (top), bytes free inside it, number of free ranges, blocks served to ORT and the kernels

@@ -77,8 +77,6 @@ def library() -> ctypes.CDLL | None:
     lib.ortwrap_region_enter.restype = ctypes.c_int
     lib.ortwrap_region_exit.restype = None
     lib.ortwrap_region_release.restype = ctypes.c_uint64
-    lib.ortwrap_region_set_min_bytes.argtypes = [ctypes.c_size_t]
-    lib.ortwrap_region_set_min_bytes.restype = None
     lib.ortwrap_region_hook.argtypes = [ctypes.c_char_p]
     lib.ortwrap_region_hook.restype = ctypes.c_int
     return lib
