@@ -63,19 +63,43 @@ _PURPOSE = {
 LOADED: dict[str, str] = {}
 
 
-def _compiler(name: str) -> str:
-    override = c_compiler_override()
-    candidates = [override] if override else ["cc", "gcc", "clang"]
+#: language -> (its environment variable's reader, the variable, the compilers tried, the source suffix, how
+#: to install one)
+_COMPILERS = {
+    "C": (
+        c_compiler_override,
+        "CC",
+        ("cc", "gcc", "clang"),
+        ".c",
+        "Debian/Ubuntu: `apt-get install gcc`; Fedora/RHEL: `dnf install gcc`; conda: `conda install -c conda-forge "
+        "c-compiler`",
+    ),
+    "C++": (
+        cxx_compiler_override,
+        "CXX",
+        ("c++", "g++", "clang++"),
+        ".cpp",
+        "Debian/Ubuntu: `apt-get install g++`; Fedora/RHEL: `dnf install gcc-c++`; conda: `conda install -c "
+        "conda-forge cxx-compiler`",
+    ),
+}
+
+
+def _compiler(name: str, language: str = "C") -> str:
+    """The compiler for ``<name>`` in ``language``: ``$CC``/``$CXX``, else the first candidate on PATH."""
+    read_override, variable, defaults, suffix, install = _COMPILERS[language]
+    override = read_override()
+    candidates = [override] if override else list(defaults)
     for c in candidates:
         path = shutil.which(c)
         if path:
             return path
     raise NativeBuildError(
-        f"no C compiler in this environment (Python {platform.python_version()} at {sys.prefix}, "
-        f"{platform.system()} {platform.machine()}; tried {'CC=' + override if override else ', '.join(candidates)}) "
-        f"to compile {name}.c, {_PURPOSE.get(name, 'a native helper of ortwrap')}. Install a C compiler "
-        "(Debian/Ubuntu: `apt-get install gcc`; Fedora/RHEL: `dnf install gcc`; conda: "
-        "`conda install -c conda-forge c-compiler`) or point CC at one"
+        f"no {language} compiler in this environment (Python {platform.python_version()} at {sys.prefix}, "
+        f"{platform.system()} {platform.machine()}; tried "
+        f"{f'{variable}={override}' if override else ', '.join(candidates)}) to compile {name}{suffix}, "
+        f"{_PURPOSE.get(name, 'a native helper of ortwrap')}. Install a {language} compiler ({install}) or point "
+        f"{variable} at one"
     )
 
 
@@ -168,21 +192,6 @@ def _compile(name: str, src: str, digest: str, compiler: str, flags: list[str], 
     return lib
 
 
-def _cxx_compiler(name: str) -> str:
-    override = cxx_compiler_override()
-    candidates = [override] if override else ["c++", "g++", "clang++"]
-    for c in candidates:
-        path = shutil.which(c)
-        if path:
-            return path
-    raise NativeBuildError(
-        f"no C++ compiler in this environment (tried {'CXX=' + override if override else ', '.join(candidates)}) "
-        f"to compile {name}.cpp, {_PURPOSE.get(name, 'a native helper of ortwrap')}. Install one (Debian/Ubuntu: "
-        "`apt-get install g++`; Fedora/RHEL: `dnf install gcc-c++`; conda: `conda install -c conda-forge cxx-compiler`) "
-        "or point CXX at one"
-    )
-
-
 @cache
 def load_torch_cxx(name: str, directory: str, torch_dir: str, torch_version: str, cxx11_abi: bool) -> ctypes.CDLL:
     """Compile ``<directory>/<name>.cpp`` against the C++ API of the torch installed at ``torch_dir``
@@ -198,7 +207,7 @@ def load_torch_cxx(name: str, directory: str, torch_dir: str, torch_version: str
         raise NativeBuildError(
             f"torch {torch_version} at {torch_dir} ships no C++ headers ({include}/c10) to compile {name}.cpp"
         )
-    compiler = _cxx_compiler(name)
+    compiler = _compiler(name, "C++")
     flags = ["-O2", "-std=c++17", "-Wall", f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}", f"-I{include}"]
     with open(src, "rb") as f:
         source = f.read()
