@@ -16,7 +16,9 @@ start=$(date +%s)
 "$python" -m venv "$work/venv"
 py="$work/venv/bin/python"
 "$py" -m pip install -q "torch==$torch"
-"$py" -m pip install -q "ortwrap[$extra] @ file://$artifact" pytest
+# --no-cache-dir: pip caches the wheel it builds from an sdist under the sdist's URL; a later sdist of the same
+# version at the same path (a clone in the same place, rebuilt) would install that stale wheel instead.
+"$py" -m pip install -q --no-cache-dir "ortwrap[$extra] @ file://$artifact" pytest
 echo ">> $(basename "$artifact") installed in $(( $(date +%s) - start )) s"
 cp "$here/test_installed.py" "$work/"
 cd "$work"
